@@ -1,0 +1,133 @@
+"""The Python API: a few lines to generate with a draft/target pair, in one process or over gRPC.
+
+    from client.api import SpecExec
+    gen = SpecExec.local("path/to/draft", "path/to/target")
+    print(gen.generate("def fib(n):", max_new_tokens=64).text)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from client.generation import DraftBackend, GenerationStats, Sequence, TargetBackend, tree_params_for
+from client.text import TextAssembler
+from common.sampling import SamplingParams
+from draft_node.tree_builder import TreeParams
+
+
+@dataclass
+class Chunk:
+    """A piece of streamed output; the last chunk of a generation carries `finish_reason` and `stats`."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    stats: GenerationStats | None = None
+
+
+@dataclass
+class Completion:
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: GenerationStats = field(default_factory=GenerationStats)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": self.finish_reason,
+            "stats": self.stats.as_dict(),
+        }
+
+
+class SpecExec:
+    def __init__(
+        self,
+        target: TargetBackend,
+        draft: DraftBackend | None,
+        tokenizer: Any,
+        *,
+        mode: str = "specexec",
+        tree: TreeParams | None = None,
+    ) -> None:
+        self.target, self.draft, self.tokenizer = target, draft, tokenizer
+        self.mode = mode
+        self.tree = tree_params_for(mode, tree or TreeParams())
+        if self.tree is not None and draft is None:
+            raise ValueError(f"mode {mode!r} needs a draft model")
+
+    @classmethod
+    def local(
+        cls,
+        draft_model: str | None,
+        target_model: str,
+        *,
+        dtype: str = "float32",
+        device: str = "cpu",
+        mode: str = "specexec",
+        tree: TreeParams | None = None,
+        max_context: int = 4096,
+    ) -> SpecExec:
+        """Both models in this process: the engines are called directly, no servers involved."""
+        from common.loading import load_model
+        from draft_node.engine import DraftEngine
+        from target_node.engine import TargetEngine
+
+        target_loaded = load_model(target_model, dtype=dtype, device=device)
+        max_tree = max(1, (tree or TreeParams()).budget)
+        target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
+        draft = None
+        if draft_model is not None and mode != "autoregressive":
+            draft = DraftEngine(load_model(draft_model, dtype=dtype, device=device), max_context=max_context, max_tree=max_tree)
+        return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree)
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt is empty")
+            return list(self.tokenizer.encode(prompt))
+        return list(prompt)
+
+    def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
+        sampling = sampling or SamplingParams(**kwargs)
+        sequence = Sequence(self.target, self.draft, self.encode(prompt))
+        try:
+            yield from self._run(sequence, sampling)
+        finally:
+            sequence.close()
+
+    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any) -> Completion:
+        return collect(self.stream(prompt, sampling, **kwargs))
+
+    def _run(self, sequence: Sequence, sampling: SamplingParams) -> Iterator[Chunk]:
+        stats = GenerationStats()
+        text = TextAssembler(self.tokenizer, sampling.stop)
+        started = time.perf_counter()
+        finish = "length"
+        for result in sequence.steps(sampling, self.tree, stats):
+            piece = text.add(result.tokens)
+            stats.wall_seconds = time.perf_counter() - started
+            yield Chunk(piece, result.tokens)
+            if text.stopped:
+                finish = "stop"
+                break
+            finish = result.finish_reason or finish
+        stats.wall_seconds = time.perf_counter() - started
+        yield Chunk(text.flush(), [], finish, stats)
+
+
+def collect(chunks: Iterator[Chunk]) -> Completion:
+    texts: list[str] = []
+    ids: list[int] = []
+    for chunk in chunks:
+        texts.append(chunk.text)
+        ids += chunk.token_ids
+        if chunk.finish_reason is not None:
+            assert chunk.stats is not None
+            return Completion("".join(texts), ids, chunk.finish_reason, chunk.stats)
+    raise RuntimeError("generation ended without a final chunk")

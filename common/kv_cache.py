@@ -1,0 +1,44 @@
+"""A preallocated KV cache addressed by slot.
+
+Slot i holds the keys and values of whatever token was written there; the committed sequence lives in
+slots [0, length) and a tree under construction in the slots after it. Keeping only an index copy
+(`move`) as the way to reshape it means pruning never allocates and the buffers can be compiled against.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        capacity: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if capacity <= 0:
+            raise ValueError(f"KV cache capacity must be positive, got {capacity}")
+        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        """Copy slots `src` onto slots `dst` for every layer (sources are read before any write)."""
+        self.k[:, :, dst] = self.k[:, :, src]
+        self.v[:, :, dst] = self.v[:, :, src]
+
+    def truncate(self, length: int) -> None:
+        if not 0 <= length <= self.capacity:
+            raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
+        self.length = min(self.length, length)

@@ -1,0 +1,104 @@
+"""Load a Hugging Face-format model directory into our `Transformer`, plus its tokenizer and identity."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file
+
+from common.transformer import Transformer, config_from_hf, rope_inverse_frequencies
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class LoadedModel:
+    model: Transformer
+    tokenizer: Any
+    name: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    tokenizer_fingerprint: str
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Weights are read straight from safetensors into a meta-initialised module: one copy in memory."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise FileNotFoundError(f"{path} is not a model directory: config.json is missing")
+    hf_config = AutoConfig.from_pretrained(path)
+    cfg = config_from_hf(hf_config)
+    inv_freq, scaling = rope_inverse_frequencies(hf_config)
+    torch_dtype = parse_dtype(dtype)
+    with torch.device("meta"):
+        model = Transformer(cfg, inv_freq, scaling)
+    state = _read_safetensors(path)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
+    missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
+    if missing or unexpected:
+        raise ValueError(f"{path}: weights do not match {cfg.arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    if cfg.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    model.inv_freq = inv_freq.float().to(device)
+    model.eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=path.name,
+        eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
+        max_context=cfg.max_position_embeddings,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+    )
+
+
+def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(f))
+    return state
+
+
+def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Union of every place a checkpoint declares end-of-sequence: chat models often list several."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    return tuple(sorted(ids))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of the vocabulary and special tokens: two nodes may pair only if their ids mean the same text."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    payload = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]

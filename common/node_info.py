@@ -1,0 +1,32 @@
+"""What a node tells a client at connect time, so mismatched pairs are refused before any work."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    role: str  # "draft" or "target"
+    model_id: str
+    vocab_size: int
+    tokenizer_fingerprint: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    max_tree_nodes: int
+    max_tree_depth: int
+    dtype: str
+    device: str
+
+
+class TokenizerMismatch(ValueError):
+    pass
+
+
+def check_pair(draft: NodeInfo, target: NodeInfo) -> None:
+    """Token ids must mean the same text on both nodes, or every accepted token would be wrong."""
+    if draft.tokenizer_fingerprint != target.tokenizer_fingerprint:
+        raise TokenizerMismatch(
+            f"draft model {draft.model_id!r} (tokenizer {draft.tokenizer_fingerprint}) and target model "
+            f"{target.model_id!r} (tokenizer {target.tokenizer_fingerprint}) do not share a tokenizer"
+        )

@@ -1,0 +1,82 @@
+"""A bounded table of per-generation sessions with idle expiry.
+
+Each session holds a KV cache, so the table is what bounds a node's memory: a cap on the number of
+sessions and an idle timeout that frees the caches of clients that vanished without closing.
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+S = TypeVar("S")
+
+
+class SessionNotFound(KeyError):
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class TooManySessions(RuntimeError):
+    pass
+
+
+class SessionTable(Generic[S]):
+    def __init__(self, max_sessions: int, idle_timeout: float, clock: Callable[[], float] = time.monotonic):
+        if max_sessions < 1:
+            raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        self.max_sessions = max_sessions
+        self.idle_timeout = idle_timeout
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._sessions: dict[str, tuple[S, float, str]] = {}
+
+    def add(self, session: S, owner: str = "", session_id: str | None = None) -> str:
+        with self._lock:
+            self._expire_locked()
+            if len(self._sessions) >= self.max_sessions:
+                raise TooManySessions(
+                    f"{len(self._sessions)} sessions are open, the limit is {self.max_sessions}; "
+                    "close one or wait for idle ones to expire"
+                )
+            sid = session_id or secrets.token_hex(8)
+            if sid in self._sessions:
+                raise ValueError(f"session id {sid!r} is already in use")
+            self._sessions[sid] = (session, self._clock(), owner)
+            return sid
+
+    def get(self, session_id: str, owner: str = "") -> S:
+        """A session is only found by the owner that opened it: an id alone is not a capability."""
+        with self._lock:
+            self._expire_locked()
+            entry = self._sessions.get(session_id)
+            if entry is None or entry[2] != owner:
+                raise SessionNotFound(f"unknown or expired session {session_id!r}")
+            self._sessions[session_id] = (entry[0], self._clock(), owner)
+            return entry[0]
+
+    def remove(self, session_id: str, owner: str = "") -> bool:
+        with self._lock:
+            entry = self._sessions.get(session_id)
+            if entry is None or entry[2] != owner:
+                return False
+            del self._sessions[session_id]
+            return True
+
+    def expire(self) -> int:
+        with self._lock:
+            return self._expire_locked()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._sessions)
+
+    def _expire_locked(self) -> int:
+        now = self._clock()
+        stale = [sid for sid, (_, t, _) in self._sessions.items() if now - t > self.idle_timeout]
+        for sid in stale:
+            del self._sessions[sid]
+        return len(stale)

@@ -1,0 +1,225 @@
+"""A decoder-only transformer (Llama / Mistral / Qwen2 / Qwen3 family) with a slot-indexed static KV cache.
+
+We run our own forward instead of Hugging Face's because tree verification needs three things HF's
+generic cache API makes awkward: arbitrary position ids per token, KV written to arbitrary slots
+(a tree node's index is its slot), and an additive mask over exactly the slots in use. Weights keep
+Hugging Face's parameter names, so checkpoints load unchanged and logits are checked against HF in tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from common.kv_cache import KVCache
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    qkv_bias: bool
+    qk_norm: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of K and V per token for every layer at 2 bytes per element (bf16)."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
+
+
+def config_from_hf(hf_config: Any) -> ModelConfig:
+    """Map a Hugging Face config onto ours, refusing what the forward below would compute wrongly."""
+    arch = hf_config.model_type
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(
+            f"model_type {arch!r} is not supported; supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+    if getattr(hf_config, "use_sliding_window", False):
+        raise ValueError("sliding-window attention is not supported (config.use_sliding_window=True)")
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf_config.hidden_act!r} is not supported; only 'silu'")
+    heads = hf_config.num_attention_heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    return ModelConfig(
+        arch=arch,
+        vocab_size=hf_config.vocab_size,
+        hidden_size=hf_config.hidden_size,
+        intermediate_size=hf_config.intermediate_size,
+        num_layers=hf_config.num_hidden_layers,
+        num_heads=heads,
+        num_kv_heads=getattr(hf_config, "num_key_value_heads", None) or heads,
+        head_dim=head_dim,
+        rms_norm_eps=hf_config.rms_norm_eps,
+        qkv_bias=arch == "qwen2" or bool(getattr(hf_config, "attention_bias", False)),
+        qk_norm=arch == "qwen3",
+        tie_word_embeddings=bool(getattr(hf_config, "tie_word_embeddings", False)),
+        max_position_embeddings=hf_config.max_position_embeddings,
+    )
+
+
+def rope_inverse_frequencies(hf_config: Any) -> tuple[Tensor, float]:
+    """RoPE frequencies exactly as the HF model computes them, including scaled variants (llama3, yarn...)."""
+    params = getattr(hf_config, "rope_parameters", None) or {}
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
+        raise ValueError(f"rope_type {rope_type!r} is not supported")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        h, hkv, d = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, h * d, bias=cfg.qkv_bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, hkv * d, bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * d, cfg.hidden_size, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        t = x.shape[0]
+        cfg = self.cfg
+        q = self.q_proj(x).view(t, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q, cos, sin).transpose(0, 1)
+        k = apply_rope(k, cos, sin).transpose(0, 1)
+        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
+        v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+        kv_len = bias.shape[-1]
+        out = F.scaled_dot_product_attention(
+            q.unsqueeze(0),
+            k_cache[:, :kv_len].unsqueeze(0),
+            v_cache[:, :kv_len].unsqueeze(0),
+            attn_mask=bias.to(q.dtype)[None, None],
+            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+        )
+        return self.o_proj(out[0].transpose(0, 1).reshape(t, cfg.num_heads * cfg.head_dim))
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(
+        self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, bias, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Backbone(nn.Module):
+    """Named `model` inside `Transformer` so parameter names match HF checkpoints (`model.layers.0...`)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg: ModelConfig, inv_freq: Tensor, rope_scaling: float = 1.0) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = Backbone(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.rope_scaling = rope_scaling
+
+    @property
+    def device(self) -> torch.device:
+        return self.lm_head.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.lm_head.weight.dtype
+
+    def new_cache(self, capacity: int) -> KVCache:
+        cfg = self.cfg
+        return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache) -> Tensor:
+        """Run `tokens` (1-D) at `positions`, writing their K/V to `slots`; returns final hidden states.
+
+        `bias` is an additive float mask of shape (len(tokens), kv_len) over cache slots [0, kv_len):
+        0 where a token may attend, -inf elsewhere. Logits are left to `logits()` so callers pay for
+        the vocabulary projection only on the rows they sample from.
+        """
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
+        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, slots, bias, cache.k[i], cache.v[i])
+        return self.model.norm(x)
+
+    @torch.inference_mode()
+    def logits(self, hidden: Tensor) -> Tensor:
+        return self.lm_head(hidden).float()

@@ -1,0 +1,117 @@
+"""The token tree that travels from draft to target, and the attention structure derived from it.
+
+Node 0 is the root: the last committed token, whose continuation the tree proposes. Every other node's
+parent precedes it, so index order is a topological order and a node's index can be its KV slot.
+Masks are never shipped: they are derived here from `parents`, so a peer cannot send an inconsistent one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+NEG_INF = float("-inf")
+MAX_TREE_DEPTH = 128
+
+
+class TreeError(ValueError):
+    """A tree that breaks one of the structural rules; the message names the field and the limit."""
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    tokens: Tensor  # int64 [n]
+    parents: Tensor  # int64 [n]; parents[0] == -1
+    logprobs: Tensor | None = None  # float32 [n], cumulative draft log-probability (root 0)
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+    @staticmethod
+    def root_only(token: int) -> TokenTree:
+        """The tree of autoregressive decoding: verify it and the target simply draws its next token."""
+        return TokenTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+
+    def validate(self, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeStructure:
+        """Check every rule a verifier relies on and return the derived structure."""
+        tokens, parents = self.tokens, self.parents
+        if tokens.dim() != 1 or parents.dim() != 1:
+            raise TreeError("tree.tokens and tree.parents must be 1-D")
+        n = tokens.shape[0]
+        if n == 0:
+            raise TreeError("tree is empty: it needs at least the root node")
+        if n > max_nodes:
+            raise TreeError(f"tree has {n} nodes, over the limit of {max_nodes}")
+        if parents.shape[0] != n:
+            raise TreeError(f"tree.parents has {parents.shape[0]} entries but tree.tokens has {n}")
+        if self.logprobs is not None and self.logprobs.shape != (n,):
+            raise TreeError(f"tree.logprobs has shape {tuple(self.logprobs.shape)}, expected ({n},)")
+        if tokens.dtype != torch.int64 or parents.dtype != torch.int64:
+            raise TreeError("tree.tokens and tree.parents must be int64")
+        bad_token = (tokens < 0) | (tokens >= vocab_size)
+        if bad_token.any():
+            i = int(bad_token.nonzero()[0])
+            raise TreeError(f"tree.tokens[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})")
+        if int(parents[0]) != -1:
+            raise TreeError(f"tree.parents[0] must be -1 (the root), got {int(parents[0])}")
+        index = torch.arange(n)
+        bad_parent = (parents[1:] < 0) | (parents[1:] >= index[1:])
+        if bad_parent.any():
+            i = int(bad_parent.nonzero()[0]) + 1
+            raise TreeError(
+                f"tree.parents[{i}] = {int(parents[i])} must be in [0, {i}): parents precede children"
+            )
+        structure = TreeStructure.from_parents(parents)
+        depth = int(structure.depths.max())
+        if depth > max_depth:
+            raise TreeError(f"tree depth {depth} is over the limit of {max_depth}")
+        return structure
+
+
+@dataclass(frozen=True)
+class TreeStructure:
+    ancestors: Tensor  # bool [n, n]; ancestors[i, j] iff j is i or an ancestor of i
+    depths: Tensor  # int64 [n]; root 0
+
+    @staticmethod
+    def from_parents(parents: Tensor) -> TreeStructure:
+        """Ancestor sets by pointer jumping: log2(depth) vectorised steps, no loop over nodes."""
+        n = parents.shape[0]
+        index = torch.arange(n, device=parents.device)
+        jump = parents.clamp(min=0)
+        anc = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
+        anc[index, index] = True
+        anc[index, jump] = True
+        while bool((jump != 0).any()):
+            anc |= anc[jump]
+            jump = jump[jump]
+        return TreeStructure(anc, anc.sum(1) - 1)
+
+
+def attention_bias(visible: Tensor, prefix_len: int) -> Tensor:
+    """Additive float mask rows: the whole committed prefix plus the `visible` columns after it.
+
+    Float, not boolean: eager attention in transformers treats boolean 4-D masks differently and
+    returns wrong logits, and sdpa needs the same convention on every backend.
+    """
+    rows = visible.shape[0]
+    bias = torch.zeros(rows, prefix_len + visible.shape[1], device=visible.device)
+    bias[:, prefix_len:].masked_fill_(~visible, NEG_INF)
+    return bias
+
+
+def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:
+    bad = [t for t in tokens if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field} contains token id {bad[0]} outside the vocabulary [0, {vocab_size})")
+
+
+@dataclass(frozen=True)
+class DraftedTree:
+    """What a draft node returns for one step."""
+
+    tree: TokenTree
+    draft_forwards: int

@@ -1,0 +1,97 @@
+"""One generation's draft state: the committed tokens, their KV cache and the last tree built.
+
+Committed tokens whose KV is missing ("pending") are run as one causal chain at the start of the next
+build; the last of them is the new root. KV computed for tree nodes that turn out accepted is moved
+into place instead of recomputed, so the prefix is never run twice.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from common.transformer import Transformer
+from common.tree import attention_bias
+from draft_node.tree_builder import BuiltTree, TreeBuilder, TreeParams
+
+
+class DraftSession:
+    def __init__(self, model: Transformer, prompt: list[int], max_context: int, max_tree: int) -> None:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt) > max_context:
+            raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {max_context}")
+        self.model = model
+        self.max_context = max_context
+        self.committed: list[int] = list(prompt)
+        self.cache = model.new_cache(max_context + 2 * max_tree + 1)
+        self.max_tree = max_tree
+        self._builders: dict[TreeParams, TreeBuilder] = {}
+        self._last: BuiltTree | None = None
+
+    def commit(self, tokens: list[int]) -> None:
+        """Append tokens accepted since the last tree, reusing that tree's KV along the matched path."""
+        if len(self.committed) + len(tokens) > self.max_context:
+            raise ValueError(f"sequence would exceed the context limit of {self.max_context} tokens")
+        if self._last is not None and tokens and self.cache.length == len(self.committed):
+            self._salvage(tokens)
+        self._last = None
+        self.committed.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to the first `length` committed tokens (a chat turn that rewrites history)."""
+        if not 1 <= length <= len(self.committed):
+            raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
+        del self.committed[length:]
+        self.cache.truncate(length)
+        self._last = None
+
+    def build_tree(self, params: TreeParams) -> BuiltTree:
+        if params.budget > self.max_tree:
+            raise ValueError(f"budget {params.budget} is over this node's limit of {self.max_tree}")
+        root_logprobs = self._catch_up()
+        builder = self._builders.get(params)
+        if builder is None:
+            builder = self._builders[params] = TreeBuilder(params)
+        self._last = builder.build(self.committed[-1], root_logprobs, self)
+        return self._last
+
+    def _catch_up(self) -> Tensor:
+        """Run the pending chain (ending with the root) and return the root's next-token log-probs."""
+        start = self.cache.length
+        pending = torch.tensor(self.committed[start:])
+        t = pending.numel()
+        positions = torch.arange(start, start + t)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        hidden = self.model(pending, positions, positions, attention_bias(causal, start), self.cache)
+        self.cache.length = start + t
+        return torch.log_softmax(self.model.logits(hidden[-1:]), -1)[0]
+
+    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
+        base = self.cache.length
+        slots = base + nodes - 1
+        positions = base - 1 + depths
+        hidden = self.model(tokens, positions, slots, attention_bias(visible, base), self.cache)
+        return torch.log_softmax(self.model.logits(hidden), -1)
+
+    def move(self, src: Tensor, dst: Tensor) -> None:
+        base = self.cache.length
+        self.cache.move(base + src, base + dst)
+
+    def _salvage(self, tokens: list[int]) -> None:
+        last = self._last
+        assert last is not None
+        tree = last.tree
+        node, src = 0, []
+        for token in tokens:
+            match = ((tree.parents == node) & (tree.tokens == token)).nonzero()
+            if match.numel() == 0:
+                break
+            node = int(match[0])
+            if not bool(last.expanded[node]):
+                break
+            src.append(int(last.slots[node]))
+        if src:
+            base = self.cache.length
+            self.cache.move(base + torch.tensor(src), torch.arange(base, base + len(src)))
+            self.cache.length = base + len(src)

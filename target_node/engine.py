@@ -1,0 +1,79 @@
+"""The target node's engine: a loaded target model and its sessions, serialised on one lock because
+a single model runs one forward pass at a time."""
+
+from __future__ import annotations
+
+import threading
+
+from common.loading import LoadedModel
+from common.node_info import NodeInfo
+from common.sampling import SamplingParams
+from common.sessions import SessionTable
+from common.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
+from target_node.session import TargetSession, VerifyResult
+
+
+class TargetEngine:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_context: int = 4096,
+        max_tree: int = 1024,
+        max_sessions: int = 8,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        self.loaded = loaded
+        self.max_context = min(max_context, loaded.max_context)
+        self.max_tree = max_tree
+        self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, idle_timeout)
+        self._lock = threading.Lock()
+
+    def info(self) -> NodeInfo:
+        model = self.loaded.model
+        return NodeInfo(
+            role="target",
+            model_id=self.loaded.name,
+            vocab_size=model.cfg.vocab_size,
+            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
+            eos_token_ids=self.loaded.eos_token_ids,
+            max_context=self.max_context,
+            max_tree_nodes=self.max_tree + 1,
+            max_tree_depth=MAX_TREE_DEPTH,
+            dtype=str(model.dtype).removeprefix("torch."),
+            device=str(model.device),
+        )
+
+    def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
+        check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
+        session = TargetSession(
+            self.loaded.model,
+            prompt,
+            max_context=self.max_context,
+            max_tree=self.max_tree + 1,
+            max_depth=MAX_TREE_DEPTH,
+            eos_token_ids=self.loaded.eos_token_ids,
+        )
+        return self.sessions.add(session, owner, session_id)
+
+    def verify(
+        self,
+        session_id: str,
+        tree: TokenTree,
+        params: SamplingParams,
+        max_tokens: int,
+        owner: str = "",
+        append: list[int] | None = None,
+        truncate_to: int | None = None,
+    ) -> VerifyResult:
+        session = self.sessions.get(session_id, owner)
+        with self._lock:
+            if truncate_to is not None:
+                session.truncate(truncate_to)
+            if append:
+                check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
+                session.append(append)
+            return session.verify(tree, params, max_tokens)
+
+    def close_session(self, session_id: str, owner: str = "") -> bool:
+        return self.sessions.remove(session_id, owner)

@@ -1,0 +1,150 @@
+"""One generation's target state and tree verification.
+
+The cache holds every committed token except the last: the last one is the root of the next tree,
+and its KV is computed by the pass that verifies that tree. Any other committed tokens without KV
+(the prompt, a replayed history, a new chat turn) run as a causal chain in front of the tree, in the
+same forward pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from common.sampling import SamplingParams, sample_rows
+from common.transformer import Transformer
+from common.tree import TokenTree, TreeError, TreeStructure, attention_bias
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    tokens: list[int]  # newly committed tokens: the accepted path, then the target's own token
+    accepted: int  # how many of `tokens` came from the tree
+    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens reached) or None
+
+
+def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int], int]:
+    """Walk from the root while the target's draw at a node is one of its children.
+
+    Returns the accepted node indices (root first) and the draw at the last of them. One step per
+    accepted token: acceptance is sequential along a path, and each step is vectorised over nodes.
+    """
+    path, node = [0], 0
+    while True:
+        token = draw(node)
+        match = ((tree.parents == node) & (tree.tokens == token)).nonzero()
+        if match.numel() == 0:
+            return path, token
+        node = int(match[0])
+        path.append(node)
+
+
+class TargetSession:
+    def __init__(
+        self,
+        model: Transformer,
+        prompt: list[int],
+        *,
+        max_context: int,
+        max_tree: int,
+        max_depth: int,
+        eos_token_ids: tuple[int, ...],
+    ) -> None:
+        if not prompt:
+            raise ValueError("prompt must contain at least one token")
+        if len(prompt) > max_context:
+            raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {max_context}")
+        self.model = model
+        self.max_context = max_context
+        self.max_tree = max_tree
+        self.max_depth = max_depth
+        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.committed: list[int] = list(prompt)
+        self.cache = model.new_cache(max_context + max_tree)
+
+    def append(self, tokens: list[int]) -> None:
+        if len(self.committed) + len(tokens) > self.max_context:
+            raise ValueError(f"sequence would exceed the context limit of {self.max_context} tokens")
+        self.committed.extend(tokens)
+
+    def truncate(self, length: int) -> None:
+        if not 1 <= length <= len(self.committed):
+            raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
+        del self.committed[length:]
+        self.cache.truncate(length - 1)
+
+    def verify(self, tree: TokenTree, params: SamplingParams, max_tokens: int) -> VerifyResult:
+        structure = tree.validate(
+            vocab_size=self.model.cfg.vocab_size, max_nodes=self.max_tree, max_depth=self.max_depth
+        )
+        if int(tree.tokens[0]) != self.committed[-1]:
+            raise TreeError(
+                f"tree root token {int(tree.tokens[0])} is not the last committed token {self.committed[-1]}"
+            )
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+        max_tokens = min(max_tokens, self.max_context - len(self.committed))
+        if max_tokens < 1:
+            return VerifyResult([], 0, "length")
+
+        hidden, tree_start = self._forward(tree, structure)
+        path, extra = accept_path(tree, self._drawer(tree, structure, hidden, params))
+        tokens = [*tree.tokens[path[1:]].tolist(), extra]
+        accepted = len(path) - 1
+        finish = None
+        if not params.ignore_eos and self.eos.numel():
+            is_eos = torch.isin(torch.tensor(tokens), self.eos).nonzero()
+            if is_eos.numel():
+                tokens = tokens[: int(is_eos[0]) + 1]
+                finish = "stop"
+        if len(tokens) >= max_tokens:
+            tokens = tokens[:max_tokens]
+            finish = finish or "length"
+        accepted = min(accepted, len(tokens))
+        # Keep KV of the root and of every new token but the last, which is the next root.
+        kept = torch.tensor(path[: len(tokens)], dtype=torch.long)
+        self.cache.move(tree_start + kept, torch.arange(tree_start, tree_start + kept.numel()))
+        self.cache.length = tree_start + kept.numel()
+        self.committed.extend(tokens)
+        return VerifyResult(tokens, accepted, finish)
+
+    def _forward(self, tree: TokenTree, structure: TreeStructure) -> tuple[Tensor, int]:
+        """One pass over pending chain + tree; returns the tree's hidden states and its first slot."""
+        start = self.cache.length
+        chain = torch.tensor(self.committed[start:-1], dtype=torch.long)
+        c, n = chain.numel(), tree.size
+        visible = torch.zeros(c + n, c + n, dtype=torch.bool)
+        visible[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
+        visible[c:, :c] = True
+        visible[c:, c:] = structure.ancestors
+        root_pos = start + c
+        positions = torch.cat((torch.arange(start, root_pos), root_pos + structure.depths))
+        slots = torch.arange(start, root_pos + n)
+        hidden = self.model(
+            torch.cat((chain, tree.tokens)), positions, slots, attention_bias(visible, start), self.cache
+        )
+        return hidden[c:], root_pos
+
+    def _drawer(
+        self, tree: TokenTree, structure: TreeStructure, hidden: Tensor, params: SamplingParams
+    ) -> Callable[[int], int]:
+        """Logits for every node with children come from one batched LM-head call; a leaf's on demand."""
+        n = tree.size
+        inner = torch.zeros(n, dtype=torch.bool)
+        inner[tree.parents[1:]] = True
+        rows = torch.full((n,), -1, dtype=torch.long)
+        inner_ids = inner.nonzero().squeeze(1)
+        rows[inner_ids] = torch.arange(inner_ids.numel())
+        logits = self.model.logits(hidden[inner_ids]) if inner_ids.numel() else None
+        root_pos = len(self.committed) - 1
+
+        def draw(node: int) -> int:
+            row = int(rows[node])
+            node_logits = logits[row : row + 1] if row >= 0 else self.model.logits(hidden[node : node + 1])
+            position = root_pos + int(structure.depths[node]) + 1
+            return int(sample_rows(node_logits, params, [position])[0])
+
+        return draw

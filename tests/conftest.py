@@ -1,0 +1,32 @@
+"""Tiny random-weight models, written once per test session as real Hugging Face directories."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.loading import LoadedModel, load_model
+from common.tiny_models import make_tiny_model, truncate_layers
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("models")
+    target = make_tiny_model(root / "target", arch="llama", layers=4, seed=0)
+    return {
+        "target": target,
+        "self": target,
+        "truncated": truncate_layers(target, root / "truncated", keep=1),
+        "unrelated": make_tiny_model(root / "unrelated", arch="llama", layers=2, seed=7),
+        "qwen2": make_tiny_model(root / "qwen2", arch="qwen2", layers=2, seed=1),
+        "qwen3": make_tiny_model(root / "qwen3", arch="qwen3", layers=2, seed=2),
+    }
+
+
+@pytest.fixture(scope="session")
+def loaded(model_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
+    return {name: load_model(path) for name, path in model_dirs.items()}

