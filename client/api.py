@@ -1,8 +1,8 @@
 """The Python API: a few lines to generate with a draft/target pair, in one process or over gRPC.
 
-    from client.api import SpecExec
-    gen = SpecExec.local("path/to/draft", "path/to/target")
-    print(gen.generate("def fib(n):", max_new_tokens=64).text)
+from client.api import SpecExec
+gen = SpecExec.local("path/to/draft", "path/to/target")
+print(gen.generate("def fib(n):", max_new_tokens=64).text)
 """
 
 from __future__ import annotations
@@ -82,7 +82,11 @@ class SpecExec:
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
         draft = None
         if draft_model is not None and mode != "autoregressive":
-            draft = DraftEngine(load_model(draft_model, dtype=dtype, device=device), max_context=max_context, max_tree=max_tree)
+            draft = DraftEngine(
+                load_model(draft_model, dtype=dtype, device=device),
+                max_context=max_context,
+                max_tree=max_tree,
+            )
         return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
@@ -92,7 +96,9 @@ class SpecExec:
             return list(self.tokenizer.encode(prompt))
         return list(prompt)
 
-    def stream(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
+    def stream(
+        self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> Iterator[Chunk]:
         """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
         sampling = sampling or SamplingParams(**kwargs)
         sequence = Sequence(self.target, self.draft, self.encode(prompt))
@@ -101,7 +107,9 @@ class SpecExec:
         finally:
             sequence.close()
 
-    def generate(self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any) -> Completion:
+    def generate(
+        self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any
+    ) -> Completion:
         return collect(self.stream(prompt, sampling, **kwargs))
 
     def _run(self, sequence: Sequence, sampling: SamplingParams) -> Iterator[Chunk]:

@@ -45,7 +45,10 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 def tree_from(args: argparse.Namespace) -> TreeParams:
     return TreeParams(
-        budget=args.budget, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
+        budget=args.budget,
+        max_depth=args.max_depth,
+        max_branch=args.max_branch,
+        expand_batch=args.expand_batch,
     )
 
 
@@ -56,7 +59,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
     tree = tree_from(args)
     if args.target_model:
         gen = SpecExec.local(
-            args.draft_model, args.target_model, dtype=args.dtype, device=args.device, mode=args.mode, tree=tree
+            args.draft_model,
+            args.target_model,
+            dtype=args.dtype,
+            device=args.device,
+            mode=args.mode,
+            tree=tree,
         )
     else:
         from client.remote import connect

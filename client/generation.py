@@ -135,7 +135,9 @@ class Sequence:
                 drafted = TokenTree.root_only(self.tokens[-1])
             else:
                 truncate_to, append = self._sync("draft")
-                drafted = self.draft.build_tree(self.draft_session, append, tree, truncate_to=truncate_to).tree
+                drafted = self.draft.build_tree(
+                    self.draft_session, append, tree, truncate_to=truncate_to
+                ).tree
             mid = time.perf_counter()
             truncate_to, append = self._sync("target")
             result = self.target.verify(

@@ -52,7 +52,9 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
-        raise ValueError(f"{path}: weights do not match {cfg.arch}: missing {missing[:5]}, unexpected {unexpected[:5]}")
+        raise ValueError(
+            f"{path}: weights do not match {cfg.arch}: missing {missing[:5]}, unexpected {unexpected[:5]}"
+        )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_freq.float().to(device)

@@ -435,7 +435,8 @@ def _convert(
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.dtype = dtype
-        config.name_or_path = provenance["name"]  # else the GGUF's `general.name`, which can mislead
+        # The GGUF's `general.name` lands here and can mislead (the 0.5B file calls itself "AWQ").
+        config._model_name_or_path = provenance["name"]
         config.architectures = [type(model).__name__]
         tied = bool(getattr(config, "tie_word_embeddings", False))
         tensors = {

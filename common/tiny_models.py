@@ -13,7 +13,7 @@ import torch
 EOS = "<|endoftext|>"
 
 
-def make_tokenizer():  # noqa: ANN201 - returns a transformers tokenizer
+def make_tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 

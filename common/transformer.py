@@ -114,7 +114,14 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor, k_cache: Tensor, v_cache: Tensor
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        bias: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
     ) -> Tensor:
         t = x.shape[0]
         cfg = self.cfg
@@ -164,7 +171,14 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, slots: Tensor, bias: Tensor, k_cache: Tensor, v_cache: Tensor
+        self,
+        x: Tensor,
+        cos: Tensor,
+        sin: Tensor,
+        slots: Tensor,
+        bias: Tensor,
+        k_cache: Tensor,
+        v_cache: Tensor,
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, bias, k_cache, v_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -204,7 +218,9 @@ class Transformer(nn.Module):
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache) -> Tensor:
+    def forward(
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache
+    ) -> Tensor:
         """Run `tokens` (1-D) at `positions`, writing their K/V to `slots`; returns final hidden states.
 
         `bias` is an additive float mask of shape (len(tokens), kv_len) over cache slots [0, kv_len):

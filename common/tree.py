@@ -54,7 +54,9 @@ class TokenTree:
         bad_token = (tokens < 0) | (tokens >= vocab_size)
         if bad_token.any():
             i = int(bad_token.nonzero()[0])
-            raise TreeError(f"tree.tokens[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})")
+            raise TreeError(
+                f"tree.tokens[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})"
+            )
         if int(parents[0]) != -1:
             raise TreeError(f"tree.parents[0] must be -1 (the root), got {int(parents[0])}")
         index = torch.arange(n)

@@ -8,8 +8,8 @@ import threading
 from common.loading import LoadedModel
 from common.node_info import NodeInfo
 from common.sessions import SessionTable
-from draft_node.session import DraftSession
 from common.tree import MAX_TREE_DEPTH, DraftedTree, check_token_ids
+from draft_node.session import DraftSession
 from draft_node.tree_builder import TreeParams
 
 
@@ -68,4 +68,3 @@ class DraftEngine:
 
     def close_session(self, session_id: str, owner: str = "") -> bool:
         return self.sessions.remove(session_id, owner)
-

@@ -343,6 +343,7 @@ def test_install_model_end_to_end_on_tiny_gguf(
     assert marker["tied_lm_head_omitted"] is True
     config = json.loads((out / "config.json").read_text())
     assert "quantization_config" not in config and config["model_type"] == "qwen2"
+    assert config["_model_name_or_path"] == "tiny"
     with safe_open(str(out / "model.safetensors"), "pt") as f:
         keys = set(f.keys())
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16

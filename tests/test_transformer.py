@@ -35,7 +35,11 @@ def test_tree_pass_equals_per_path_passes(model_dirs, loaded):
     causal = torch.ones(p, p, dtype=torch.bool).tril()
     model(prefix[:p], torch.arange(p), torch.arange(p), attention_bias(causal, 0), cache)
     hidden = model(
-        tree.tokens, p + structure.depths, torch.arange(p, p + tree.size), attention_bias(structure.ancestors, p), cache
+        tree.tokens,
+        p + structure.depths,
+        torch.arange(p, p + tree.size),
+        attention_bias(structure.ancestors, p),
+        cache,
     )
     ours = model.logits(hidden)
     for node in range(tree.size):

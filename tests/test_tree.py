@@ -18,7 +18,7 @@ def tree(tokens, parents):
     ("t", "match"),
     [
         (tree([], []), "empty"),
-        (tree([1] * 17, [-1] + list(range(16))), "17 nodes, over the limit of 16"),
+        (tree([1] * 17, [-1, *range(16)]), "17 nodes, over the limit of 16"),
         (tree([1, 2], [-1]), "parents has 1 entries"),
         (tree([1, 100], [-1, 0]), r"tokens\[1\] = 100 is outside the vocabulary \[0, 100\)"),
         (tree([1, -3], [-1, 0]), r"tokens\[1\] = -3"),

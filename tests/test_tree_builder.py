@@ -109,7 +109,8 @@ def test_chain_params_give_the_greedy_chain():
 
 
 @pytest.mark.parametrize(
-    ("field", "value"), [("budget", 0), ("max_depth", 0), ("max_branch", 0), ("expand_batch", 0), ("budget", 10**6)]
+    ("field", "value"),
+    [("budget", 0), ("max_depth", 0), ("max_branch", 0), ("expand_batch", 0), ("budget", 10**6)],
 )
 def test_bad_tree_params_are_refused(field, value):
     with pytest.raises(ValueError, match=field):

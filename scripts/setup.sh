@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Create or reuse .venv and install the project. torch is installed first, pinned to the local CPU
+# wheel, so the project's wider torch range is already satisfied and pip never fetches CUDA wheels.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}"
+.venv/bin/pip install -q -e ".[test]"

@@ -1,0 +1,100 @@
+"""The real `specexec` command, run as a subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.sampling import SamplingParams
+from tests.helpers import reference_decode
+
+SPECEXEC = [sys.executable, "-m", "client.cli"]
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run(
+        [*SPECEXEC, *args], capture_output=True, text=True, env=env, check=check, cwd=ROOT, timeout=120
+    )
+
+
+@pytest.mark.parametrize("mode", ["specexec", "chain", "autoregressive"])
+def test_generate_json_matches_target_alone(model_dirs, loaded, mode):
+    prompt = "Hello, "
+    out = run(
+        "generate",
+        "--draft-model",
+        str(model_dirs["truncated"]),
+        "--target-model",
+        str(model_dirs["target"]),
+        "--prompt",
+        prompt,
+        "--max-new-tokens",
+        "12",
+        "--mode",
+        mode,
+        "--budget",
+        "8",
+        "--temperature",
+        "0.9",
+        "--seed",
+        "42",
+        "--ignore-eos",
+        "--json",
+    )
+    result = json.loads(out.stdout)
+    ids = loaded["target"].tokenizer.encode(prompt)
+    params = SamplingParams(temperature=0.9, seed=42, max_new_tokens=12, ignore_eos=True)
+    assert result["token_ids"] == reference_decode(model_dirs["target"], ids, params)
+    assert set(result["stats"]) >= {
+        "new_tokens",
+        "target_steps",
+        "tokens_per_step",
+        "wall_seconds",
+        "draft_seconds",
+        "target_seconds",
+    }
+    assert result["stats"]["new_tokens"] == 12
+    assert result["text"] == loaded["target"].tokenizer.decode(result["token_ids"], skip_special_tokens=True)
+
+
+def test_generate_streams_text_and_reports_stats(model_dirs):
+    out = run(
+        "generate",
+        "--draft-model",
+        str(model_dirs["truncated"]),
+        "--target-model",
+        str(model_dirs["target"]),
+        "--prompt",
+        "Hi",
+        "--max-new-tokens",
+        "8",
+    )
+    assert "tokens/step" in out.stderr
+
+
+def test_bad_arguments_exit_with_a_clear_message(model_dirs):
+    out = run(
+        "generate",
+        "--target-model",
+        str(model_dirs["target"]),
+        "--prompt",
+        "x",
+        "--mode",
+        "autoregressive",
+        "--top-p",
+        "2",
+        check=False,
+    )
+    assert out.returncode == 2
+    assert "top_p must be in (0, 1]" in out.stderr
+    out = run(
+        "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
+    )
+    assert out.returncode == 2 and "config.json is missing" in out.stderr

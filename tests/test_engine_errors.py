@@ -1,0 +1,86 @@
+"""Bad input to the engine raises a clear error naming the field and the limit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from client.api import SpecExec
+from common.sampling import SamplingParams
+from common.tree import TokenTree, TreeError
+from draft_node.engine import DraftEngine
+from draft_node.tree_builder import TreeParams
+from target_node.engine import TargetEngine
+
+
+@pytest.fixture
+def gen(loaded):
+    t = TargetEngine(loaded["target"], max_context=64, max_tree=16)
+    d = DraftEngine(loaded["truncated"], max_context=64, max_tree=16)
+    return SpecExec(t, d, loaded["target"].tokenizer, tree=TreeParams(budget=16))
+
+
+def test_empty_prompt(gen):
+    with pytest.raises(ValueError, match="prompt is empty"):
+        gen.generate("")
+    with pytest.raises(ValueError, match="prompt must contain at least one token"):
+        gen.generate([])
+
+
+def test_prompt_longer_than_context(gen):
+    with pytest.raises(ValueError, match="prompt has 65 tokens, over the context limit of 64"):
+        gen.generate([1] * 65)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"temperature": -0.1}, "temperature must be a finite number >= 0"),
+        ({"temperature": math.nan}, "temperature"),
+        ({"temperature": math.inf}, "temperature"),
+        ({"top_p": 0.0}, r"top_p must be in \(0, 1\]"),
+        ({"top_p": 1.5}, "top_p"),
+        ({"top_k": -1}, "top_k must be >= 0"),
+        ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
+        ({"seed": -1}, "seed"),
+        ({"stop": ("",)}, "stop strings must be non-empty"),
+    ],
+)
+def test_bad_sampling_params(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_budget_zero_and_over_node_limit(loaded):
+    with pytest.raises(ValueError, match=r"budget must be in \[1, 8192\], got 0"):
+        TreeParams(budget=0)
+    d = DraftEngine(loaded["truncated"], max_context=64, max_tree=16)
+    sid = d.open_session([1, 2, 3])
+    with pytest.raises(ValueError, match="budget 32 is over this node's limit of 16"):
+        d.build_tree(sid, [], TreeParams(budget=32))
+
+
+def test_out_of_vocabulary_tokens(loaded):
+    t = TargetEngine(loaded["target"], max_context=64, max_tree=16)
+    with pytest.raises(ValueError, match=r"prompt contains token id 999 outside the vocabulary \[0, 260\)"):
+        t.open_session([1, 999])
+
+
+def test_tree_whose_root_is_not_the_last_token(loaded):
+    t = TargetEngine(loaded["target"], max_context=64, max_tree=16)
+    sid = t.open_session([1, 2, 3])
+    with pytest.raises(TreeError, match="root token 7 is not the last committed token 3"):
+        t.verify(sid, TokenTree.root_only(7), SamplingParams(), 1)
+    # The session is intact after the refusal.
+    assert len(t.verify(sid, TokenTree.root_only(3), SamplingParams(), 1).tokens) == 1
+
+
+def test_generation_stops_at_the_context_limit(loaded):
+    t = TargetEngine(loaded["target"], max_context=12, max_tree=16)
+    d = DraftEngine(loaded["truncated"], max_context=12, max_tree=16)
+    out = SpecExec(t, d, loaded["target"].tokenizer, tree=TreeParams(budget=8)).generate(
+        [1, 2, 3], max_new_tokens=50, ignore_eos=True
+    )
+    assert len(out.token_ids) == 9
+    assert out.finish_reason == "length"

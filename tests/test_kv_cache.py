@@ -1,0 +1,69 @@
+"""After pruning to the accepted path, both caches equal caches recomputed from scratch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from common.sampling import SamplingParams
+from common.tree import attention_bias
+from draft_node.engine import DraftEngine
+from draft_node.tree_builder import TreeParams
+from target_node.engine import TargetEngine
+from tests.test_exactness import PROMPT
+
+
+def recomputed(model, tokens: list[int]):
+    cache = model.new_cache(len(tokens) + 1)
+    t = len(tokens)
+    causal = torch.ones(t, t, dtype=torch.bool).tril()
+    model(torch.tensor(tokens), torch.arange(t), torch.arange(t), attention_bias(causal, 0), cache)
+    return cache
+
+
+def assert_cache_prefix_equal(cache, ref, length):
+    assert cache.length == length
+    torch.testing.assert_close(cache.k[:, :, :length], ref.k[:, :, :length], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(cache.v[:, :, :length], ref.v[:, :, :length], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("draft", ["truncated", "self"])
+def test_caches_after_pruning_equal_recomputed_caches(loaded, draft):
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    drafter = DraftEngine(loaded[draft], max_context=256, max_tree=64)
+    sampling = SamplingParams(temperature=0.8, seed=3, ignore_eos=True)
+    params = TreeParams(budget=64, max_depth=8, max_branch=4, expand_batch=8)
+    tid, did = target.open_session(PROMPT), drafter.open_session(PROMPT)
+    new: list[int] = []
+    accepted_total = salvaged = 0
+    for _ in range(6):
+        tree = drafter.build_tree(did, new, params).tree
+        result = target.verify(tid, tree, sampling, max_tokens=100)
+        new = result.tokens
+        accepted_total += result.accepted
+        t_session = target.sessions.get(tid)
+        # The target holds KV for every committed token but the last (the next root).
+        seq = t_session.committed
+        assert_cache_prefix_equal(t_session.cache, recomputed(loaded["target"].model, seq[:-1]), len(seq) - 1)
+        d_session = drafter.sessions.get(did)
+        before = d_session.cache.length
+        d_session.commit(new)
+        salvaged += d_session.cache.length - before
+        ref = recomputed(loaded[draft].model, d_session.committed[: d_session.cache.length])
+        assert_cache_prefix_equal(d_session.cache, ref, d_session.cache.length)
+        new = []
+    assert accepted_total > 0, "the test needs accepted tokens to exercise pruning"
+    if draft == "self":
+        assert salvaged > 0, "accepted tree nodes' draft KV should be reused, not recomputed"
+
+
+def test_truncate_rolls_back_both_nodes(loaded):
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=16)
+    tid = target.open_session(PROMPT)
+    from common.tree import TokenTree
+
+    greedy = SamplingParams()
+    r1 = target.verify(tid, TokenTree.root_only(PROMPT[-1]), greedy, 1)
+    target.verify(tid, TokenTree.root_only(r1.tokens[-1]), greedy, 1)
+    again = target.verify(tid, TokenTree.root_only(PROMPT[-1]), greedy, 1, truncate_to=len(PROMPT))
+    assert again.tokens == r1.tokens
