@@ -15,7 +15,7 @@ from typing import Any
 from client.generation import DraftBackend, GenerationStats, Sequence, TargetBackend, tree_params_for
 from client.text import TextAssembler
 from common.sampling import SamplingParams
-from draft_node.tree_builder import TreeParams
+from common.tree import TreeParams
 
 
 @dataclass
@@ -129,13 +129,46 @@ class SpecExec:
         yield Chunk(text.flush(), [], finish, stats)
 
 
+class Chat:
+    """A multi-turn conversation. Each turn re-renders the chat template and keeps the KV of the
+    longest common prefix on both nodes, so the history is not re-read."""
+
+    def __init__(self, gen: SpecExec, system: str | None = None) -> None:
+        self.gen = gen
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": system}] if system else []
+        self.sequence: Sequence | None = None
+
+    def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
+        sampling = sampling or SamplingParams(**kwargs)
+        self.messages.append({"role": "user", "content": text})
+        rendered = self.gen.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
+        ids = list(self.gen.tokenizer.encode(rendered, add_special_tokens=False))
+        if self.sequence is None:
+            self.sequence = Sequence(self.gen.target, self.gen.draft, ids)
+        else:
+            self.sequence.reset_to(ids)
+        reply: list[str] = []
+        for chunk in self.gen._run(self.sequence, sampling):
+            reply.append(chunk.text)
+            yield chunk
+        self.messages.append({"role": "assistant", "content": "".join(reply)})
+
+    def close(self) -> None:
+        if self.sequence is not None:
+            self.sequence.close()
+            self.sequence = None
+
+
 def collect(chunks: Iterator[Chunk]) -> Completion:
+    """Runs the stream to its end, so the sessions it opened are closed before this returns."""
     texts: list[str] = []
     ids: list[int] = []
+    final: Chunk | None = None
     for chunk in chunks:
         texts.append(chunk.text)
         ids += chunk.token_ids
         if chunk.finish_reason is not None:
-            assert chunk.stats is not None
-            return Completion("".join(texts), ids, chunk.finish_reason, chunk.stats)
-    raise RuntimeError("generation ended without a final chunk")
+            final = chunk
+    if final is None or final.stats is None:
+        raise RuntimeError("generation ended without a final chunk")
+    return Completion("".join(texts), ids, final.finish_reason, final.stats)

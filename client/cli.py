@@ -6,9 +6,10 @@ import argparse
 import json
 import sys
 from collections.abc import Callable
+from typing import Any
 
 from common.sampling import SamplingParams
-from draft_node.tree_builder import TreeParams
+from common.tree import TreeParams
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -53,24 +54,9 @@ def tree_from(args: argparse.Namespace) -> TreeParams:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from client.api import SpecExec, collect
+    from client.api import collect
 
-    sampling = sampling_from(args)
-    tree = tree_from(args)
-    if args.target_model:
-        gen = SpecExec.local(
-            args.draft_model,
-            args.target_model,
-            dtype=args.dtype,
-            device=args.device,
-            mode=args.mode,
-            tree=tree,
-        )
-    else:
-        from client.remote import connect
-
-        gen = connect(args.draft, args.target, mode=args.mode, tree=tree)
-    chunks = gen.stream(args.prompt, sampling)
+    chunks = generator_from(args).stream(args.prompt, sampling_from(args))
     if args.json:
         print(json.dumps(collect(chunks).as_dict()))
         return 0
@@ -87,40 +73,166 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def generator_from(args: argparse.Namespace) -> Any:
+    """In-process models when --target-model is given, otherwise the remote nodes."""
+    from client.api import SpecExec
+
+    tree = tree_from(args)
+    if getattr(args, "target_model", None):
+        from common.model_store import resolve_model
+
+        draft = resolve_model(args.draft_model) if args.draft_model else None
+        return SpecExec.local(
+            draft, resolve_model(args.target_model), dtype=args.dtype, device=args.device, mode=args.mode, tree=tree
+        )
+    from client.remote import connect
+
+    return connect(args.draft, args.target, mode=args.mode, tree=tree, step_timeout=args.step_timeout)
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    from client.api import Chat
+
+    chat = Chat(generator_from(args), system=args.system)
+    sampling = sampling_from(args)
+    print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
+    try:
+        while True:
+            try:
+                line = input("> ")
+            except EOFError:
+                break
+            if not line.strip():
+                break
+            for chunk in chat.send(line, sampling):
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.stats is not None:
+                    print(f"\n[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
+                          file=sys.stderr)
+    finally:
+        chat.close()
+    return 0
+
+
+def cmd_node(args: argparse.Namespace) -> int:
+    if args.command == "target":
+        from target_node.server import run
+    else:
+        from draft_node.server import run
+    return run(args)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from client.api import SpecExec
+    from client.gateway import GenerationServicer
+    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+    from common.rpc import Server, check_listen
+
+    check_listen(args.listen, args.insecure)
+    base = generator_from(args)
+
+    def make(mode: str, tree: Any) -> SpecExec:
+        return SpecExec(base.target, base.draft, base.tokenizer, mode=mode, tree=tree)
+
+    server = Server(
+        args.listen,
+        [(pb_grpc.add_GenerationServiceServicer_to_server, GenerationServicer(make, base), "specexec.v1.GenerationService")],
+    ).start()
+    server.stop_on_signals()
+    server.ready()
+    print(f"gateway listening on {args.listen.rsplit(':', 1)[0]}:{server.port}", file=sys.stderr, flush=True)
+    server.wait()
+    return 0
+
+
+def cmd_local(args: argparse.Namespace) -> int:
+    from client.local import run_local
+
+    return run_local(args)
+
+
+def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
+    src = p.add_argument_group("nodes" + (" (remote) or models (in-process)" if in_process else ""))
+    src.add_argument("--target", help="target node HOST:PORT")
+    src.add_argument("--draft", help="draft node HOST:PORT")
+    src.add_argument("--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)")
+    if in_process:
+        src.add_argument("--target-model", help="target model: run both models in this process")
+        src.add_argument("--draft-model", help="draft model (in-process mode)")
+        p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+        p.add_argument("--device", default="cpu")
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from draft_node.server import build_parser as draft_parser
+    from target_node.server import build_parser as target_parser
+
     parser = argparse.ArgumentParser(prog="specexec", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--prompt", required=True)
-    src = g.add_argument_group("models (in-process) or nodes (remote)")
-    src.add_argument("--target-model", help="target model directory: run both models in this process")
-    src.add_argument("--draft-model", help="draft model directory (in-process mode)")
-    src.add_argument("--target", help="target node HOST:PORT")
-    src.add_argument("--draft", help="draft node HOST:PORT")
-    g.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    g.add_argument("--device", default="cpu")
+    add_remote_args(g, in_process=True)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     add_sampling_args(g)
     add_tree_args(g)
     g.set_defaults(func=cmd_generate)
+
+    c = sub.add_parser("chat", help="multi-turn chat; each turn reuses the KV caches of the history")
+    add_remote_args(c, in_process=True)
+    c.add_argument("--system", help="system prompt")
+    add_sampling_args(c)
+    add_tree_args(c)
+    c.set_defaults(func=cmd_chat)
+
+    t = sub.add_parser("target", help="serve a target model (the big one) over gRPC")
+    target_parser(t)
+    t.set_defaults(func=cmd_node)
+    d = sub.add_parser("draft", help="serve a draft model (the small one) over gRPC")
+    draft_parser(d)
+    d.set_defaults(func=cmd_node)
+
+    s = sub.add_parser("serve", help="run the GenerationService gateway in front of a draft and a target node")
+    add_remote_args(s, in_process=False)
+    s.add_argument("--listen", default="127.0.0.1:50050")
+    s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
+    add_tree_args(s)
+    s.set_defaults(func=cmd_serve)
+
+    lo = sub.add_parser("local", help="start a draft and a target node on loopback ports (one machine)")
+    lo.add_argument("--draft-model", required=True)
+    lo.add_argument("--target-model", required=True)
+    lo.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    lo.add_argument("--target-port", type=int, default=50051)
+    lo.add_argument("--draft-port", type=int, default=50052)
+    lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
+    lo.add_argument("--json", action="store_true")
+    add_sampling_args(lo)
+    add_tree_args(lo)
+    lo.set_defaults(func=cmd_local)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "generate":
+    if args.command in ("generate", "chat"):
         if not args.target_model and not args.target:
-            parser.error("generate needs --target-model PATH (in-process) or --target HOST:PORT")
-        if args.target_model and args.mode != "autoregressive" and not args.draft_model:
-            parser.error(f"--mode {args.mode} needs --draft-model (or use --mode autoregressive)")
+            parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
+        needs_draft = args.mode != "autoregressive"
+        if needs_draft and not (args.draft_model if args.target_model else args.draft):
+            parser.error(f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive")
+    if args.command == "serve" and not args.target:
+        parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError) as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
 
 
 if __name__ == "__main__":

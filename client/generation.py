@@ -13,8 +13,7 @@ from typing import Any, Protocol
 
 from common.node_info import NodeInfo, check_pair
 from common.sampling import SamplingParams
-from common.tree import DraftedTree, TokenTree
-from draft_node.tree_builder import TreeParams
+from common.tree import DraftedTree, TokenTree, TreeParams
 from target_node.session import VerifyResult
 
 MODES = ("specexec", "chain", "autoregressive")

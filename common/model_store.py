@@ -226,7 +226,8 @@ def install_model(name: str, *, progress: bool = True, force: bool = False, keep
         if not _gguf_matches(gguf_path, source, progress=progress):
             gguf_path.unlink(missing_ok=True)
             target = cache_root() / "downloads" / name
-            shutil.rmtree(target, ignore_errors=True)
+            if target.exists():  # leftovers of a failed attempt, kept so its error could name the parts
+                shutil.rmtree(target)
             parts = download_parts(source, target, progress=progress)
             join_parts(
                 parts,

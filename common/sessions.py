@@ -9,7 +9,9 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Generic, TypeVar
 
 S = TypeVar("S")
@@ -80,3 +82,34 @@ class SessionTable(Generic[S]):
         for sid in stale:
             del self._sessions[sid]
         return len(stale)
+
+
+class StepOutOfOrder(RuntimeError):
+    pass
+
+
+def check_step(last_step: int, step_id: int | None) -> None:
+    """Steps are numbered 1, 2, 3... per session: a stale or repeated one would corrupt the cache."""
+    if step_id is not None and step_id != last_step + 1:
+        raise StepOutOfOrder(f"step_id {step_id} is out of order: this session expects step {last_step + 1}")
+
+
+@dataclass
+class StepTiming:
+    """Filled in by an engine: time spent waiting for the model, and time using it."""
+
+    queue_seconds: float = 0.0
+    compute_seconds: float = 0.0
+
+
+@contextmanager
+def timed_lock(lock: threading.Lock, timing: StepTiming | None, arrived: float | None = None) -> Iterator[None]:
+    start = arrived if arrived is not None else time.perf_counter()
+    with lock:
+        acquired = time.perf_counter()
+        try:
+            yield
+        finally:
+            if timing is not None:
+                timing.queue_seconds = acquired - start
+                timing.compute_seconds = time.perf_counter() - acquired

@@ -14,10 +14,38 @@ from torch import Tensor
 
 NEG_INF = float("-inf")
 MAX_TREE_DEPTH = 128
+MAX_BUDGET = 8192
+
+
+@dataclass(frozen=True)
+class TreeParams:
+    budget: int = 64
+    max_depth: int = 16
+    max_branch: int = 8
+    expand_batch: int = 16
+
+    def __post_init__(self) -> None:
+        for name, value, limit in (
+            ("budget", self.budget, MAX_BUDGET),
+            ("max_depth", self.max_depth, MAX_TREE_DEPTH),
+            ("max_branch", self.max_branch, 1024),
+            ("expand_batch", self.expand_batch, MAX_BUDGET),
+        ):
+            if not 1 <= value <= limit:
+                raise ValueError(f"{name} must be in [1, {limit}], got {value}")
+
+    @staticmethod
+    def chain(length: int) -> TreeParams:
+        """Classic speculative decoding: the draft's greedy chain of `length` tokens."""
+        return TreeParams(budget=length, max_depth=length, max_branch=1, expand_batch=1)
 
 
 class TreeError(ValueError):
     """A tree that breaks one of the structural rules; the message names the field and the limit."""
+
+
+class TreeTooLarge(TreeError):
+    """A tree over a size limit: the request was well-formed, the node will not spend that much on it."""
 
 
 @dataclass(frozen=True)
@@ -44,7 +72,7 @@ class TokenTree:
         if n == 0:
             raise TreeError("tree is empty: it needs at least the root node")
         if n > max_nodes:
-            raise TreeError(f"tree has {n} nodes, over the limit of {max_nodes}")
+            raise TreeTooLarge(f"tree has {n} nodes, over the limit of {max_nodes}")
         if parents.shape[0] != n:
             raise TreeError(f"tree.parents has {parents.shape[0]} entries but tree.tokens has {n}")
         if self.logprobs is not None and self.logprobs.shape != (n,):

@@ -7,10 +7,9 @@ import threading
 
 from common.loading import LoadedModel
 from common.node_info import NodeInfo
-from common.sessions import SessionTable
-from common.tree import MAX_TREE_DEPTH, DraftedTree, check_token_ids
+from common.sessions import SessionTable, StepTiming, check_step, timed_lock
+from common.tree import MAX_TREE_DEPTH, DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from draft_node.session import DraftSession
-from draft_node.tree_builder import TreeParams
 
 
 class DraftEngine:
@@ -56,14 +55,20 @@ class DraftEngine:
         params: TreeParams,
         owner: str = "",
         truncate_to: int | None = None,
+        step_id: int | None = None,
+        timing: StepTiming | None = None,
     ) -> DraftedTree:
         session = self.sessions.get(session_id, owner)
         check_token_ids(new_tokens, self.loaded.model.cfg.vocab_size, "new_tokens")
-        with self._lock:
+        if params.budget > self.max_tree:
+            raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
+        with timed_lock(self._lock, timing):
+            check_step(session.step, step_id)
             if truncate_to is not None:
                 session.truncate(truncate_to)
             session.commit(new_tokens)
             built = session.build_tree(params)
+            session.step = step_id if step_id is not None else session.step + 1
         return DraftedTree(built.tree, built.draft_forwards)
 
     def close_session(self, session_id: str, owner: str = "") -> bool:

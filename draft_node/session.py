@@ -11,8 +11,8 @@ import torch
 from torch import Tensor
 
 from common.transformer import Transformer
-from common.tree import attention_bias
-from draft_node.tree_builder import BuiltTree, TreeBuilder, TreeParams
+from common.tree import TreeParams, attention_bias
+from draft_node.tree_builder import BuiltTree, TreeBuilder
 
 
 class DraftSession:
@@ -28,6 +28,7 @@ class DraftSession:
         self.max_tree = max_tree
         self._builders: dict[TreeParams, TreeBuilder] = {}
         self._last: BuiltTree | None = None
+        self.step = 0
 
     def commit(self, tokens: list[int]) -> None:
         """Append tokens accepted since the last tree, reusing that tree's KV along the matched path."""
@@ -47,8 +48,6 @@ class DraftSession:
         self._last = None
 
     def build_tree(self, params: TreeParams) -> BuiltTree:
-        if params.budget > self.max_tree:
-            raise ValueError(f"budget {params.budget} is over this node's limit of {self.max_tree}")
         root_logprobs = self._catch_up()
         builder = self._builders.get(params)
         if builder is None:

@@ -19,32 +19,9 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from common.tree import MAX_TREE_DEPTH, TokenTree
+from common.tree import MAX_BUDGET, TokenTree, TreeParams
 
-MAX_BUDGET = 8192
-
-
-@dataclass(frozen=True)
-class TreeParams:
-    budget: int = 64
-    max_depth: int = 16
-    max_branch: int = 8
-    expand_batch: int = 16
-
-    def __post_init__(self) -> None:
-        for name, value, limit in (
-            ("budget", self.budget, MAX_BUDGET),
-            ("max_depth", self.max_depth, MAX_TREE_DEPTH),
-            ("max_branch", self.max_branch, 1024),
-            ("expand_batch", self.expand_batch, MAX_BUDGET),
-        ):
-            if not 1 <= value <= limit:
-                raise ValueError(f"{name} must be in [1, {limit}], got {value}")
-
-    @staticmethod
-    def chain(length: int) -> TreeParams:
-        """Classic speculative decoding: the draft's greedy chain of `length` tokens."""
-        return TreeParams(budget=length, max_depth=length, max_branch=1, expand_batch=1)
+__all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "TreeBuilder", "TreeParams"]
 
 
 class Expander(Protocol):

@@ -8,7 +8,7 @@ import threading
 from common.loading import LoadedModel
 from common.node_info import NodeInfo
 from common.sampling import SamplingParams
-from common.sessions import SessionTable
+from common.sessions import SessionTable, StepTiming, check_step, timed_lock
 from common.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from target_node.session import TargetSession, VerifyResult
 
@@ -65,15 +65,17 @@ class TargetEngine:
         owner: str = "",
         append: list[int] | None = None,
         truncate_to: int | None = None,
+        step_id: int | None = None,
+        timing: StepTiming | None = None,
     ) -> VerifyResult:
         session = self.sessions.get(session_id, owner)
-        with self._lock:
-            if truncate_to is not None:
-                session.truncate(truncate_to)
-            if append:
-                check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
-                session.append(append)
-            return session.verify(tree, params, max_tokens)
+        if append:
+            check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
+        with timed_lock(self._lock, timing):
+            check_step(session.step, step_id)
+            result = session.verify_changes(tree, params, max_tokens, truncate_to=truncate_to, append=append or [])
+            session.step = step_id if step_id is not None else session.step + 1
+            return result
 
     def close_session(self, session_id: str, owner: str = "") -> bool:
         return self.sessions.remove(session_id, owner)

@@ -64,6 +64,21 @@ class TargetSession:
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.committed: list[int] = list(prompt)
         self.cache = model.new_cache(max_context + max_tree)
+        self.step = 0
+
+    def verify_changes(
+        self, tree: TokenTree, params: SamplingParams, max_tokens: int, *, truncate_to: int | None, append: list[int]
+    ) -> VerifyResult:
+        """Roll back and/or extend, then verify; on any error the session is left as it was."""
+        committed, length = list(self.committed), self.cache.length
+        try:
+            if truncate_to is not None:
+                self.truncate(truncate_to)
+            self.append(append)
+            return self.verify(tree, params, max_tokens)
+        except Exception:
+            self.committed, self.cache.length = committed, length
+            raise
 
     def append(self, tokens: list[int]) -> None:
         if len(self.committed) + len(tokens) > self.max_context:

@@ -1,0 +1,70 @@
+"""GenerationService: one endpoint that programs in any language call; it drives the two nodes."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from collections.abc import Callable, Iterator
+
+import grpc
+
+from client.api import SpecExec
+from client.generation import GenerationStats
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+from common.rpc import rpc_method, status_for
+from common.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
+
+
+def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
+    return pb.GenerationStats(
+        new_tokens=s.new_tokens,
+        target_steps=s.target_steps,
+        tokens_per_step=s.tokens_per_step,
+        tokens_per_second=s.tokens_per_second,
+        wall_seconds=s.wall_seconds,
+        draft_seconds=s.draft_seconds,
+        target_seconds=s.target_seconds,
+    )
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    """`make_generator(mode, tree)` returns a SpecExec bound to the nodes (shared channels)."""
+
+    def __init__(self, make_generator: Callable[..., SpecExec], base: SpecExec) -> None:
+        self.make_generator = make_generator
+        self.base = base
+
+    @rpc_method
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.GatewayInfo:
+        info = pb.GatewayInfo(target=node_info_to_proto(self.base.target.info(), "", 0, 0))
+        if self.base.draft is not None:
+            info.draft.CopyFrom(node_info_to_proto(self.base.draft.info(), "", 0, 0))
+        return info
+
+    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+        rid = request.request_id or secrets.token_hex(8)
+        cancelled = threading.Event()
+        context.add_callback(cancelled.set)
+        try:
+            sampling = sampling_from_proto(request.sampling)
+            mode = request.mode if request.HasField("mode") else self.base.mode
+            generator = self.make_generator(mode, tree_params_from_proto(request.tree))
+            prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+            stream = generator.stream(prompt, sampling)
+            for chunk in stream:
+                if cancelled.is_set():
+                    stream.close()  # closes both nodes' sessions
+                    return
+                if chunk.finish_reason is None:
+                    yield pb.GenerateResponse(
+                        request_id=rid, chunk=pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
+                    )
+                    continue
+                if chunk.text:
+                    yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(text=chunk.text))
+                assert chunk.stats is not None
+                final = pb.GenerateFinal(finish_reason=chunk.finish_reason, stats=stats_to_proto(chunk.stats))
+                yield pb.GenerateResponse(request_id=rid, final=final)
+        except Exception as exc:
+            context.abort(status_for(exc), str(exc))

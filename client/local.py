@@ -1,0 +1,62 @@
+"""`specexec local`: a draft node and a target node on loopback, as two processes, for one machine."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+from client.cli import sampling_from, tree_from
+from client.remote import connect, wait_until_serving
+
+
+def start_node(role: str, model: str, port: int, dtype: str, max_tree: int) -> subprocess.Popen:
+    module = "target_node" if role == "target" else "draft_node"
+    cmd = [sys.executable, "-m", module, "--model", model, "--listen", f"127.0.0.1:{port}", "--dtype", dtype,
+           "--max-tree", str(max(max_tree, 1))]
+    return subprocess.Popen(cmd)
+
+
+def run_local(args: argparse.Namespace) -> int:
+    target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
+    nodes = [
+        start_node("target", args.target_model, args.target_port, args.dtype, args.budget),
+        start_node("draft", args.draft_model, args.draft_port, args.dtype, args.budget),
+    ]
+    try:
+        for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
+            wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None)
+        print(
+            f"nodes ready: target {target_addr}, draft {draft_addr}\n"
+            f"  specexec generate --target {target_addr} --draft {draft_addr} --prompt '...'\n"
+            f"  specexec serve --target {target_addr} --draft {draft_addr}",
+            file=sys.stderr,
+            flush=True,
+        )
+        if args.prompt is None:
+            nodes[0].wait()
+            return 0
+        gen = connect(draft_addr, target_addr, mode=args.mode, tree=tree_from(args))
+        chunks = gen.stream(args.prompt, sampling_from(args))
+        if args.json:
+            from client.api import collect
+
+            print(json.dumps(collect(chunks).as_dict()))
+            return 0
+        for chunk in chunks:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+            if chunk.stats is not None:
+                s = chunk.stats
+                print(f"\n[{s.new_tokens} tokens in {s.wall_seconds:.1f} s: {s.tokens_per_second:.2f} tok/s, "
+                      f"{s.tokens_per_step:.2f} tokens per target step]", file=sys.stderr)
+        return 0
+    finally:
+        for node in nodes:
+            node.terminate()
+        for node in nodes:
+            try:
+                node.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                node.kill()

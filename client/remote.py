@@ -1,0 +1,217 @@
+"""gRPC adapters with the same interface as the in-process engines, so `Sequence` drives either."""
+
+from __future__ import annotations
+
+import secrets
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.loading import tokenizer_fingerprint
+from common.node_info import NodeInfo
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+from common.rpc import CHANNEL_OPTIONS
+from common.sampling import SamplingParams
+from common.tree import DraftedTree, TokenTree, TreeParams
+from common.wire import (
+    node_info_from_proto,
+    sampling_to_proto,
+    tree_from_proto,
+    tree_params_to_proto,
+    tree_to_proto,
+)
+from target_node.service import CLIENT_KEY
+from target_node.session import VerifyResult
+
+DEFAULT_STEP_TIMEOUT = 120.0
+DEFAULT_CALL_TIMEOUT = 30.0
+
+
+class NodeUnavailable(ConnectionError):
+    """A node could not be reached or stopped answering within its deadline."""
+
+
+class NodeError(RuntimeError):
+    """A node refused a request; `code` is the gRPC status."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _call(role: str, address: str, fn: Any, request: Any, timeout: float, metadata: Any) -> Any:
+    try:
+        return fn(request, timeout=timeout, metadata=metadata)
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise NodeUnavailable(f"{role} node at {address} is unavailable ({code.name}): {details}") from exc
+        if code == grpc.StatusCode.INVALID_ARGUMENT:
+            raise ValueError(f"{role} node refused the request: {details}") from exc
+        raise NodeError(code, f"{role} node at {address}: {code.name}: {details}") from exc
+
+
+def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    if credentials is None:
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+
+
+class _RemoteNode:
+    role = ""
+
+    def __init__(
+        self,
+        address: str,
+        *,
+        channel: grpc.Channel | None = None,
+        client_key: str | None = None,
+        step_timeout: float = DEFAULT_STEP_TIMEOUT,
+        call_timeout: float = DEFAULT_CALL_TIMEOUT,
+    ) -> None:
+        self.address = address
+        self.channel = channel or open_channel(address)
+        self.metadata = ((CLIENT_KEY, client_key or secrets.token_hex(16)),)
+        self.step_timeout, self.call_timeout = step_timeout, call_timeout
+        self._steps: dict[str, int] = {}
+        self._info: NodeInfo | None = None
+
+    def _rpc(self, fn: Any, request: Any, timeout: float | None = None) -> Any:
+        return _call(self.role, self.address, fn, request, timeout or self.call_timeout, self.metadata)
+
+    def _next_step(self, session_id: str) -> int:
+        self._steps[session_id] = self._steps.get(session_id, 0) + 1
+        return self._steps[session_id]
+
+    def info(self) -> NodeInfo:
+        if self._info is None:
+            self._info = node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest()))
+        return self._info
+
+    def open_session(self, prompt: list[int]) -> str:
+        sid = self._rpc(self.stub.OpenSession, pb.OpenSessionRequest(prompt=prompt)).session_id
+        self._steps[sid] = 0
+        return sid
+
+    def close_session(self, session_id: str) -> bool:
+        self._steps.pop(session_id, None)
+        return self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).closed
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+class RemoteDraft(_RemoteNode):
+    role = "draft"
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        super().__init__(address, **kwargs)
+        self.stub = pb_grpc.DraftServiceStub(self.channel)
+
+    def build_tree(
+        self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
+    ) -> DraftedTree:
+        request = pb.BuildTreeRequest(
+            session_id=session_id,
+            step_id=self._next_step(session_id),
+            new_tokens=new_tokens,
+            truncate_to=truncate_to,
+            params=tree_params_to_proto(params),
+        )
+        response = self._rpc(self.stub.BuildTree, request, self.step_timeout)
+        return DraftedTree(tree_from_proto(response.tree), response.draft_forwards)
+
+
+class RemoteTarget(_RemoteNode):
+    role = "target"
+
+    def __init__(self, address: str, **kwargs: Any) -> None:
+        super().__init__(address, **kwargs)
+        self.stub = pb_grpc.TargetServiceStub(self.channel)
+
+    def verify(
+        self,
+        session_id: str,
+        tree: TokenTree,
+        params: SamplingParams,
+        max_tokens: int,
+        append: list[int] | None = None,
+        truncate_to: int | None = None,
+    ) -> VerifyResult:
+        request = pb.VerifyRequest(
+            session_id=session_id,
+            step_id=self._next_step(session_id),
+            tree=tree_to_proto(tree),
+            sampling=sampling_to_proto(params),
+            max_tokens=max_tokens,
+            append=append or [],
+            truncate_to=truncate_to,
+        )
+        r = self._rpc(self.stub.Verify, request, self.step_timeout)
+        return VerifyResult(list(r.tokens), r.accepted, r.finish_reason or None)
+
+    def tokenizer(self) -> Any:
+        """The target's tokenizer, fetched once and cached on disk by fingerprint."""
+        from transformers import AutoTokenizer
+
+        from common.model_store import cache_root
+
+        fingerprint = self.info().tokenizer_fingerprint
+        folder = cache_root() / "tokenizers" / fingerprint
+        if not (folder / "complete").is_file():
+            files = self._rpc(self.stub.GetTokenizer, pb.InfoRequest())
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(dir=folder.parent))
+            for name, data in files.files.items():
+                if "/" in name or name.startswith("."):
+                    raise ValueError(f"target sent a tokenizer file with an unsafe name: {name!r}")
+                (staging / name).write_bytes(data)
+            (staging / "complete").write_text(fingerprint)
+            try:
+                staging.rename(folder)
+            except OSError:
+                if not (folder / "complete").is_file():
+                    raise
+                shutil.rmtree(staging)  # another process cached the same files first
+        tokenizer = AutoTokenizer.from_pretrained(folder)
+        got = tokenizer_fingerprint(tokenizer)
+        if got != fingerprint:
+            raise ValueError(f"tokenizer files from {self.address} hash to {got}, but the node reports {fingerprint}")
+        return tokenizer
+
+
+def connect(
+    draft: str | None, target: str, *, mode: str = "specexec", tree: TreeParams | None = None, **kwargs: Any
+) -> Any:
+    """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work."""
+    from client.api import SpecExec
+
+    remote_target = RemoteTarget(target, **kwargs)
+    remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
+    return SpecExec(remote_target, remote_draft, remote_target.tokenizer(), mode=mode, tree=tree)
+
+
+def wait_until_serving(address: str, timeout: float, alive: Any = None) -> None:
+    """Poll standard gRPC health until the node has loaded its model (SERVING)."""
+    import time
+
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    deadline = time.monotonic() + timeout
+    with open_channel(address) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while time.monotonic() < deadline:
+            if alive is not None and not alive():
+                raise NodeUnavailable(f"the node at {address} exited before it was ready")
+            try:
+                status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
+                if status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass  # not listening yet
+            time.sleep(0.2)
+    raise NodeUnavailable(f"the node at {address} was not serving after {timeout:.0f} s")

@@ -1,0 +1,218 @@
+"""What every gRPC server here shares: status mapping, limits, health, reflection, graceful stop."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import signal
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from concurrent import futures
+from typing import Any, TypeVar
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from common.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
+from common.tree import TreeTooLarge
+
+log = logging.getLogger("specexec.rpc")
+
+# Explicit on both sides: a tokenizer file can exceed gRPC's 4 MiB default, and a tree of the
+# maximum wire size (65,536 nodes) takes 768 KiB.
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+CHANNEL_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+SERVER_VERSION = "0.1.0"
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class NotReady(RuntimeError):
+    """The node is still loading its model."""
+
+
+def status_for(exc: BaseException) -> grpc.StatusCode:
+    if isinstance(exc, SessionNotFound):
+        return grpc.StatusCode.NOT_FOUND
+    if isinstance(exc, StepOutOfOrder):
+        return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, TooManySessions | TreeTooLarge):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
+    if isinstance(exc, NotReady):
+        return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, ValueError | OverflowError):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    return grpc.StatusCode.INTERNAL
+
+
+def rpc_method(fn: F) -> F:
+    """Turn domain errors into status codes; a bad request never escapes as a crash."""
+
+    @functools.wraps(fn)
+    def wrapper(self: Any, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            return fn(self, request, context)
+        except Exception as exc:
+            code = status_for(exc)
+            if code == grpc.StatusCode.INTERNAL:
+                log.exception("internal error in %s", fn.__name__)
+            context.abort(code, str(exc) or type(exc).__name__)
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Server:
+    """A gRPC server that answers health checks (NOT_SERVING until `ready()`) and reflection."""
+
+    def __init__(
+        self,
+        listen: str,
+        services: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
+        *,
+        max_workers: int = 16,
+        credentials: grpc.ServerCredentials | None = None,
+        interceptors: list[grpc.ServerInterceptor] | None = None,
+    ) -> None:
+        self.server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=max_workers),
+            options=CHANNEL_OPTIONS,
+            interceptors=interceptors or [],
+        )
+        self.health = health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        self.service_names = []
+        for add, servicer, name in services:
+            add(servicer, self.server)
+            self.service_names.append(name)
+        reflection.enable_server_reflection(
+            [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
+        )
+        self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        if credentials is None:
+            self.port = self.server.add_insecure_port(listen)
+        else:
+            self.port = self.server.add_secure_port(listen, credentials)
+        if self.port == 0:
+            raise OSError(f"could not bind {listen}")
+        self.stopped = threading.Event()
+
+    def _set_all(self, status: int) -> None:
+        for name in ["", *self.service_names]:
+            self.health.set(name, status)
+
+    def start(self) -> Server:
+        self.server.start()
+        return self
+
+    def ready(self) -> None:
+        self._set_all(health_pb2.HealthCheckResponse.SERVING)
+
+    def stop(self, grace: float = 5.0) -> None:
+        """Health goes NOT_SERVING first so balancers and clients stop sending, then in-flight calls
+        get `grace` seconds to finish before they are cancelled."""
+        self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.server.stop(grace).wait()
+        self.stopped.set()
+
+    def stop_on_signals(self, grace: float = 5.0) -> None:
+        def handler(signum: int, _frame: Any) -> None:
+            log.info("signal %d: shutting down", signum)
+            threading.Thread(target=self.stop, args=(grace,), daemon=True).start()
+
+        signal.signal(signal.SIGTERM, handler)
+        signal.signal(signal.SIGINT, handler)
+
+    def wait(self) -> None:
+        self.stopped.wait()
+
+
+def loopback_only(host: str) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1", "[::1]") or host.startswith("127.")
+
+
+def split_listen(listen: str) -> tuple[str, int]:
+    host, _, port = listen.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"listen address must be HOST:PORT, got {listen!r}")
+    return host, int(port)
+
+
+def start_reaper(tables: Iterable[Any], every: float = 10.0) -> threading.Event:
+    """Expire idle sessions even when no request arrives, so their KV caches are freed."""
+    stop = threading.Event()
+    tables = list(tables)
+
+    def loop() -> None:
+        while not stop.wait(every):
+            for table in tables:
+                expired = table.expire()
+                if expired:
+                    log.info("expired %d idle session(s)", expired)
+
+    threading.Thread(target=loop, daemon=True, name="session-reaper").start()
+    return stop
+
+
+def add_node_args(parser: Any, default_port: int) -> None:
+    """Options shared by `specexec draft` and `specexec target`."""
+    parser.add_argument("--model", required=True, help="model directory, .gguf file or default-pair name")
+    parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
+    parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
+    parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed")
+    parser.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
+
+
+def check_listen(listen: str, insecure: bool) -> None:
+    host, _ = split_listen(listen)
+    if not loopback_only(host) and not insecure:
+        raise ValueError(
+            f"refusing to listen on {host} without TLS: pass --insecure to expose an unauthenticated node "
+            "on your network"
+        )
+
+
+def serve_node(
+    args: Any,
+    role: str,
+    servicer: Any,
+    add_to_server: Callable[[Any, grpc.Server], None],
+    service_name: str,
+    make_engine: Callable[[Any], Any],
+) -> int:
+    """Bind first and answer health as NOT_SERVING while the model loads, then serve until a signal."""
+    from common.loading import load_model
+    from common.model_store import resolve_model
+
+    check_listen(args.listen, args.insecure)
+    server = Server(args.listen, [(add_to_server, servicer, service_name)]).start()
+    server.stop_on_signals()
+    host = split_listen(args.listen)[0]
+    print(f"{role} node listening on {host}:{server.port} (loading model)", file=sys.stderr, flush=True)
+    path = resolve_model(args.model)
+    loaded = load_model(path, dtype=args.dtype, device=args.device)
+    engine = make_engine(loaded)
+    servicer.attach(engine, path)
+    reaper = start_reaper([engine.sessions])
+    server.ready()
+    print(f"{role} node ready: {loaded.name} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
+    server.wait()
+    reaper.set()
+    return 0
+
+
+def engine_kwargs(args: Any) -> dict[str, Any]:
+    return dict(
+        max_context=args.max_context,
+        max_tree=args.max_tree,
+        max_sessions=args.max_sessions,
+        idle_timeout=args.idle_timeout,
+    )

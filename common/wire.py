@@ -1,0 +1,119 @@
+"""Conversions between engine objects and the protobuf messages of `proto/specexec/v1`.
+
+Trees travel as little-endian int32/float32 byte strings: converting with `frombuffer` costs no
+Python loop however large the tree, and a malformed payload is caught before it becomes a tensor.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from common.node_info import NodeInfo
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.sampling import SamplingParams
+from common.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
+
+TREE_FORMAT_VERSION = 1
+MAX_WIRE_TREE_NODES = 65536
+_I32 = np.dtype("<i4")
+_F32 = np.dtype("<f4")
+
+
+def tree_to_proto(tree: TokenTree) -> pb.TokenTree:
+    msg = pb.TokenTree(
+        format_version=TREE_FORMAT_VERSION,
+        tokens=tree.tokens.to(torch.int32).numpy().astype(_I32, copy=False).tobytes(),
+        parents=tree.parents.to(torch.int32).numpy().astype(_I32, copy=False).tobytes(),
+    )
+    if tree.logprobs is not None:
+        msg.logprobs = tree.logprobs.float().numpy().astype(_F32, copy=False).tobytes()
+    return msg
+
+
+def tree_from_proto(msg: pb.TokenTree, max_nodes: int = MAX_WIRE_TREE_NODES) -> TokenTree:
+    """Decode and check the envelope; structural rules are checked by `TokenTree.validate`."""
+    if msg.format_version != TREE_FORMAT_VERSION:
+        raise TreeError(f"tree.format_version {msg.format_version} is not supported (expected {TREE_FORMAT_VERSION})")
+    for field in ("tokens", "parents", "logprobs"):
+        if len(getattr(msg, field)) % 4:
+            raise TreeError(f"tree.{field} has {len(getattr(msg, field))} bytes, not a multiple of 4")
+    n = len(msg.tokens) // 4
+    if n > max_nodes:
+        raise TreeTooLarge(f"tree has {n} nodes, over the limit of {max_nodes}")
+    if len(msg.parents) != len(msg.tokens):
+        raise TreeError(f"tree.parents has {len(msg.parents) // 4} entries but tree.tokens has {n}")
+    if msg.logprobs and len(msg.logprobs) != len(msg.tokens):
+        raise TreeError(f"tree.logprobs has {len(msg.logprobs) // 4} entries but tree.tokens has {n}")
+    tokens = torch.from_numpy(np.frombuffer(msg.tokens, dtype=_I32).astype(np.int64))
+    parents = torch.from_numpy(np.frombuffer(msg.parents, dtype=_I32).astype(np.int64))
+    logprobs = torch.from_numpy(np.frombuffer(msg.logprobs, dtype=_F32).copy()) if msg.logprobs else None
+    return TokenTree(tokens, parents, logprobs)
+
+
+def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
+    return pb.SamplingParams(
+        temperature=p.temperature,
+        top_k=p.top_k,
+        top_p=p.top_p,
+        seed=p.seed,
+        max_new_tokens=p.max_new_tokens,
+        stop=list(p.stop),
+        ignore_eos=p.ignore_eos,
+    )
+
+
+def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
+    """Unset fields take SamplingParams' defaults; set ones are validated there."""
+    kwargs: dict = {}
+    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos"):
+        if msg.HasField(field):
+            kwargs[field] = getattr(msg, field)
+    return SamplingParams(stop=tuple(msg.stop), **kwargs)
+
+
+def tree_params_to_proto(p: TreeParams) -> pb.TreeParams:
+    return pb.TreeParams(budget=p.budget, max_depth=p.max_depth, max_branch=p.max_branch, expand_batch=p.expand_batch)
+
+
+def tree_params_from_proto(msg: pb.TreeParams, default: TreeParams | None = None) -> TreeParams:
+    base = default or TreeParams()
+    return TreeParams(
+        budget=msg.budget if msg.HasField("budget") else base.budget,
+        max_depth=msg.max_depth if msg.HasField("max_depth") else base.max_depth,
+        max_branch=msg.max_branch if msg.HasField("max_branch") else base.max_branch,
+        expand_batch=msg.expand_batch if msg.HasField("expand_batch") else base.expand_batch,
+    )
+
+
+def node_info_to_proto(info: NodeInfo, version: str, max_sessions: int, open_sessions: int) -> pb.NodeInfo:
+    return pb.NodeInfo(
+        role=info.role,
+        model_id=info.model_id,
+        vocab_size=info.vocab_size,
+        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        eos_token_ids=list(info.eos_token_ids),
+        max_context=info.max_context,
+        max_tree_nodes=info.max_tree_nodes,
+        max_tree_depth=info.max_tree_depth,
+        dtype=info.dtype,
+        device=info.device,
+        server_version=version,
+        max_sessions=max_sessions,
+        open_sessions=open_sessions,
+    )
+
+
+def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
+    return NodeInfo(
+        role=msg.role,
+        model_id=msg.model_id,
+        vocab_size=msg.vocab_size,
+        tokenizer_fingerprint=msg.tokenizer_fingerprint,
+        eos_token_ids=tuple(msg.eos_token_ids),
+        max_context=msg.max_context,
+        max_tree_nodes=msg.max_tree_nodes,
+        max_tree_depth=msg.max_tree_depth,
+        dtype=msg.dtype,
+        device=msg.device,
+    )

@@ -1,0 +1,5 @@
+import sys
+
+from draft_node.server import main
+
+sys.exit(main())

@@ -1,0 +1,5 @@
+import sys
+
+from target_node.server import main
+
+sys.exit(main())

@@ -1,0 +1,33 @@
+"""`specexec target` / `python -m target_node`: serve a target model over gRPC."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+from common.rpc import add_node_args, engine_kwargs, serve_node
+from target_node.engine import TargetEngine
+from target_node.service import TargetServicer
+
+
+def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
+    parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
+    add_node_args(parser, default_port=50051)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    return serve_node(
+        args,
+        "target",
+        TargetServicer(),
+        pb_grpc.add_TargetServiceServicer_to_server,
+        "specexec.v1.TargetService",
+        lambda loaded: TargetEngine(loaded, **engine_kwargs(args)),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return run(build_parser().parse_args(argv))
