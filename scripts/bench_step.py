@@ -10,7 +10,6 @@ sampling, acceptance and KV-cache pruning. It is measured by timing the model ca
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import tempfile
 import time
