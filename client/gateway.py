@@ -42,7 +42,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             info.draft.CopyFrom(node_info_to_proto(self.base.draft.info(), "", 0, 0))
         return info
 
-    def Generate(self, request: pb.GenerateRequest, context: grpc.ServicerContext) -> Iterator[pb.GenerateResponse]:
+    def Generate(
+        self, request: pb.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[pb.GenerateResponse]:
         rid = request.request_id or secrets.token_hex(8)
         cancelled = threading.Event()
         context.add_callback(cancelled.set)

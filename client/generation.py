@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from client.budget import BudgetPlanner
 from common.node_info import NodeInfo, check_pair
 from common.sampling import SamplingParams
 from common.tree import DraftedTree, TokenTree, TreeParams
@@ -51,6 +52,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)
 
     @property
     def tokens_per_step(self) -> float:
@@ -69,6 +71,7 @@ class GenerationStats:
             "wall_seconds": round(self.wall_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
         }
 
 
@@ -125,18 +128,25 @@ class Sequence:
         return truncate_to, self.tokens[valid:]
 
     def steps(
-        self, sampling: SamplingParams, tree: TreeParams | None, stats: GenerationStats
+        self,
+        sampling: SamplingParams,
+        tree: TreeParams | None,
+        stats: GenerationStats,
+        planner: BudgetPlanner | None = None,
     ) -> Iterator[VerifyResult]:
+        """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             if tree is None or self.draft is None:
                 drafted = TokenTree.root_only(self.tokens[-1])
             else:
+                params = planner.choose() if planner is not None else tree
                 truncate_to, append = self._sync("draft")
                 drafted = self.draft.build_tree(
-                    self.draft_session, append, tree, truncate_to=truncate_to
+                    self.draft_session, append, params, truncate_to=truncate_to
                 ).tree
+                stats.budgets.append(params.budget)
             mid = time.perf_counter()
             truncate_to, append = self._sync("target")
             result = self.target.verify(
@@ -147,10 +157,13 @@ class Sequence:
                 append=append,
                 truncate_to=truncate_to,
             )
-            stats.draft_seconds += mid - start
-            stats.target_seconds += time.perf_counter() - mid
+            draft_s, target_s = mid - start, time.perf_counter() - mid
+            stats.draft_seconds += draft_s
+            stats.target_seconds += target_s
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
+            if planner is not None:
+                planner.observe(drafted, result.accepted, draft_s, target_s)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

@@ -7,22 +7,33 @@ import json
 import subprocess
 import sys
 
-from client.cli import sampling_from, tree_from
+from client.cli import auto_budget, sampling_from, tree_from
 from client.remote import connect, wait_until_serving
 
 
 def start_node(role: str, model: str, port: int, dtype: str, max_tree: int) -> subprocess.Popen:
     module = "target_node" if role == "target" else "draft_node"
-    cmd = [sys.executable, "-m", module, "--model", model, "--listen", f"127.0.0.1:{port}", "--dtype", dtype,
-           "--max-tree", str(max(max_tree, 1))]
+    cmd = [
+        sys.executable,
+        "-m",
+        module,
+        "--model",
+        model,
+        "--listen",
+        f"127.0.0.1:{port}",
+        "--dtype",
+        dtype,
+        "--max-tree",
+        str(max(max_tree, 1)),
+    ]
     return subprocess.Popen(cmd)
 
 
 def run_local(args: argparse.Namespace) -> int:
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
     nodes = [
-        start_node("target", args.target_model, args.target_port, args.dtype, args.budget),
-        start_node("draft", args.draft_model, args.draft_port, args.dtype, args.budget),
+        start_node("target", args.target_model, args.target_port, args.dtype, tree_from(args).budget),
+        start_node("draft", args.draft_model, args.draft_port, args.dtype, tree_from(args).budget),
     ]
     try:
         for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
@@ -37,7 +48,9 @@ def run_local(args: argparse.Namespace) -> int:
         if args.prompt is None:
             nodes[0].wait()
             return 0
-        gen = connect(draft_addr, target_addr, mode=args.mode, tree=tree_from(args))
+        gen = connect(
+            draft_addr, target_addr, mode=args.mode, tree=tree_from(args), auto_budget=auto_budget(args)
+        )
         chunks = gen.stream(args.prompt, sampling_from(args))
         if args.json:
             from client.api import collect
@@ -49,8 +62,11 @@ def run_local(args: argparse.Namespace) -> int:
             sys.stdout.flush()
             if chunk.stats is not None:
                 s = chunk.stats
-                print(f"\n[{s.new_tokens} tokens in {s.wall_seconds:.1f} s: {s.tokens_per_second:.2f} tok/s, "
-                      f"{s.tokens_per_step:.2f} tokens per target step]", file=sys.stderr)
+                print(
+                    f"\n[{s.new_tokens} tokens in {s.wall_seconds:.1f} s: {s.tokens_per_second:.2f} tok/s, "
+                    f"{s.tokens_per_step:.2f} tokens per target step]",
+                    file=sys.stderr,
+                )
         return 0
     finally:
         for node in nodes:

@@ -49,7 +49,9 @@ def _call(role: str, address: str, fn: Any, request: Any, timeout: float, metada
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
-            raise NodeUnavailable(f"{role} node at {address} is unavailable ({code.name}): {details}") from exc
+            raise NodeUnavailable(
+                f"{role} node at {address} is unavailable ({code.name}): {details}"
+            ) from exc
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise ValueError(f"{role} node refused the request: {details}") from exc
         raise NodeError(code, f"{role} node at {address}: {code.name}: {details}") from exc
@@ -180,19 +182,29 @@ class RemoteTarget(_RemoteNode):
         tokenizer = AutoTokenizer.from_pretrained(folder)
         got = tokenizer_fingerprint(tokenizer)
         if got != fingerprint:
-            raise ValueError(f"tokenizer files from {self.address} hash to {got}, but the node reports {fingerprint}")
+            raise ValueError(
+                f"tokenizer files from {self.address} hash to {got}, but the node reports {fingerprint}"
+            )
         return tokenizer
 
 
 def connect(
-    draft: str | None, target: str, *, mode: str = "specexec", tree: TreeParams | None = None, **kwargs: Any
+    draft: str | None,
+    target: str,
+    *,
+    mode: str = "specexec",
+    tree: TreeParams | None = None,
+    auto_budget: bool = False,
+    **kwargs: Any,
 ) -> Any:
     """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work."""
     from client.api import SpecExec
 
     remote_target = RemoteTarget(target, **kwargs)
     remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
-    return SpecExec(remote_target, remote_draft, remote_target.tokenizer(), mode=mode, tree=tree)
+    return SpecExec(
+        remote_target, remote_draft, remote_target.tokenizer(), mode=mode, tree=tree, auto_budget=auto_budget
+    )
 
 
 def wait_until_serving(address: str, timeout: float, alive: Any = None) -> None:

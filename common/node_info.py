@@ -17,6 +17,7 @@ class NodeInfo:
     max_tree_depth: int
     dtype: str
     device: str
+    forward_curve: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) per forward pass
 
 
 class TokenizerMismatch(ValueError):

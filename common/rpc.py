@@ -167,8 +167,16 @@ def add_node_args(parser: Any, default_port: int) -> None:
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
     parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
     parser.add_argument("--max-sessions", type=int, default=8)
-    parser.add_argument("--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed")
+    parser.add_argument(
+        "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
+    )
     parser.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip measuring the forward-time curve at start-up (clients then cannot use --budget auto)",
+    )
 
 
 def check_listen(listen: str, insecure: bool) -> None:
@@ -200,6 +208,8 @@ def serve_node(
     path = resolve_model(args.model)
     loaded = load_model(path, dtype=args.dtype, device=args.device)
     engine = make_engine(loaded)
+    if args.profile:
+        engine.profile()
     servicer.attach(engine, path)
     reaper = start_reaper([engine.sessions])
     server.ready()

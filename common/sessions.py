@@ -103,7 +103,9 @@ class StepTiming:
 
 
 @contextmanager
-def timed_lock(lock: threading.Lock, timing: StepTiming | None, arrived: float | None = None) -> Iterator[None]:
+def timed_lock(
+    lock: threading.Lock, timing: StepTiming | None, arrived: float | None = None
+) -> Iterator[None]:
     start = arrived if arrived is not None else time.perf_counter()
     with lock:
         acquired = time.perf_counter()

@@ -108,17 +108,27 @@ class TreeStructure:
 
     @staticmethod
     def from_parents(parents: Tensor) -> TreeStructure:
-        """Ancestor sets by pointer jumping: log2(depth) vectorised steps, no loop over nodes."""
+        """Depths by pointer jumping (log2(depth) vector steps), then ancestor rows one depth level at a
+        time: each row is its parent's row plus itself, so every row is written once and no Python
+        loop runs over nodes."""
         n = parents.shape[0]
-        index = torch.arange(n, device=parents.device)
-        jump = parents.clamp(min=0)
-        anc = torch.zeros(n, n, dtype=torch.bool, device=parents.device)
-        anc[index, index] = True
-        anc[index, jump] = True
-        while bool((jump != 0).any()):
-            anc |= anc[jump]
-            jump = jump[jump]
-        return TreeStructure(anc, anc.sum(1) - 1)
+        device = parents.device
+        ptr = parents.clamp(min=0)
+        dist = (parents >= 0).long()
+        while bool((ptr != 0).any()):
+            dist = dist + dist[ptr]
+            ptr = ptr[ptr]
+        anc = torch.zeros(n, n, dtype=torch.bool, device=device)
+        anc[0, 0] = True
+        order = torch.argsort(dist, stable=True)
+        counts = torch.bincount(dist).tolist()
+        start = counts[0]
+        for count in counts[1:]:
+            rows = order[start : start + count]
+            anc[rows] = anc[parents[rows]]
+            anc[rows, rows] = True
+            start += count
+        return TreeStructure(anc, dist)
 
 
 def attention_bias(visible: Tensor, prefix_len: int) -> Tensor:

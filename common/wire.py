@@ -34,7 +34,9 @@ def tree_to_proto(tree: TokenTree) -> pb.TokenTree:
 def tree_from_proto(msg: pb.TokenTree, max_nodes: int = MAX_WIRE_TREE_NODES) -> TokenTree:
     """Decode and check the envelope; structural rules are checked by `TokenTree.validate`."""
     if msg.format_version != TREE_FORMAT_VERSION:
-        raise TreeError(f"tree.format_version {msg.format_version} is not supported (expected {TREE_FORMAT_VERSION})")
+        raise TreeError(
+            f"tree.format_version {msg.format_version} is not supported (expected {TREE_FORMAT_VERSION})"
+        )
     for field in ("tokens", "parents", "logprobs"):
         if len(getattr(msg, field)) % 4:
             raise TreeError(f"tree.{field} has {len(getattr(msg, field))} bytes, not a multiple of 4")
@@ -73,7 +75,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 
 def tree_params_to_proto(p: TreeParams) -> pb.TreeParams:
-    return pb.TreeParams(budget=p.budget, max_depth=p.max_depth, max_branch=p.max_branch, expand_batch=p.expand_batch)
+    return pb.TreeParams(
+        budget=p.budget, max_depth=p.max_depth, max_branch=p.max_branch, expand_batch=p.expand_batch
+    )
 
 
 def tree_params_from_proto(msg: pb.TreeParams, default: TreeParams | None = None) -> TreeParams:
@@ -101,6 +105,7 @@ def node_info_to_proto(info: NodeInfo, version: str, max_sessions: int, open_ses
         server_version=version,
         max_sessions=max_sessions,
         open_sessions=open_sessions,
+        forward_curve=[pb.CostPoint(tokens=n, seconds=t) for n, t in info.forward_curve],
     )
 
 
@@ -116,4 +121,5 @@ def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
         max_tree_depth=msg.max_tree_depth,
         dtype=msg.dtype,
         device=msg.device,
+        forward_curve=tuple((p.tokens, p.seconds) for p in msg.forward_curve),
     )

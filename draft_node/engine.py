@@ -7,6 +7,7 @@ import threading
 
 from common.loading import LoadedModel
 from common.node_info import NodeInfo
+from common.profiling import forward_curve
 from common.sessions import SessionTable, StepTiming, check_step, timed_lock
 from common.tree import MAX_TREE_DEPTH, DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from draft_node.session import DraftSession
@@ -25,8 +26,10 @@ class DraftEngine:
         self.loaded = loaded
         self.max_context = min(max_context, loaded.max_context)
         self.max_tree = max_tree
+        self.max_expand_batch = min(64, max_tree)
         self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, idle_timeout)
         self._lock = threading.Lock()
+        self.forward_curve: tuple[tuple[int, float], ...] = ()
 
     def info(self) -> NodeInfo:
         model = self.loaded.model
@@ -41,7 +44,13 @@ class DraftEngine:
             max_tree_depth=MAX_TREE_DEPTH,
             dtype=str(model.dtype).removeprefix("torch."),
             device=str(model.device),
+            forward_curve=self.forward_curve,
         )
+
+    def profile(self, progress: bool = True) -> None:
+        """Measure this node's forward-time curve once, before serving (see common.profiling)."""
+        with self._lock:
+            self.forward_curve = tuple(forward_curve(self.loaded.model, self.max_expand_batch, 1.0, progress))
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")

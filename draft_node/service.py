@@ -31,8 +31,12 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         return node_info_to_proto(e.info(), SERVER_VERSION, e.sessions.max_sessions, len(e.sessions))
 
     @rpc_method
-    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
-        return pb.OpenSessionResponse(session_id=self._engine().open_session(list(request.prompt), client_key(context)))
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionResponse:
+        return pb.OpenSessionResponse(
+            session_id=self._engine().open_session(list(request.prompt), client_key(context))
+        )
 
     @rpc_method
     def BuildTree(self, request: pb.BuildTreeRequest, context: grpc.ServicerContext) -> pb.BuildTreeResponse:
@@ -55,5 +59,9 @@ class DraftServicer(pb_grpc.DraftServiceServicer):
         )
 
     @rpc_method
-    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(closed=self._engine().close_session(request.session_id, client_key(context)))
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        return pb.CloseSessionResponse(
+            closed=self._engine().close_session(request.session_id, client_key(context))
+        )

@@ -30,7 +30,7 @@ from draft_node.engine import DraftEngine  # noqa: E402
 from target_node.engine import TargetEngine  # noqa: E402
 
 PROMPTS = [
-    "def quicksort(items):\n    \"\"\"Sort a list of numbers.\"\"\"\n",
+    'def quicksort(items):\n    """Sort a list of numbers."""\n',
     "The history of the printing press begins",
 ]
 
@@ -67,8 +67,12 @@ def run(args: argparse.Namespace) -> list[dict]:
     draft_loaded = load_model(args.draft_model, dtype=args.dtype)
     rows = []
     for budget in args.budget:
-        tree = TreeParams(budget=budget, max_depth=args.max_depth, max_branch=args.max_branch,
-                          expand_batch=args.expand_batch)
+        tree = TreeParams(
+            budget=budget,
+            max_depth=args.max_depth,
+            max_branch=args.max_branch,
+            expand_batch=args.expand_batch,
+        )
         target = TargetEngine(target_loaded, max_tree=budget)
         draft = DraftEngine(draft_loaded, max_tree=budget)
         gen = SpecExec(target, draft, target_loaded.tokenizer, tree=tree)
@@ -78,7 +82,9 @@ def run(args: argparse.Namespace) -> list[dict]:
         draft_s = target_s = wall = 0.0
         with t_clock.attach(target_loaded.model), d_clock.attach(draft_loaded.model):
             for prompt in PROMPTS:
-                out = gen.generate(prompt, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True))
+                out = gen.generate(
+                    prompt, SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True)
+                )
                 steps += out.stats.target_steps
                 tokens += out.stats.new_tokens
                 draft_s += out.stats.draft_seconds
@@ -103,14 +109,26 @@ def run(args: argparse.Namespace) -> list[dict]:
 
 
 def _table(rows: list[dict], header: bool = True) -> str:
-    cols = ["budget", "tokens_per_step", "tokens_per_s", "step_ms", "draft_model_ms", "target_model_ms",
-            "bookkeeping_ms", "bookkeeping_share"]
+    cols = [
+        "budget",
+        "tokens_per_step",
+        "tokens_per_s",
+        "step_ms",
+        "draft_model_ms",
+        "target_model_ms",
+        "bookkeeping_ms",
+        "bookkeeping_share",
+    ]
     lines = []
     if header:
         lines += ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
     for r in rows:
-        cells = [f"{r[c]:.1%}" if c == "bookkeeping_share" else (f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]))
-                 for c in cols]
+        cells = [
+            f"{r[c]:.1%}"
+            if c == "bookkeeping_share"
+            else (f"{r[c]:.2f}" if isinstance(r[c], float) else str(r[c]))
+            for c in cols
+        ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -119,7 +137,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--target-model")
     p.add_argument("--draft-model")
-    p.add_argument("--tiny", action="store_true", help="use random tiny models (4-layer target, 1-layer draft)")
+    p.add_argument(
+        "--tiny", action="store_true", help="use random tiny models (4-layer target, 1-layer draft)"
+    )
     p.add_argument("--dtype", default="float32")
     p.add_argument("--budget", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--max-depth", type=int, default=16)
@@ -140,9 +160,14 @@ def main() -> None:
     if not args.tiny:
         from common.model_store import resolve_model
 
-        args.target_model, args.draft_model = resolve_model(args.target_model), resolve_model(args.draft_model)
-    print(f"target {args.target_model}, draft {args.draft_model}, {args.dtype}, {args.threads} threads, "
-          f"{args.max_new_tokens} tokens x {len(PROMPTS)} prompts, greedy")
+        args.target_model, args.draft_model = (
+            resolve_model(args.target_model),
+            resolve_model(args.draft_model),
+        )
+    print(
+        f"target {args.target_model}, draft {args.draft_model}, {args.dtype}, {args.threads} threads, "
+        f"{args.max_new_tokens} tokens x {len(PROMPTS)} prompts, greedy"
+    )
     run(args)
 
 

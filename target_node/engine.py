@@ -7,6 +7,7 @@ import threading
 
 from common.loading import LoadedModel
 from common.node_info import NodeInfo
+from common.profiling import forward_curve
 from common.sampling import SamplingParams
 from common.sessions import SessionTable, StepTiming, check_step, timed_lock
 from common.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
@@ -28,6 +29,7 @@ class TargetEngine:
         self.max_tree = max_tree
         self.sessions: SessionTable[TargetSession] = SessionTable(max_sessions, idle_timeout)
         self._lock = threading.Lock()
+        self.forward_curve: tuple[tuple[int, float], ...] = ()
 
     def info(self) -> NodeInfo:
         model = self.loaded.model
@@ -42,7 +44,13 @@ class TargetEngine:
             max_tree_depth=MAX_TREE_DEPTH,
             dtype=str(model.dtype).removeprefix("torch."),
             device=str(model.device),
+            forward_curve=self.forward_curve,
         )
+
+    def profile(self, progress: bool = True) -> None:
+        """Measure this node's forward-time curve once, before serving (see common.profiling)."""
+        with self._lock:
+            self.forward_curve = tuple(forward_curve(self.loaded.model, self.max_tree + 1, 0.5, progress))
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
@@ -73,7 +81,9 @@ class TargetEngine:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
         with timed_lock(self._lock, timing):
             check_step(session.step, step_id)
-            result = session.verify_changes(tree, params, max_tokens, truncate_to=truncate_to, append=append or [])
+            result = session.verify_changes(
+                tree, params, max_tokens, truncate_to=truncate_to, append=append or []
+            )
             session.step = step_id if step_id is not None else session.step + 1
             return result
 

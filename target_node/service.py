@@ -52,11 +52,15 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
     def GetTokenizer(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.TokenizerFiles:
         e = self._engine()
         assert self.model_dir is not None
-        files = {n: (self.model_dir / n).read_bytes() for n in TOKENIZER_FILES if (self.model_dir / n).is_file()}
+        files = {
+            n: (self.model_dir / n).read_bytes() for n in TOKENIZER_FILES if (self.model_dir / n).is_file()
+        }
         return pb.TokenizerFiles(files=files, fingerprint=e.loaded.tokenizer_fingerprint)
 
     @rpc_method
-    def OpenSession(self, request: pb.OpenSessionRequest, context: grpc.ServicerContext) -> pb.OpenSessionResponse:
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionResponse:
         sid = self._engine().open_session(list(request.prompt), owner=client_key(context))
         return pb.OpenSessionResponse(session_id=sid)
 
@@ -86,5 +90,9 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
         )
 
     @rpc_method
-    def CloseSession(self, request: pb.CloseSessionRequest, context: grpc.ServicerContext) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(closed=self._engine().close_session(request.session_id, client_key(context)))
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        return pb.CloseSessionResponse(
+            closed=self._engine().close_session(request.session_id, client_key(context))
+        )

@@ -67,7 +67,13 @@ class TargetSession:
         self.step = 0
 
     def verify_changes(
-        self, tree: TokenTree, params: SamplingParams, max_tokens: int, *, truncate_to: int | None, append: list[int]
+        self,
+        tree: TokenTree,
+        params: SamplingParams,
+        max_tokens: int,
+        *,
+        truncate_to: int | None,
+        append: list[int],
     ) -> VerifyResult:
         """Roll back and/or extend, then verify; on any error the session is left as it was."""
         committed, length = list(self.committed), self.cache.length

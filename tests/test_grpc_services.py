@@ -36,7 +36,9 @@ class Node:
     def __init__(self, descriptor, servicer) -> None:
         self.descriptor = descriptor
         self.servicer = servicer
-        self.server = grpc_testing.server_from_dictionary({descriptor: servicer}, grpc_testing.strict_real_time())
+        self.server = grpc_testing.server_from_dictionary(
+            {descriptor: servicer}, grpc_testing.strict_real_time()
+        )
 
     def call(self, method: str, request, client: str = "alice"):
         rpc = self.server.invoke_unary_unary(
@@ -50,7 +52,9 @@ class Node:
         assert code == OK, (code, details)
         return response
 
-    def refused(self, method: str, request, code: grpc.StatusCode, *needles: str, client: str = "alice") -> str:
+    def refused(
+        self, method: str, request, code: grpc.StatusCode, *needles: str, client: str = "alice"
+    ) -> str:
         _, got, details = self.call(method, request, client)
         assert got == code, (got, details)
         for needle in needles:
@@ -89,22 +93,28 @@ def build(sid: str, step: int, budget: int = 8, new_tokens=()) -> pb.BuildTreeRe
 @pytest.fixture(scope="module")
 def first_token(model_dirs) -> int:
     """The target alone's greedy next token after PROMPT."""
-    return reference_decode(model_dirs["target"], PROMPT, SamplingParams(max_new_tokens=1, ignore_eos=True))[0]
+    return reference_decode(model_dirs["target"], PROMPT, SamplingParams(max_new_tokens=1, ignore_eos=True))[
+        0
+    ]
 
 
 @pytest.fixture(scope="module")
 def target(loaded, model_dirs) -> Node:
     servicer = TargetServicer()
-    servicer.attach(TargetEngine(loaded["target"], max_context=256, max_tree=MAX_TREE, max_sessions=64),
-                    model_dirs["target"])
+    servicer.attach(
+        TargetEngine(loaded["target"], max_context=256, max_tree=MAX_TREE, max_sessions=64),
+        model_dirs["target"],
+    )
     return Node(TARGET, servicer)
 
 
 @pytest.fixture(scope="module")
 def draft(loaded, model_dirs) -> Node:
     servicer = DraftServicer()
-    servicer.attach(DraftEngine(loaded["truncated"], max_context=256, max_tree=MAX_TREE, max_sessions=64),
-                    model_dirs["truncated"])
+    servicer.attach(
+        DraftEngine(loaded["truncated"], max_context=256, max_tree=MAX_TREE, max_sessions=64),
+        model_dirs["truncated"],
+    )
     return Node(DRAFT, servicer)
 
 
@@ -230,13 +240,17 @@ def test_verify_refuses_append_outside_vocab(target, first_token):
 @pytest.mark.parametrize("role", ["target", "draft"])
 def test_open_session_refuses_bad_prompts(target, draft, role, prompt, needle):
     node = target if role == "target" else draft
-    node.refused("OpenSession", pb.OpenSessionRequest(prompt=prompt), grpc.StatusCode.INVALID_ARGUMENT, needle)
+    node.refused(
+        "OpenSession", pb.OpenSessionRequest(prompt=prompt), grpc.StatusCode.INVALID_ARGUMENT, needle
+    )
     node.ok("CloseSession", pb.CloseSessionRequest(session_id=open_session(node)))
 
 
 def test_build_tree_refuses_bad_new_tokens_and_params(draft):
     sid = open_session(draft)
-    draft.refused("BuildTree", build(sid, 1, new_tokens=[VOCAB]), grpc.StatusCode.INVALID_ARGUMENT, "new_tokens")
+    draft.refused(
+        "BuildTree", build(sid, 1, new_tokens=[VOCAB]), grpc.StatusCode.INVALID_ARGUMENT, "new_tokens"
+    )
     request = build(sid, 1)
     request.params.max_branch = 0
     draft.refused("BuildTree", request, grpc.StatusCode.INVALID_ARGUMENT, "max_branch")
@@ -321,7 +335,11 @@ def test_tree_over_the_node_limit(target, first_token):
     n = MAX_TREE + 2  # one node over max_tree + 1 (root included)
     big = wire_tree([ROOT] + [1] * (n - 1), [-1] + [0] * (n - 1))
     target.refused(
-        "Verify", verify(sid, 1, big), grpc.StatusCode.RESOURCE_EXHAUSTED, f"{n} nodes", f"limit of {MAX_TREE + 1}"
+        "Verify",
+        verify(sid, 1, big),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"{n} nodes",
+        f"limit of {MAX_TREE + 1}",
     )
     at_limit = wire_tree([ROOT] + [1] * MAX_TREE, [-1] + [0] * MAX_TREE)
     r = target.ok("Verify", verify(sid, 1, at_limit))
@@ -332,8 +350,11 @@ def test_tree_over_the_node_limit(target, first_token):
 def test_build_tree_budget_over_the_node_limit(draft):
     sid = open_session(draft)
     draft.refused(
-        "BuildTree", build(sid, 1, budget=MAX_TREE + 1), grpc.StatusCode.RESOURCE_EXHAUSTED,
-        f"budget {MAX_TREE + 1}", f"limit of {MAX_TREE}",
+        "BuildTree",
+        build(sid, 1, budget=MAX_TREE + 1),
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        f"budget {MAX_TREE + 1}",
+        f"limit of {MAX_TREE}",
     )
     tree = tree_from_proto(draft.ok("BuildTree", build(sid, 1, budget=MAX_TREE)).tree)
     assert 1 < tree.size <= MAX_TREE + 1

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "max_tree_nodes", "max_tree_depth", "dtype", "device", "server_version", "max_sessions", "open_sessions")
+    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "max_tree_nodes", "max_tree_depth", "dtype", "device", "server_version", "max_sessions", "open_sessions", "forward_curve")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -25,6 +25,7 @@ class NodeInfo(_message.Message):
     SERVER_VERSION_FIELD_NUMBER: _ClassVar[int]
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_CURVE_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_id: str
     vocab_size: int
@@ -38,7 +39,16 @@ class NodeInfo(_message.Message):
     server_version: str
     max_sessions: int
     open_sessions: int
-    def __init__(self, role: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., server_version: _Optional[str] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ...) -> None: ...
+    forward_curve: _containers.RepeatedCompositeFieldContainer[CostPoint]
+    def __init__(self, role: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., server_version: _Optional[str] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., forward_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+
+class CostPoint(_message.Message):
+    __slots__ = ("tokens", "seconds")
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tokens: int
+    seconds: float
+    def __init__(self, tokens: _Optional[int] = ..., seconds: _Optional[float] = ...) -> None: ...
 
 class TokenTree(_message.Message):
     __slots__ = ("format_version", "tokens", "parents", "logprobs")

@@ -1,0 +1,127 @@
+"""`--budget auto`: pick the tree size that maximises expected tokens per second on this hardware.
+
+Per step, E[tokens](B) = 1 + c * S(B), where S(B) is the summed draft probability of the B most
+probable tree nodes (the expected accepted length if the target agreed with the draft, SpecExec's
+own criterion) and c is a running calibration of observed over predicted acceptance. The step time
+is the draft's tree-building time plus one target pass over B + 1 tokens, both read off the
+forward-time curves the nodes measured at start-up. Large trees win where a target pass costs the
+same for 1 and 1000 tokens (an offloaded GPU), small ones on a CPU.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from common.profiling import interpolate
+from common.tree import TokenTree, TreeParams, TreeStructure
+
+EMA = 0.2
+
+
+@dataclass
+class BudgetPlanner:
+    target_curve: list[tuple[int, float]]
+    draft_curve: list[tuple[int, float]]
+    base: TreeParams  # its budget is the largest considered
+    calibration: float = 1.0
+    draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
+    target_scale: float = 1.0
+    survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
+    depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
+    history: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.target_curve or not self.draft_curve:
+            raise ValueError(
+                "--budget auto needs forward-time curves from both nodes (start them with profiling on)"
+            )
+        self.probe = self._probe_budget()
+
+    def candidates(self, limit: int) -> list[int]:
+        sizes, b = [], 1
+        while b < limit:
+            sizes.append(b)
+            b *= 2
+        return [*sizes, limit]
+
+    def _probe_budget(self) -> int:
+        """The first tree is built large enough to learn S(B), but no larger than 4 cheap steps cost."""
+        one = self.step_seconds(1, 1)
+        fits = [
+            b
+            for b in self.candidates(self.base.budget)
+            if self.step_seconds(b, min(b, self.base.max_depth)) <= 4 * one
+        ]
+        return max(fits, default=1)
+
+    def draft_seconds(self, budget: int, depth: int) -> float:
+        """Each level of the tree needs one draft forward, and each forward expands at most expand_batch."""
+        batch = min(self.base.expand_batch, budget)
+        iterations = max(depth, math.ceil(budget / self.base.expand_batch))
+        return self.draft_scale * iterations * interpolate(self.draft_curve, batch)
+
+    def target_seconds(self, budget: int) -> float:
+        return self.target_scale * interpolate(self.target_curve, budget + 1)
+
+    def step_seconds(self, budget: int, depth: int) -> float:
+        return self.draft_seconds(budget, depth) + self.target_seconds(budget)
+
+    def expected_tokens(self, budget: int) -> float:
+        assert self.survival is not None
+        return 1.0 + self.calibration * float(self.survival[min(budget, len(self.survival) - 1)])
+
+    def table(self) -> list[dict[str, float]]:
+        assert self.survival is not None and self.depth is not None
+        rows = []
+        for b in self.candidates(len(self.survival) - 1):
+            depth = int(self.depth[b])
+            seconds = self.step_seconds(b, depth)
+            tokens = self.expected_tokens(b)
+            rows.append(
+                dict(
+                    budget=b,
+                    draft_s=self.draft_seconds(b, depth),
+                    target_s=self.target_seconds(b),
+                    expected_tokens=tokens,
+                    tokens_per_s=tokens / seconds,
+                )
+            )
+        return rows
+
+    def choose(self) -> TreeParams:
+        if self.survival is None:
+            return replace(self.base, budget=self.probe)
+        best = max(self.table(), key=lambda r: r["tokens_per_s"])
+        return replace(self.base, budget=int(best["budget"]))
+
+    def observe(self, tree: TokenTree, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        n = tree.size - 1
+        if tree.logprobs is None or n < 1:
+            return
+        depth_n = int(TreeStructure.from_parents(tree.parents).depths.max())
+        self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(n, depth_n))
+        self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
+        order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1
+        survival = torch.cat((torch.zeros(1), tree.logprobs[order].double().exp().cumsum(0).float()))
+        depths = TreeStructure.from_parents(tree.parents).depths[order]
+        depth = torch.cat((torch.zeros(1, dtype=torch.long), depths.cummax(0).values))
+        predicted = float(survival[-1])
+        if predicted > 0:
+            self.calibration += EMA * (accepted / predicted - self.calibration)
+        if self.survival is not None and len(self.survival) > len(survival):
+            # Keep the tail learned from a larger tree, re-anchored at this tree's size.
+            tail = self.survival[len(survival) :] - self.survival[n] + survival[-1]
+            survival = torch.cat((survival, tail))
+            depth = torch.cat((depth, torch.maximum(self.depth[len(depth) :], depth[-1])))
+        self.survival, self.depth = survival, depth
+        self.history.append(n)
+
+
+def _ema_ratio(observed: float, predicted: float) -> float:
+    """Multiplier moving a scale EMA of the way towards observed / predicted."""
+    if predicted <= 0 or observed <= 0:
+        return 1.0
+    return 1.0 + EMA * (observed / predicted - 1.0)
