@@ -13,7 +13,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from client.budget import BudgetPlanner
-from client.generation import DraftBackend, GenerationStats, Sequence, TargetBackend, tree_params_for
+from client.generation import (
+    DraftBackend,
+    GenerationStats,
+    Recovery,
+    Sequence,
+    TargetBackend,
+    tree_params_for,
+)
 from client.text import TextAssembler
 from common.sampling import SamplingParams
 from common.tree import TreeParams
@@ -110,11 +117,15 @@ class SpecExec:
         return list(prompt)
 
     def stream(
-        self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any
+        self,
+        prompt: str | list[int],
+        sampling: SamplingParams | None = None,
+        recovery: Recovery | None = None,
+        **kwargs: Any,
     ) -> Iterator[Chunk]:
         """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
         sampling = sampling or SamplingParams(**kwargs)
-        sequence = Sequence(self.target, self.draft, self.encode(prompt))
+        sequence = Sequence(self.target, self.draft, self.encode(prompt), recovery)
         try:
             yield from self._run(sequence, sampling)
         finally:

@@ -6,18 +6,21 @@ adapters in `client.remote`, so the same loop drives one process or two machines
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from client.budget import BudgetPlanner
+from client.faults import NodeFault, NodeUnavailable
 from common.node_info import NodeInfo, check_pair
 from common.sampling import SamplingParams
 from common.tree import DraftedTree, TokenTree, TreeParams
 from target_node.session import VerifyResult
 
 MODES = ("specexec", "chain", "autoregressive")
+log = logging.getLogger("specexec.client")
 
 
 class DraftBackend(Protocol):
@@ -53,6 +56,7 @@ class GenerationStats:
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
+    draft_failures: int = 0
 
     @property
     def tokens_per_step(self) -> float:
@@ -71,6 +75,7 @@ class GenerationStats:
             "wall_seconds": round(self.wall_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "draft_failures": self.draft_failures,
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
         }
 
@@ -84,6 +89,23 @@ def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:
     return TreeParams.chain(params.budget) if mode == "chain" else params
 
 
+@dataclass(frozen=True)
+class Recovery:
+    """How a sequence rides out node faults.
+
+    Draft down: keep generating with the target alone (root-only trees: correct, slower) and try to
+    reopen a draft session every `draft_retry_seconds`. Target down or restarted: reopen a session by
+    replaying the committed tokens, for up to `target_retry_seconds`. A step past its deadline is
+    retried once on a fresh session, then reported. Output is unchanged by any of this: draws depend
+    only on (seed, position), and no token is committed until the target has returned it.
+    """
+
+    draft_retry_seconds: float = 5.0
+    target_retry_seconds: float = 60.0
+    backoff_seconds: float = 0.5
+    notify: Callable[[str], None] = field(default=lambda message: log.warning("%s", message))
+
+
 class Sequence:
     """One token sequence mirrored on the target (and the draft, if any), extended step by step.
 
@@ -91,12 +113,19 @@ class Sequence:
     the end, ride along with the next request to that node.
     """
 
-    def __init__(self, target: TargetBackend, draft: DraftBackend | None, prompt: list[int]) -> None:
+    def __init__(
+        self,
+        target: TargetBackend,
+        draft: DraftBackend | None,
+        prompt: list[int],
+        recovery: Recovery | None = None,
+    ) -> None:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if draft is not None:
             check_pair(draft.info(), target.info())
         self.target, self.draft = target, draft
+        self.recovery = recovery or Recovery()
         self.tokens = list(prompt)
         self.target_session = target.open_session(prompt)
         try:
@@ -107,6 +136,7 @@ class Sequence:
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.
         self._valid = {"target": len(prompt), "draft": len(prompt)}
         self._length = dict(self._valid)
+        self._draft_down_since: float | None = None
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -127,6 +157,67 @@ class Sequence:
         self._valid[node] = self._length[node] = len(self.tokens)
         return truncate_to, self.tokens[valid:]
 
+    def _reopen(self, node: str) -> None:
+        """A fresh session holding every committed token: the node replays the history once."""
+        backend = self.target if node == "target" else self.draft
+        assert backend is not None
+        session = backend.open_session(self.tokens)
+        if node == "target":
+            self.target_session = session
+        else:
+            self.draft_session = session
+        self._valid[node] = self._length[node] = len(self.tokens)
+
+    def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> TokenTree | None:
+        """The draft's tree, or None while the draft is down (the step then runs on the target alone)."""
+        assert self.draft is not None
+        if self._draft_down_since is not None:
+            if time.monotonic() - self._draft_down_since < self.recovery.draft_retry_seconds:
+                return None
+            try:
+                self._reopen("draft")
+            except NodeFault:
+                self._draft_down_since = time.monotonic()
+                return None
+            self._draft_down_since = None
+            self.recovery.notify("draft node is back: speculative decoding resumes")
+        try:
+            truncate_to, append = self._sync("draft")
+            return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to).tree
+        except NodeFault as exc:
+            stats.draft_failures += 1
+            self._draft_down_since = time.monotonic()
+            self.recovery.notify(f"{exc}; continuing with the target alone")
+            return None
+
+    def _verify(self, tree: TokenTree, sampling: SamplingParams, max_tokens: int) -> VerifyResult:
+        deadline = time.monotonic() + self.recovery.target_retry_seconds
+        timeouts = 0
+        while True:
+            try:
+                truncate_to, append = self._sync("target")
+                return self.target.verify(
+                    self.target_session,
+                    tree,
+                    sampling,
+                    max_tokens=max_tokens,
+                    append=append,
+                    truncate_to=truncate_to,
+                )
+            except NodeFault as exc:
+                timeouts += isinstance(exc, NodeUnavailable) and exc.timed_out
+                if timeouts > 1 or time.monotonic() > deadline:
+                    raise
+                self.recovery.notify(f"{exc}; reopening the target session from the committed tokens")
+            while True:
+                try:
+                    self._reopen("target")
+                    break
+                except NodeFault:
+                    if time.monotonic() > deadline:
+                        raise
+                    time.sleep(self.recovery.backoff_seconds)
+
     def steps(
         self,
         sampling: SamplingParams,
@@ -138,31 +229,22 @@ class Sequence:
         generated = 0
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
-            if tree is None or self.draft is None:
-                drafted = TokenTree.root_only(self.tokens[-1])
-            else:
+            drafted = None
+            if tree is not None and self.draft is not None:
                 params = planner.choose() if planner is not None else tree
-                truncate_to, append = self._sync("draft")
-                drafted = self.draft.build_tree(
-                    self.draft_session, append, params, truncate_to=truncate_to
-                ).tree
-                stats.budgets.append(params.budget)
+                drafted = self._draft_tree(params, stats)
+                if drafted is not None:
+                    stats.budgets.append(params.budget)
+            if drafted is None:
+                drafted = TokenTree.root_only(self.tokens[-1])
             mid = time.perf_counter()
-            truncate_to, append = self._sync("target")
-            result = self.target.verify(
-                self.target_session,
-                drafted,
-                sampling,
-                max_tokens=sampling.max_new_tokens - generated,
-                append=append,
-                truncate_to=truncate_to,
-            )
+            result = self._verify(drafted, sampling, sampling.max_new_tokens - generated)
             draft_s, target_s = mid - start, time.perf_counter() - mid
             stats.draft_seconds += draft_s
             stats.target_seconds += target_s
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
-            if planner is not None:
+            if planner is not None and drafted.size > 1:
                 planner.observe(drafted, result.accepted, draft_s, target_s)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
@@ -173,6 +255,11 @@ class Sequence:
                 return
 
     def close(self) -> None:
-        self.target.close_session(self.target_session)
-        if self.draft is not None:
-            self.draft.close_session(self.draft_session)
+        """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the rest)."""
+        for backend, session in ((self.target, self.target_session), (self.draft, self.draft_session)):
+            if backend is None:
+                continue
+            try:
+                backend.close_session(session)
+            except NodeFault as exc:
+                log.info("could not close session %s: %s", session, exc)

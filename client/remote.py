@@ -10,6 +10,7 @@ from typing import Any
 
 import grpc
 
+from client.faults import NodeUnavailable, SessionLost
 from common.loading import tokenizer_fingerprint
 from common.node_info import NodeInfo
 from common.pb.specexec.v1 import specexec_pb2 as pb
@@ -31,10 +32,6 @@ DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
 
 
-class NodeUnavailable(ConnectionError):
-    """A node could not be reached or stopped answering within its deadline."""
-
-
 class NodeError(RuntimeError):
     """A node refused a request; `code` is the gRPC status."""
 
@@ -50,8 +47,11 @@ def _call(role: str, address: str, fn: Any, request: Any, timeout: float, metada
         code, details = exc.code(), exc.details()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
             raise NodeUnavailable(
-                f"{role} node at {address} is unavailable ({code.name}): {details}"
+                f"{role} node at {address} is unavailable ({code.name}): {details}",
+                timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED,
             ) from exc
+        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+            raise SessionLost(f"{role} node at {address}: {code.name}: {details}") from exc
         if code == grpc.StatusCode.INVALID_ARGUMENT:
             raise ValueError(f"{role} node refused the request: {details}") from exc
         raise NodeError(code, f"{role} node at {address}: {code.name}: {details}") from exc

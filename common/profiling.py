@@ -58,7 +58,9 @@ def time_tree_forward(model: Transformer, n: int, logits_rows: int, budget_secon
     return min(times[1:])
 
 
-def forward_curve(model: Transformer, limit: int, logits_share: float, progress: bool = True) -> list[tuple[int, float]]:
+def forward_curve(
+    model: Transformer, limit: int, logits_share: float, progress: bool = True
+) -> list[tuple[int, float]]:
     sizes = profile_sizes(limit)
     bar = tqdm(sizes, desc="profiling forward passes", unit="size", disable=not progress)
     seconds = [time_tree_forward(model, n, round(n * logits_share)) for n in bar]

@@ -63,7 +63,9 @@ def test_greedy_through_two_nodes_equals_target_alone(nodes):
     prompt = "def is_palindrome(s: str) -> bool:\n"
     params = SamplingParams(max_new_tokens=32)
     alone = connect(None, nodes["target"], mode="autoregressive").generate(prompt, params)
-    spec = connect(nodes["draft"], nodes["target"], tree=TreeParams(budget=16, max_depth=8)).generate(prompt, params)
+    spec = connect(nodes["draft"], nodes["target"], tree=TreeParams(budget=16, max_depth=8)).generate(
+        prompt, params
+    )
     assert spec.token_ids == alone.token_ids
     assert len(alone.token_ids) == 32 or alone.finish_reason == "stop"
     assert "palindrome" in spec.text.lower()

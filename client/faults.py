@@ -1,0 +1,19 @@
+"""Node faults the decode loop survives, kept free of transport details."""
+
+from __future__ import annotations
+
+
+class NodeFault(Exception):
+    """A node could not serve a step; the sequence can be replayed on a fresh session."""
+
+
+class NodeUnavailable(NodeFault, ConnectionError):
+    """Unreachable, restarting, or past its deadline."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class SessionLost(NodeFault):
+    """The node no longer knows the session (it restarted, or the session expired while idle)."""
