@@ -13,6 +13,7 @@ from client.generation import GenerationStats
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import rpc_method, status_for
+from common.tree import TreeParams
 from common.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
 
 
@@ -51,7 +52,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             sampling = sampling_from_proto(request.sampling)
             mode = request.mode if request.HasField("mode") else self.base.mode
-            generator = self.make_generator(mode, tree_params_from_proto(request.tree))
+            tree = tree_params_from_proto(request.tree, default=self.base.tree or TreeParams())
+            generator = self.make_generator(mode, tree)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
             stream = generator.stream(prompt, sampling)
             for chunk in stream:

@@ -12,7 +12,7 @@ import grpc
 
 from client.faults import NodeUnavailable, SessionLost
 from common.loading import tokenizer_fingerprint
-from common.node_info import NodeInfo
+from common.node_info import NodeInfo, check_pair
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import CHANNEL_OPTIONS
@@ -202,6 +202,8 @@ def connect(
 
     remote_target = RemoteTarget(target, **kwargs)
     remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
+    if remote_draft is not None:
+        check_pair(remote_draft.info(), remote_target.info())
     return SpecExec(
         remote_target, remote_draft, remote_target.tokenizer(), mode=mode, tree=tree, auto_budget=auto_budget
     )

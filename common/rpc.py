@@ -37,6 +37,12 @@ class NotReady(RuntimeError):
 
 
 def status_for(exc: BaseException) -> grpc.StatusCode:
+    """Domain errors to status codes; a peer's own status (relayed by the gateway) passes through."""
+    relayed = getattr(exc, "code", None)
+    if isinstance(relayed, grpc.StatusCode):
+        return relayed
+    if isinstance(exc, ConnectionError):
+        return grpc.StatusCode.UNAVAILABLE
     if isinstance(exc, SessionNotFound):
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, StepOutOfOrder):

@@ -57,8 +57,11 @@ class DraftSession:
 
     def _catch_up(self) -> Tensor:
         """Run the pending chain (ending with the root) and return the root's next-token log-probs."""
+        if self.cache.length == len(self.committed):
+            # Every token's KV is cached (all salvaged): run the root again for its log-probs.
+            self.cache.length -= 1
         start = self.cache.length
-        pending = torch.tensor(self.committed[start:])
+        pending = torch.tensor(self.committed[start:], dtype=torch.long)
         t = pending.numel()
         positions = torch.arange(start, start + t)
         causal = torch.ones(t, t, dtype=torch.bool).tril()

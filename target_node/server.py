@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import sys
 
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import add_node_args, engine_kwargs, serve_node
@@ -30,4 +31,8 @@ def run(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return run(build_parser().parse_args(argv))
+    try:
+        return run(build_parser().parse_args(argv))
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"target node: error: {exc}", file=sys.stderr)
+        return 2

@@ -389,11 +389,6 @@ def test_not_ready_until_an_engine_is_attached(loaded, model_dirs, role):
 # Known product bugs
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="draft_node/session.py DraftSession._catch_up: with no pending token (cache already holds every "
-    "committed token) torch.tensor([]) is float and the forward fails -> INTERNAL instead of a tree",
-)
 @pytest.mark.parametrize("commit", ["nothing", "a path of the last tree"])
 def test_build_tree_after_committing_no_unseen_token(draft, commit):
     sid = open_session(draft)
