@@ -297,6 +297,8 @@ def resolve_model(spec: str) -> Path:
         return path.resolve()
     if path.suffix.lower() == ".gguf":
         return convert_gguf(path)
+    if spec.startswith(("/", ".", "~")):
+        raise UnknownModelSpecError(f"model path {path} does not exist")
     from huggingface_hub import snapshot_download
 
     try:

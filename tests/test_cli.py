@@ -97,4 +97,4 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
     out = run(
         "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
     )
-    assert out.returncode == 2 and "config.json is missing" in out.stderr
+    assert out.returncode == 2 and "/nonexistent does not exist" in out.stderr
