@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from common.sampling import SamplingParams
@@ -67,11 +67,11 @@ def tree_from(args: argparse.Namespace) -> TreeParams:
     )
 
 
-def cmd_generate(args: argparse.Namespace) -> int:
+def print_stream(chunks: Iterator[Any], as_json: bool) -> int:
+    """Stream text to stdout and a summary to stderr, or print one JSON object."""
     from client.api import collect
 
-    chunks = generator_from(args).stream(args.prompt, sampling_from(args))
-    if args.json:
+    if as_json:
         print(json.dumps(collect(chunks).as_dict()))
         return 0
     for chunk in chunks:
@@ -80,11 +80,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
         if chunk.stats is not None:
             s = chunk.stats
             print(
-                f"\n[{s.new_tokens} tokens, {s.tokens_per_second:.2f} tok/s, "
-                f"{s.tokens_per_step:.2f} tokens/step, finish: {chunk.finish_reason}]",
+                f"\n[{s.new_tokens} tokens in {s.wall_seconds:.1f} s: {s.tokens_per_second:.2f} tok/s, "
+                f"{s.tokens_per_step:.2f} tokens per target step, finish: {chunk.finish_reason}]",
                 file=sys.stderr,
             )
     return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return print_stream(generator_from(args).stream(args.prompt, sampling_from(args)), args.json)
 
 
 def generator_from(args: argparse.Namespace) -> Any:

@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 
-from client.cli import auto_budget, sampling_from, tree_from
+from client.cli import auto_budget, print_stream, sampling_from, tree_from
 from client.remote import connect, wait_until_serving
 
 
@@ -51,23 +50,7 @@ def run_local(args: argparse.Namespace) -> int:
         gen = connect(
             draft_addr, target_addr, mode=args.mode, tree=tree_from(args), auto_budget=auto_budget(args)
         )
-        chunks = gen.stream(args.prompt, sampling_from(args))
-        if args.json:
-            from client.api import collect
-
-            print(json.dumps(collect(chunks).as_dict()))
-            return 0
-        for chunk in chunks:
-            sys.stdout.write(chunk.text)
-            sys.stdout.flush()
-            if chunk.stats is not None:
-                s = chunk.stats
-                print(
-                    f"\n[{s.new_tokens} tokens in {s.wall_seconds:.1f} s: {s.tokens_per_second:.2f} tok/s, "
-                    f"{s.tokens_per_step:.2f} tokens per target step]",
-                    file=sys.stderr,
-                )
-        return 0
+        return print_stream(gen.stream(args.prompt, sampling_from(args)), args.json)
     finally:
         for node in nodes:
             node.terminate()

@@ -13,6 +13,7 @@ import grpc
 from client.faults import NodeUnavailable, SessionLost
 from common.loading import tokenizer_fingerprint
 from common.node_info import NodeInfo, check_pair
+from common.node_servicer import CLIENT_KEY
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import CHANNEL_OPTIONS
@@ -25,7 +26,6 @@ from common.wire import (
     tree_params_to_proto,
     tree_to_proto,
 )
-from target_node.service import CLIENT_KEY
 from target_node.session import VerifyResult
 
 DEFAULT_STEP_TIMEOUT = 120.0

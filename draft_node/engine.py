@@ -3,57 +3,21 @@ both call it; it knows nothing of transport."""
 
 from __future__ import annotations
 
-import threading
-
-from common.loading import LoadedModel
-from common.node_info import NodeInfo
-from common.profiling import forward_curve
-from common.sessions import SessionTable, StepTiming, check_step, timed_lock
-from common.tree import MAX_TREE_DEPTH, DraftedTree, TreeParams, TreeTooLarge, check_token_ids
+from common.engine_base import NodeEngine
+from common.sessions import StepTiming, check_step, timed_lock
+from common.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from draft_node.session import DraftSession
 
 
-class DraftEngine:
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        *,
-        max_context: int = 4096,
-        max_tree: int = 1024,
-        max_sessions: int = 8,
-        idle_timeout: float = 300.0,
-    ) -> None:
-        self.loaded = loaded
-        self.max_context = min(max_context, loaded.max_context)
-        self.max_tree = max_tree
-        self.max_expand_batch = min(64, max_tree)
-        self.sessions: SessionTable[DraftSession] = SessionTable(max_sessions, idle_timeout)
-        self._lock = threading.Lock()
-        self.forward_curve: tuple[tuple[int, float], ...] = ()
+class DraftEngine(NodeEngine[DraftSession]):
+    role = "draft"
 
-    def info(self) -> NodeInfo:
-        model = self.loaded.model
-        return NodeInfo(
-            role="draft",
-            model_id=self.loaded.name,
-            vocab_size=model.cfg.vocab_size,
-            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
-            eos_token_ids=self.loaded.eos_token_ids,
-            max_context=self.max_context,
-            max_tree_nodes=self.max_tree,
-            max_tree_depth=MAX_TREE_DEPTH,
-            dtype=str(model.dtype).removeprefix("torch."),
-            device=str(model.device),
-            forward_curve=self.forward_curve,
-        )
-
-    def profile(self, progress: bool = True) -> None:
-        """Measure this node's forward-time curve once, before serving (see common.profiling)."""
-        with self._lock:
-            self.forward_curve = tuple(forward_curve(self.loaded.model, self.max_expand_batch, 1.0, progress))
+    def profile_limit(self) -> int:
+        """The draft's forwards are expansion batches, never larger than this."""
+        return min(64, self.max_tree)
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
-        check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
+        self.check_prompt(prompt)
         session = DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree)
         return self.sessions.add(session, owner, session_id)
 
@@ -79,6 +43,3 @@ class DraftEngine:
             built = session.build_tree(params)
             session.step = step_id if step_id is not None else session.step + 1
         return DraftedTree(built.tree, built.draft_forwards)
-
-    def close_session(self, session_id: str, owner: str = "") -> bool:
-        return self.sessions.remove(session_id, owner)

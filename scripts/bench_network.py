@@ -112,7 +112,9 @@ def main() -> None:
         )
         row = f"| {n} | {size} | {encode:.3f} | {total:.3f} | {decode:.3f} |"
         if model is not None:
-            forward = median_ms(lambda t=tree: _forward(model, t), 2) if n <= args.forward_max else float("nan")
+            forward = (
+                median_ms(lambda t=tree: _forward(model, t), 2) if n <= args.forward_max else float("nan")
+            )
             row += f" {forward:.1f} |"
         print(row, flush=True)
     server.stop(0)

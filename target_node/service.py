@@ -2,18 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import grpc
 
+from common.node_servicer import NodeServicer, client_key
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import SERVER_VERSION, NotReady, rpc_method
+from common.rpc import rpc_method
 from common.sessions import StepTiming
-from common.wire import node_info_to_proto, sampling_from_proto, tree_from_proto
-from target_node.engine import TargetEngine
+from common.wire import sampling_from_proto, tree_from_proto
 
-CLIENT_KEY = "x-specexec-client"
 TOKENIZER_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
@@ -25,28 +22,8 @@ TOKENIZER_FILES = (
 )
 
 
-def client_key(context: grpc.ServicerContext) -> str:
-    """Sessions belong to the client key that opened them: a session id alone grants nothing."""
-    return dict(context.invocation_metadata()).get(CLIENT_KEY, "")
-
-
-class TargetServicer(pb_grpc.TargetServiceServicer):
-    def __init__(self) -> None:
-        self.engine: TargetEngine | None = None
-        self.model_dir: Path | None = None
-
-    def attach(self, engine: TargetEngine, model_dir: Path) -> None:
-        self.engine, self.model_dir = engine, model_dir
-
-    def _engine(self) -> TargetEngine:
-        if self.engine is None:
-            raise NotReady("the target node is still loading its model")
-        return self.engine
-
-    @rpc_method
-    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
-        e = self._engine()
-        return node_info_to_proto(e.info(), SERVER_VERSION, e.sessions.max_sessions, len(e.sessions))
+class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
+    role = "target"
 
     @rpc_method
     def GetTokenizer(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.TokenizerFiles:
@@ -56,13 +33,6 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             n: (self.model_dir / n).read_bytes() for n in TOKENIZER_FILES if (self.model_dir / n).is_file()
         }
         return pb.TokenizerFiles(files=files, fingerprint=e.loaded.tokenizer_fingerprint)
-
-    @rpc_method
-    def OpenSession(
-        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
-    ) -> pb.OpenSessionResponse:
-        sid = self._engine().open_session(list(request.prompt), owner=client_key(context))
-        return pb.OpenSessionResponse(session_id=sid)
 
     @rpc_method
     def Verify(self, request: pb.VerifyRequest, context: grpc.ServicerContext) -> pb.VerifyResponse:
@@ -87,12 +57,4 @@ class TargetServicer(pb_grpc.TargetServiceServicer):
             finish_reason=result.finish_reason or "",
             forward_seconds=timing.compute_seconds,
             queue_seconds=timing.queue_seconds,
-        )
-
-    @rpc_method
-    def CloseSession(
-        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
-    ) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(
-            closed=self._engine().close_session(request.session_id, client_key(context))
         )

@@ -76,7 +76,7 @@ def test_generate_streams_text_and_reports_stats(model_dirs):
         "--max-new-tokens",
         "8",
     )
-    assert "tokens/step" in out.stderr
+    assert "tokens per target step" in out.stderr
 
 
 def test_bad_arguments_exit_with_a_clear_message(model_dirs):

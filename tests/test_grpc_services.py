@@ -11,6 +11,7 @@ import grpc_testing
 import numpy as np
 import pytest
 
+from common.node_servicer import CLIENT_KEY
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.rpc import SERVER_VERSION
 from common.sampling import SamplingParams
@@ -18,7 +19,7 @@ from common.wire import tree_from_proto
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 from target_node.engine import TargetEngine
-from target_node.service import CLIENT_KEY, TargetServicer
+from target_node.service import TargetServicer
 from tests.helpers import reference_decode
 
 TARGET = pb.DESCRIPTOR.services_by_name["TargetService"]

@@ -1,0 +1,67 @@
+"""What the draft and target engines share: a loaded model, a bounded session table, one lock (a
+model runs one forward pass at a time), the node's self-description and its forward-time curve."""
+
+from __future__ import annotations
+
+import threading
+from typing import Generic, TypeVar
+
+from common.loading import LoadedModel
+from common.node_info import NodeInfo
+from common.profiling import forward_curve
+from common.sessions import SessionTable
+from common.tree import MAX_TREE_DEPTH, check_token_ids
+
+S = TypeVar("S")
+
+
+class NodeEngine(Generic[S]):
+    role = ""
+    logits_share = 1.0  # share of tree rows whose logits a forward needs (profiling)
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_context: int = 4096,
+        max_tree: int = 1024,
+        max_sessions: int = 8,
+        idle_timeout: float = 300.0,
+    ) -> None:
+        self.loaded = loaded
+        self.max_context = min(max_context, loaded.max_context)
+        self.max_tree = max_tree
+        self.sessions: SessionTable[S] = SessionTable(max_sessions, idle_timeout)
+        self._lock = threading.Lock()
+        self.forward_curve: tuple[tuple[int, float], ...] = ()
+
+    def profile_limit(self) -> int:
+        return self.max_tree + 1
+
+    def info(self) -> NodeInfo:
+        model = self.loaded.model
+        return NodeInfo(
+            role=self.role,
+            model_id=self.loaded.name,
+            vocab_size=model.cfg.vocab_size,
+            tokenizer_fingerprint=self.loaded.tokenizer_fingerprint,
+            eos_token_ids=self.loaded.eos_token_ids,
+            max_context=self.max_context,
+            max_tree_nodes=self.max_tree + 1,
+            max_tree_depth=MAX_TREE_DEPTH,
+            dtype=str(model.dtype).removeprefix("torch."),
+            device=str(model.device),
+            forward_curve=self.forward_curve,
+        )
+
+    def profile(self, progress: bool = True) -> None:
+        """Measure this node's forward-time curve once, before serving (see common.profiling)."""
+        with self._lock:
+            curve = forward_curve(self.loaded.model, self.profile_limit(), self.logits_share, progress)
+            self.forward_curve = tuple(curve)
+
+    def check_prompt(self, prompt: list[int]) -> None:
+        check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
+
+    def close_session(self, session_id: str, owner: str = "") -> bool:
+        return self.sessions.remove(session_id, owner)

@@ -1,0 +1,58 @@
+"""The RPCs both node services share (Info, OpenSession, CloseSession), as a mixin over the
+generated servicer base classes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.rpc import SERVER_VERSION, NotReady, rpc_method
+from common.wire import node_info_to_proto
+
+CLIENT_KEY = "x-specexec-client"
+
+
+def client_key(context: grpc.ServicerContext) -> str:
+    """Sessions belong to the client key that opened them: a session id alone grants nothing."""
+    return dict(context.invocation_metadata()).get(CLIENT_KEY, "")
+
+
+class NodeServicer:
+    role = ""
+
+    def __init__(self) -> None:
+        self.engine: Any = None
+        self.model_dir: Path | None = None
+
+    def attach(self, engine: Any, model_dir: Path | None = None) -> None:
+        """Called once the model is loaded; until then every RPC answers UNAVAILABLE."""
+        self.engine, self.model_dir = engine, model_dir
+
+    def _engine(self) -> Any:
+        if self.engine is None:
+            raise NotReady(f"the {self.role} node is still loading its model")
+        return self.engine
+
+    @rpc_method
+    def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.NodeInfo:
+        e = self._engine()
+        return node_info_to_proto(e.info(), SERVER_VERSION, e.sessions.max_sessions, len(e.sessions))
+
+    @rpc_method
+    def OpenSession(
+        self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
+    ) -> pb.OpenSessionResponse:
+        return pb.OpenSessionResponse(
+            session_id=self._engine().open_session(list(request.prompt), client_key(context))
+        )
+
+    @rpc_method
+    def CloseSession(
+        self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
+    ) -> pb.CloseSessionResponse:
+        return pb.CloseSessionResponse(
+            closed=self._engine().close_session(request.session_id, client_key(context))
+        )
