@@ -1,0 +1,440 @@
+"""`specexec bench`: SpecExec against the baselines a user would pick, on the same models, prompts,
+dtype, lengths and machine, interleaved prompt by prompt so that drift in machine speed hits every
+contestant alike. Writes raw measurements (JSON), a markdown report and plots to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from client.api import SpecExec
+from common.sampling import SamplingParams
+from common.tree import TreeParams
+
+GREEDY = {"temperature": 0.0}
+SAMPLED = {"temperature": 0.6, "top_p": 0.9}
+
+
+@dataclass
+class Run:
+    contestant: str
+    prompt: int
+    category: str
+    setting: str
+    token_ids: list[int]
+    wall_seconds: float
+    target_steps: int
+    draft_seconds: float = 0.0
+    target_seconds: float = 0.0
+    accepted_per_step: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return len(self.token_ids) / self.wall_seconds if self.wall_seconds else 0.0
+
+
+@dataclass
+class Contestant:
+    name: str
+    family: str  # "engine" (our verifier: exactness applies), "hf", or "grpc"
+    run: Callable[[list[int], SamplingParams], Run]
+    budget: int | None = None  # specexec budget, for the budget sweeps
+
+
+def load_prompts(path: str | None, limit: int | None, categories: list[str] | None) -> list[dict[str, str]]:
+    """Our set (written for this project in the style of MT-Bench and OASST questions) or a user's JSONL."""
+    if path:
+        lines = Path(path).read_text().splitlines()
+    else:
+        lines = resources.files("client").joinpath("data/bench_prompts.jsonl").read_text().splitlines()
+    prompts = [json.loads(line) for line in lines if line.strip()]
+    for i, p in enumerate(prompts):
+        if "prompt" not in p:
+            raise ValueError(f"prompt file line {i + 1} has no 'prompt' field")
+        p.setdefault("category", "other")
+    if categories:
+        prompts = [p for p in prompts if p["category"] in categories]
+    if limit:
+        # Keep the categories balanced when trimming: round-robin over them.
+        by_cat: dict[str, list[dict[str, str]]] = {}
+        for p in prompts:
+            by_cat.setdefault(p["category"], []).append(p)
+        mixed = [p for group in zip(*by_cat.values(), strict=False) for p in group]
+        prompts = (mixed + [p for p in prompts if p not in mixed])[:limit]
+    return prompts
+
+
+def encode(tokenizer: Any, prompt: str) -> list[int]:
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return list(tokenizer.encode(prompt))
+
+
+def engine_contestant(name: str, gen: SpecExec, budget: int | None = None, family: str = "engine") -> Contestant:
+    def run(ids: list[int], sampling: SamplingParams) -> Run:
+        out = gen.generate(ids, sampling)
+        s = out.stats
+        return Run(name, -1, "", "", out.token_ids, s.wall_seconds, s.target_steps, s.draft_seconds,
+                   s.target_seconds, list(s.accepted_per_step))  # fmt: skip
+
+    return Contestant(name, family, run, budget)
+
+
+def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> list[Contestant]:
+    from transformers import AutoModelForCausalLM
+
+    target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
+    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+
+    def make(name: str, assistant: Any) -> Contestant:
+        def run(ids: list[int], sampling: SamplingParams) -> Run:
+            kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens)
+            if sampling.greedy:
+                kwargs["do_sample"] = False
+            else:
+                torch.manual_seed(sampling.seed)
+                kwargs.update(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p)
+            if assistant is not None:
+                kwargs["assistant_model"] = assistant
+            start = time.perf_counter()
+            with torch.inference_mode():
+                out = target.generate(torch.tensor([ids]), pad_token_id=0, **kwargs)
+            wall = time.perf_counter() - start
+            new = out[0, len(ids) :].tolist()
+            return Run(name, -1, "", "", new, wall, 0)
+
+        return Contestant(name, "hf", run)
+
+    return [make("hf generate", None), make("hf assisted", draft)]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class GrpcNodes:
+    """A draft and a target node as separate processes on loopback, for the network-path contestant."""
+
+    def __init__(self, draft: str, target: str, dtype: str, max_tree: int) -> None:
+        from client.remote import wait_until_serving
+
+        self.addrs = {role: f"127.0.0.1:{free_port()}" for role in ("target", "draft")}
+        self.procs = [
+            subprocess.Popen([sys.executable, "-m", f"{role}_node", "--model", model, "--listen", self.addrs[role],
+                              "--dtype", dtype, "--max-tree", str(max_tree), "--no-profile"])
+            for role, model in (("target", target), ("draft", draft))
+        ]
+        for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
+            wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)
+
+    def peak_rss_mb(self) -> float:
+        total = 0.0
+        for proc in self.procs:
+            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total += int(line.split()[1]) / 1024
+        return total
+
+    def close(self) -> None:
+        for proc in self.procs:
+            proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
+def build_contestants(args: argparse.Namespace, target, draft, tokenizer, draft_dir, target_dir) -> list[Contestant]:
+    tree = TreeParams(budget=1, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
+    out = [engine_contestant("autoregressive", SpecExec(target, None, tokenizer, mode="autoregressive"))]
+    for k in args.chain:
+        out.append(engine_contestant(f"chain k={k}", SpecExec(target, draft, tokenizer, mode="chain", tree=TreeParams.chain(k))))
+    for b in args.budgets:
+        params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
+        out.append(engine_contestant(f"specexec b={b}", SpecExec(target, draft, tokenizer, tree=params), budget=b))
+    if args.auto:
+        params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
+                            expand_batch=tree.expand_batch)  # fmt: skip
+        out.append(engine_contestant("specexec auto", SpecExec(target, draft, tokenizer, tree=params, auto_budget=True)))
+    return out
+
+
+def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc) -> list[Run]:
+    runs: list[Run] = []
+    total = len(prompts) * len(contestants) * len(settings)
+    with tqdm(total=total, desc=desc, unit="run", file=sys.stderr) as bar:
+        for i, p in enumerate(prompts):
+            ids = encode(tokenizer, p["prompt"])
+            for setting, extra in settings.items():
+                sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i, **extra)
+                for c in contestants:
+                    r = c.run(ids, sampling)
+                    r.contestant, r.prompt, r.category, r.setting = c.name, i, p["category"], setting
+                    runs.append(r)
+                    bar.set_postfix_str(f"{c.name}: {r.tokens_per_second:.1f} tok/s")
+                    bar.update()
+    return runs
+
+
+def check_exactness(runs: list[Run], families: dict[str, str]) -> list[dict[str, Any]]:
+    """Every engine contestant against the target alone, per prompt and setting: first divergence."""
+    reference = {(r.prompt, r.setting): r.token_ids for r in runs if r.contestant == "autoregressive"}
+    rows = []
+    for r in runs:
+        if families.get(r.contestant) not in ("engine", "grpc") or r.contestant == "autoregressive":
+            continue
+        ref = reference[(r.prompt, r.setting)]
+        first = next((i for i, (a, b) in enumerate(zip(r.token_ids, ref, strict=False)) if a != b), None)
+        if first is None and len(r.token_ids) != len(ref):
+            first = min(len(r.token_ids), len(ref))
+        rows.append(dict(contestant=r.contestant, prompt=r.prompt, setting=r.setting, first_divergence=first))
+    return rows
+
+
+def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, Any]]:
+    rows = []
+    for c in contestants:
+        for setting in sorted({r.setting for r in runs}):
+            for category in ["all", *sorted({r.category for r in runs})]:
+                sel = [r for r in runs if r.contestant == c.name and r.setting == setting
+                       and category in ("all", r.category)]  # fmt: skip
+                if not sel:
+                    continue
+                tps = [r.tokens_per_second for r in sel]
+                steps = sum(r.target_steps for r in sel)
+                tokens = sum(len(r.token_ids) for r in sel)
+                wall = sum(r.wall_seconds for r in sel)
+                draft = sum(r.draft_seconds for r in sel)
+                target = sum(r.target_seconds for r in sel)
+                hist: dict[int, int] = {}
+                for r in sel:
+                    for a in r.accepted_per_step:
+                        hist[a] = hist.get(a, 0) + 1
+                q = statistics.quantiles(tps, n=10, method="inclusive") if len(tps) >= 2 else [tps[0]] * 9
+                rows.append(dict(
+                    contestant=c.name, family=c.family, budget=c.budget, setting=setting, category=category,
+                    tok_s_median=statistics.median(tps), tok_s_p10=q[0], tok_s_p90=q[-1],
+                    tokens_per_step=tokens / steps if steps else None,
+                    draft_share=draft / wall if steps else None, target_share=target / wall if steps else None,
+                    other_share=(wall - draft - target) / wall if steps else None,
+                    accepted_histogram=dict(sorted(hist.items())),
+                ))  # fmt: skip
+    return rows
+
+
+def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, bandwidth_gbps: float,
+            per_token_ms: float) -> list[dict[str, Any]]:  # fmt: skip
+    """Replay each run's measured draft time and acceptance against an offloaded target's pass time:
+    weights streamed over PCIe per pass (bytes / bandwidth) plus a small per-token compute cost."""
+
+    def pass_seconds(n: int) -> float:
+        return target_bytes / (bandwidth_gbps * 1e9) + n * per_token_ms / 1e3
+
+    rows = []
+    for c in contestants:
+        sel = [r for r in runs if r.contestant == c.name and r.target_steps]
+        if not sel or c.family != "engine":
+            continue
+        tokens = sum(len(r.token_ids) for r in sel)
+        steps = sum(r.target_steps for r in sel)
+        nodes = (c.budget or (int(c.name.split("=")[1]) if "chain" in c.name else 0)) + 1
+        seconds = sum(r.draft_seconds for r in sel) + steps * pass_seconds(nodes)
+        rows.append(dict(contestant=c.name, budget=c.budget, tokens_per_step=tokens / steps,
+                         projected_tok_s=tokens / seconds, pass_seconds=pass_seconds(nodes)))  # fmt: skip
+    return rows
+
+
+def write_report(out: Path, meta: dict, summary: list[dict], exact: list[dict], projection: list[dict]) -> str:
+    lines = [f"# Benchmark: {meta['target']} <- {meta['draft']}", "",
+             f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens, {meta['dtype']}, "
+             f"{meta['threads']} threads, command: `{meta['command']}`", ""]  # fmt: skip
+    for setting in sorted({r["setting"] for r in summary}):
+        lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step | draft / target / other |",
+                  "|---|---|---|---|---|"]  # fmt: skip
+        for r in summary:
+            if r["setting"] != setting:
+                continue
+            shares = (f"{r['draft_share']:.0%} / {r['target_share']:.0%} / {r['other_share']:.0%}"
+                      if r["draft_share"] is not None else "-")  # fmt: skip
+            tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] else "-"
+            lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
+                         f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} |")  # fmt: skip
+        lines.append("")
+    bad = [e for e in exact if e["first_divergence"] is not None]
+    lines += ["## Exactness against the target alone", ""]
+    if not exact:
+        lines.append("not checked")
+    elif not bad:
+        lines.append(f"all {len(exact)} engine runs token-identical to the target alone")
+    else:
+        lines.append(f"{len(bad)} of {len(exact)} runs diverge (first position shown):")
+        lines += [f"- {e['contestant']}, prompt {e['prompt']}, {e['setting']}: token {e['first_divergence']}" for e in bad]
+    if projection:
+        lines += ["", f"## Projection: offloaded target ({meta['projection']})", "",
+                  "Measured draft time and acceptance, replayed against a modelled target pass; not a measurement.", "",
+                  "| contestant | tokens/step | modelled pass s | projected tok/s |", "|---|---|---|---|"]  # fmt: skip
+        lines += [f"| {p['contestant']} | {p['tokens_per_step']:.2f} | {p['pass_seconds']:.3f} | {p['projected_tok_s']:.2f} |"
+                  for p in projection]  # fmt: skip
+    text = "\n".join(lines) + "\n"
+    (out / "report.md").write_text(text)
+    return text
+
+
+def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    for setting in sorted({r["setting"] for r in summary}):
+        rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all" and r["budget"]),
+                      key=lambda r: r["budget"])  # fmt: skip
+        if rows:
+            axes[0].plot([r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], "o-", label=setting)
+            axes[1].plot([r["budget"] for r in rows], [r["tok_s_median"] for r in rows], "o-", label=setting)
+        for r in summary:
+            if r["setting"] == setting and r["category"] == "all" and r["contestant"] == "autoregressive":
+                axes[1].axhline(r["tok_s_median"], linestyle="--", color="grey", label=f"target alone ({setting})")
+    if projection:
+        rows = sorted((p for p in projection if p["budget"]), key=lambda p: p["budget"])
+        axes[1].plot([p["budget"] for p in rows], [p["projected_tok_s"] for p in rows], "s:", label="projected offload")
+    for ax, title in ((axes[0], "tokens per target pass"), (axes[1], "tokens per second")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("budget (tree nodes)")
+        ax.set_title(title)
+        ax.legend()
+        ax.grid(alpha=0.3)
+    rows = [r for r in summary if r["category"] == "all" and r["draft_share"] is not None and r["setting"] == "greedy"]
+    names = [r["contestant"] for r in rows]
+    bottom = [0.0] * len(rows)
+    for key, label in (("draft_share", "draft"), ("target_share", "target"), ("other_share", "other")):
+        vals = [r[key] for r in rows]
+        axes[2].barh(names, vals, left=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+    axes[2].set_title("time per step (greedy)")
+    axes[2].legend()
+    fig.tight_layout()
+    fig.savefig(out / "bench.png", dpi=110)
+    plt.close(fig)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from common.loading import load_model
+    from common.model_store import resolve_model
+    from draft_node.engine import DraftEngine
+    from target_node.engine import TargetEngine
+
+    torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    draft_dir, target_dir = resolve_model(args.draft_model), resolve_model(args.target_model)
+    prompts = load_prompts(args.prompts, args.limit, args.categories)
+    settings = {"greedy": GREEDY} | ({"sampled": SAMPLED} if args.sampled else {})
+    max_tree = max([*args.budgets, *args.chain, args.grpc_budget if args.grpc else 1])
+    meta = dict(target=target_dir.name, draft=draft_dir.name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
+                projection=args.target_cost_model)  # fmt: skip
+    exact: list[dict] = []
+    if args.exactness:
+        # float32: batched tree passes and one-token passes then agree, so any divergence is a bug.
+        t32, d32 = load_model(target_dir, dtype="float32"), load_model(draft_dir, dtype="float32")
+        target, draft = TargetEngine(t32, max_tree=max_tree), DraftEngine(d32, max_tree=max_tree)
+        # The auto contestant's choices only change speed, never tokens: a flat stand-in curve will do.
+        target.forward_curve = draft.forward_curve = ((1, 1.0), (max_tree + 1, 1.0))
+        contestants = build_contestants(args, target, draft, t32.tokenizer, draft_dir, target_dir)
+        runs = run_phase(prompts[: args.exactness], contestants, t32.tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
+                         args.max_new_tokens, args.seed, "exactness (float32)")  # fmt: skip
+        exact = check_exactness(runs, {c.name: c.family for c in contestants})
+        del target, draft, t32, d32, contestants
+    tl, dl = load_model(target_dir, dtype=args.dtype), load_model(draft_dir, dtype=args.dtype)
+    target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
+    if args.auto:
+        target.profile()
+        draft.profile()
+    contestants = build_contestants(args, target, draft, tl.tokenizer, draft_dir, target_dir)
+    if args.hf:
+        contestants += hf_contestants(draft_dir, target_dir, tl.model.dtype)
+    nodes = None
+    if args.grpc:
+        from client.remote import connect
+
+        nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree)
+        b = args.grpc_budget
+        params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
+        remote = connect(nodes.addrs["draft"], nodes.addrs["target"], tree=params)
+        contestants.append(engine_contestant(f"specexec b={b} via gRPC", remote, family="grpc"))
+    try:
+        runs = run_phase(prompts, contestants, tl.tokenizer, settings, args.max_new_tokens, args.seed, f"speed ({args.dtype})")
+    finally:
+        node_rss = nodes.peak_rss_mb() if nodes else 0.0
+        if nodes:
+            nodes.close()
+    families = {c.name: c.family for c in contestants}
+    divergence = check_exactness([r for r in runs if r.setting == "greedy"], families)
+    summary = summarize(runs, contestants)
+    projection: list[dict] = []
+    if args.target_cost_model:
+        bandwidth = float(args.target_cost_model.split(":")[1]) if ":" in args.target_cost_model else 25.0
+        target_bytes = sum(p.numel() * p.element_size() for p in tl.model.parameters())
+        projection = project(runs, contestants, target_bytes, bandwidth, args.per_token_ms)
+    meta["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    meta["grpc_nodes_peak_rss_mb"] = node_rss
+    raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, exactness=exact,
+               bf16_divergence=divergence, projection=projection)  # fmt: skip
+    (out / "results.json").write_text(json.dumps(raw, indent=1))
+    report = write_report(out, meta, summary, exact, projection)
+    plot(out, summary, projection)
+    print(report)
+    failures = [e for e in exact if e["first_divergence"] is not None]
+    if failures:
+        print(f"EXACTNESS FAILURE: {len(failures)} float32 runs differ from the target alone", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
+    b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
+    b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)")
+    b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")
+    b.add_argument("--limit", type=int, help="use the first N prompts (categories kept balanced)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
+    b.add_argument("--chain", type=int, nargs="+", default=[2, 4, 8])
+    b.add_argument("--max-depth", type=int, default=16)
+    b.add_argument("--max-branch", type=int, default=8)
+    b.add_argument("--expand-batch", type=int, default=16)
+    b.add_argument("--no-auto", dest="auto", action="store_false", help="skip the --budget auto contestant")
+    b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the Hugging Face contestants")
+    b.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant")
+    b.add_argument("--grpc-budget", type=int, default=32)
+    b.add_argument("--sampled", action="store_true", help="also run temperature 0.6, top-p 0.9")
+    b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
+    b.add_argument("--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)")
+    b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=torch.get_num_threads())
+    b.add_argument("--out", default="bench-results")
+    b.set_defaults(func=cmd_bench)
