@@ -11,6 +11,7 @@ same for 1 and 1000 tokens (an offloaded GPU), small ones on a CPU.
 from __future__ import annotations
 
 import math
+import threading
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -35,6 +36,7 @@ class BudgetPlanner:
     history: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        self._lock = threading.Lock()  # one planner serves every request of a gateway
         if not self.target_curve or not self.draft_curve:
             raise ValueError(
                 "--budget auto needs forward-time curves from both nodes (start them with profiling on)"
@@ -97,6 +99,10 @@ class BudgetPlanner:
     def choose(self) -> TreeParams:
         """The best budget by the model; every EXPLORE_EVERY steps twice that, so the planner keeps
         learning S(B) beyond the sizes it has been choosing."""
+        with self._lock:
+            return self._choose()
+
+    def _choose(self) -> TreeParams:
         if self.survival is None:
             return replace(self.base, budget=self.probe)
         best = int(max(self.table(), key=lambda r: r["tokens_per_s"])["budget"])
@@ -105,6 +111,10 @@ class BudgetPlanner:
         return replace(self.base, budget=best)
 
     def observe(self, tree: TokenTree, accepted: int, draft_seconds: float, target_seconds: float) -> None:
+        with self._lock:
+            self._observe(tree, accepted, draft_seconds, target_seconds)
+
+    def _observe(self, tree: TokenTree, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         n = tree.size - 1
         if tree.logprobs is None or n < 1:
             return

@@ -8,8 +8,11 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from common import config
 from common.sampling import SamplingParams
 from common.tree import TreeParams
+
+DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -110,6 +113,7 @@ def generator_from(args: argparse.Namespace) -> Any:
             auto_budget=auto_budget(args),
         )
     from client.remote import connect
+    from common.security import ClientSecurity
 
     return connect(
         args.draft,
@@ -118,6 +122,7 @@ def generator_from(args: argparse.Namespace) -> Any:
         tree=tree,
         auto_budget=auto_budget(args),
         step_timeout=args.step_timeout,
+        security=ClientSecurity.from_args(args),
     )
 
 
@@ -159,13 +164,31 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from client.api import SpecExec
     from client.gateway import GenerationServicer
+    from client.openai_server import serve_until_signal
+    from client.openai_server import start_from_args as start_openai
+    from common.logs import configure as configure_logs
+    from common.metrics import start_metrics_server
     from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
     from common.rpc import Server, check_listen
+    from common.security import ServerSecurity
 
-    check_listen(args.listen, args.insecure)
+    sec = ServerSecurity.from_args(args)
+    if args.listen is None and not args.openai:
+        args.listen = DEFAULT_GATEWAY_LISTEN
+    for address in filter(None, (args.listen, args.openai)):
+        check_listen(address, args.insecure, sec.complete)
+    configure_logs(args, "gateway")
+    start_metrics_server(args)
     base = generator_from(args)
+    http = start_openai(args, base, sec.token) if args.openai else None
+    if not args.listen:
+        serve_until_signal(http)
+        return 0
 
     def make(mode: str, tree: Any) -> SpecExec:
+        """The gateway's own generator (with its --budget auto planner) unless a request overrides it."""
+        if mode == base.mode and tree == base.tree:
+            return base
         return SpecExec(base.target, base.draft, base.tokenizer, mode=mode, tree=tree)
 
     server = Server(
@@ -177,11 +200,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
                 "specexec.v1.GenerationService",
             )
         ],
+        credentials=sec.credentials(),
+        interceptors=sec.interceptors(),
     ).start()
     server.stop_on_signals()
     server.ready()
-    print(f"gateway listening on {args.listen.rsplit(':', 1)[0]}:{server.port}", file=sys.stderr, flush=True)
+    host = args.listen.rsplit(":", 1)[0]
+    print(f"gateway listening on {host}:{server.port} ({sec.describe()})", file=sys.stderr, flush=True)
     server.wait()
+    if http is not None:
+        http.stop()
     return 0
 
 
@@ -231,6 +259,9 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 
 def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
+    from common.security import add_client_args
+
+    add_client_args(p)
     src = p.add_argument_group("nodes" + (" (remote) or models (in-process)" if in_process else ""))
     src.add_argument("--target", help="target node HOST:PORT")
     src.add_argument("--draft", help="draft node HOST:PORT")
@@ -245,6 +276,15 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from client.openai_server import add_openai_args
+    from client.status import add_status_args
+    from common.certs import add_args as add_certs_args
+    from common.certs import cmd_certs
+    from common.config import add_config_option
+    from common.logs import add_log_args
+    from common.metrics import add_metrics_args
+    from common.rpc import add_insecure_arg
+    from common.security import add_client_args, add_server_args
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
 
@@ -277,8 +317,14 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="run the GenerationService gateway in front of a draft and a target node"
     )
     add_remote_args(s, in_process=False)
-    s.add_argument("--listen", default="127.0.0.1:50050")
-    s.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
+    s.add_argument(
+        "--listen", help=f"gRPC HOST:PORT (default {DEFAULT_GATEWAY_LISTEN}; none if only --openai is given)"
+    )
+    add_insecure_arg(s)
+    add_server_args(s)
+    add_openai_args(s)
+    add_metrics_args(s)
+    add_log_args(s, prompts=True)
     add_tree_args(s)
     s.set_defaults(func=cmd_serve)
 
@@ -290,6 +336,8 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--draft-port", type=int, default=50052)
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
     lo.add_argument("--json", action="store_true")
+    add_server_args(lo)  # passed to both nodes; the client sends the same --auth-token-file
+    add_client_args(lo, token=False)
     add_sampling_args(lo)
     add_tree_args(lo)
     lo.set_defaults(func=cmd_local)
@@ -310,12 +358,25 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
     m.add_argument("--force", action="store_true", help="reinstall even if installed")
     m.set_defaults(func=cmd_models)
+
+    from client.bench import add_bench_parser
+
+    add_bench_parser(sub)
+
+    ce = sub.add_parser("certs", help="create a private CA, server and client certificates and a token")
+    add_certs_args(ce)
+    ce.set_defaults(func=cmd_certs)
+    add_status_args(sub.add_parser("status", help="health, models, sessions and round-trip time of the nodes"))
+    add_config_option(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    try:
+        args = config.parse_args(parser, sys.argv[1:] if argv is None else list(argv))
+    except config.ConfigError as exc:
+        parser.error(str(exc))
     if args.command in ("generate", "chat", "profile"):
         if not args.target_model and not args.target:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
@@ -331,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
     func: Callable[[argparse.Namespace], int] = args.func
     try:
         return func(args)
-    except (ValueError, FileNotFoundError, ConnectionError, ModelStoreError) as exc:
+    except (ValueError, OSError, ModelStoreError) as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

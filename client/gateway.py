@@ -10,6 +10,7 @@ import grpc
 
 from client.api import SpecExec
 from client.generation import GenerationStats
+from common.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import rpc_method, status_for
@@ -55,7 +56,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tree = tree_params_from_proto(request.tree, default=self.base.tree or TreeParams())
             generator = self.make_generator(mode, tree)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
-            stream = generator.stream(prompt, sampling)
+            stream = track_generation(
+                generator.stream(prompt, sampling),
+                request_id=rid,
+                endpoint="grpc",
+                prompt_tokens=len(generator.encode(prompt)),
+                prompt=prompt,
+            )
             for chunk in stream:
                 if cancelled.is_set():
                     stream.close()  # closes both nodes' sessions

@@ -8,9 +8,14 @@ import sys
 
 from client.cli import auto_budget, print_stream, sampling_from, tree_from
 from client.remote import connect, wait_until_serving
+from common.security import ClientSecurity
+
+SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
 
-def start_node(role: str, model: str, port: int, dtype: str, max_tree: int) -> subprocess.Popen:
+def start_node(
+    role: str, model: str, port: int, dtype: str, max_tree: int, security_args: list[str] | None = None
+) -> subprocess.Popen:
     module = "target_node" if role == "target" else "draft_node"
     cmd = [
         sys.executable,
@@ -24,19 +29,30 @@ def start_node(role: str, model: str, port: int, dtype: str, max_tree: int) -> s
         dtype,
         "--max-tree",
         str(max(max_tree, 1)),
+        *(security_args or []),
     ]
     return subprocess.Popen(cmd)
 
 
 def run_local(args: argparse.Namespace) -> int:
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
+    # The nodes get this command's server flags; the client trusts --node-tls-ca, presents
+    # --node-tls-cert/--node-tls-key and sends the nodes' own --auth-token-file.
+    flags = [
+        (f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in SERVER_SECURITY_FLAGS
+    ]
+    security_args = [item for flag, value in flags if value for item in (flag, value)]
+    security = ClientSecurity.from_files(
+        args.node_tls_ca, args.node_tls_cert, args.node_tls_key, args.auth_token_file
+    )
+    budget = tree_from(args).budget
     nodes = [
-        start_node("target", args.target_model, args.target_port, args.dtype, tree_from(args).budget),
-        start_node("draft", args.draft_model, args.draft_port, args.dtype, tree_from(args).budget),
+        start_node("target", args.target_model, args.target_port, args.dtype, budget, security_args),
+        start_node("draft", args.draft_model, args.draft_port, args.dtype, budget, security_args),
     ]
     try:
         for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
-            wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None)
+            wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None, security=security)
         print(
             f"nodes ready: target {target_addr}, draft {draft_addr}\n"
             f"  specexec generate --target {target_addr} --draft {draft_addr} --prompt '...'\n"
@@ -48,7 +64,12 @@ def run_local(args: argparse.Namespace) -> int:
             nodes[0].wait()
             return 0
         gen = connect(
-            draft_addr, target_addr, mode=args.mode, tree=tree_from(args), auto_budget=auto_budget(args)
+            draft_addr,
+            target_addr,
+            mode=args.mode,
+            tree=tree_from(args),
+            auto_budget=auto_budget(args),
+            security=security,
         )
         return print_stream(gen.stream(args.prompt, sampling_from(args)), args.json)
     finally:

@@ -18,6 +18,7 @@ from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import CHANNEL_OPTIONS
 from common.sampling import SamplingParams
+from common.security import ClientSecurity
 from common.tree import DraftedTree, TokenTree, TreeParams
 from common.wire import (
     node_info_from_proto,
@@ -40,16 +41,38 @@ class NodeError(RuntimeError):
         self.code = code
 
 
-def _call(role: str, address: str, fn: Any, request: Any, timeout: float, metadata: Any) -> Any:
+class NodeAuthError(NodeError, ConnectionError):
+    """The node refused this client's credentials (UNAUTHENTICATED or PERMISSION_DENIED): retrying
+    cannot help, so it is not a `NodeFault`; the CLI reports it like any connection error."""
+
+
+_TLS_FAILURE_SIGNS = ("Socket closed", "andshake", "SSL", "certificate")
+
+
+def _call(
+    role: str,
+    address: str,
+    fn: Any,
+    request: Any,
+    timeout: float,
+    metadata: Any,
+    security: ClientSecurity | None = None,
+) -> Any:
     try:
         return fn(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            hint = ""
+            if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
+                hint = f" ({(security or ClientSecurity()).hint()})"
             raise NodeUnavailable(
-                f"{role} node at {address} is unavailable ({code.name}): {details}",
+                f"{role} node at {address} is unavailable ({code.name}): {details}{hint}",
                 timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED,
             ) from exc
+        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+            message = f"{role} node at {address} refused this client ({code.name}): {details}"
+            raise NodeAuthError(code, message) from exc
         if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
             raise SessionLost(f"{role} node at {address}: {code.name}: {details}") from exc
         if code == grpc.StatusCode.INVALID_ARGUMENT:
@@ -74,16 +97,19 @@ class _RemoteNode:
         client_key: str | None = None,
         step_timeout: float = DEFAULT_STEP_TIMEOUT,
         call_timeout: float = DEFAULT_CALL_TIMEOUT,
+        security: ClientSecurity | None = None,
     ) -> None:
         self.address = address
-        self.channel = channel or open_channel(address)
-        self.metadata = ((CLIENT_KEY, client_key or secrets.token_hex(16)),)
+        self.security = security or ClientSecurity()
+        self.channel = channel or open_channel(address, self.security.channel_credentials())
+        self.metadata = ((CLIENT_KEY, client_key or secrets.token_hex(16)), *self.security.metadata())
         self.step_timeout, self.call_timeout = step_timeout, call_timeout
         self._steps: dict[str, int] = {}
         self._info: NodeInfo | None = None
 
     def _rpc(self, fn: Any, request: Any, timeout: float | None = None) -> Any:
-        return _call(self.role, self.address, fn, request, timeout or self.call_timeout, self.metadata)
+        timeout = timeout or self.call_timeout
+        return _call(self.role, self.address, fn, request, timeout, self.metadata, self.security)
 
     def _next_step(self, session_id: str) -> int:
         self._steps[session_id] = self._steps.get(session_id, 0) + 1
@@ -197,7 +223,11 @@ def connect(
     auto_budget: bool = False,
     **kwargs: Any,
 ) -> Any:
-    """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work."""
+    """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work.
+
+    `security=ClientSecurity.from_files(ca=..., cert=..., key=..., token_file=...)` (common.security)
+    connects over TLS and/or sends the nodes' shared token; other kwargs go to `RemoteTarget`/`RemoteDraft`.
+    """
     from client.api import SpecExec
 
     remote_target = RemoteTarget(target, **kwargs)
@@ -209,14 +239,17 @@ def connect(
     )
 
 
-def wait_until_serving(address: str, timeout: float, alive: Any = None) -> None:
-    """Poll standard gRPC health until the node has loaded its model (SERVING)."""
+def wait_until_serving(
+    address: str, timeout: float, alive: Any = None, security: ClientSecurity | None = None
+) -> None:
+    """Poll standard gRPC health until the node has loaded its model (SERVING). Health needs no
+    token, but a TLS node needs the channel credentials (and a client certificate under mutual TLS)."""
     import time
 
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
-    with open_channel(address) as channel:
+    with open_channel(address, security.channel_credentials() if security else None) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
             if alive is not None and not alive():

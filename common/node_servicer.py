@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from common.metrics import session_event, track_engine
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.rpc import SERVER_VERSION, NotReady, rpc_method
 from common.wire import node_info_to_proto
@@ -30,6 +31,7 @@ class NodeServicer:
     def attach(self, engine: Any, model_dir: Path | None = None) -> None:
         """Called once the model is loaded; until then every RPC answers UNAVAILABLE."""
         self.engine, self.model_dir = engine, model_dir
+        track_engine(engine)
 
     def _engine(self) -> Any:
         if self.engine is None:
@@ -45,14 +47,15 @@ class NodeServicer:
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionResponse:
-        return pb.OpenSessionResponse(
-            session_id=self._engine().open_session(list(request.prompt), client_key(context))
-        )
+        sid = self._engine().open_session(list(request.prompt), client_key(context))
+        session_event("opened", sid, prompt_tokens=len(request.prompt))
+        return pb.OpenSessionResponse(session_id=sid)
 
     @rpc_method
     def CloseSession(
         self, request: pb.CloseSessionRequest, context: grpc.ServicerContext
     ) -> pb.CloseSessionResponse:
-        return pb.CloseSessionResponse(
-            closed=self._engine().close_session(request.session_id, client_key(context))
-        )
+        closed = self._engine().close_session(request.session_id, client_key(context))
+        if closed:
+            session_event("closed", request.session_id)
+        return pb.CloseSessionResponse(closed=closed)

@@ -15,6 +15,10 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from common import security
+from common.logs import add_log_args
+from common.logs import configure as configure_logs
+from common.metrics import RpcMetrics, add_metrics_args, start_metrics_server
 from common.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
 from common.tree import TreeTooLarge
 
@@ -87,7 +91,7 @@ class Server:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
             options=CHANNEL_OPTIONS,
-            interceptors=interceptors or [],
+            interceptors=[RpcMetrics(), *(interceptors or [])],  # metrics first: refusals count too
         )
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
@@ -176,7 +180,10 @@ def add_node_args(parser: Any, default_port: int) -> None:
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
     )
-    parser.add_argument("--insecure", action="store_true", help="allow a non-loopback address without TLS")
+    add_insecure_arg(parser)
+    security.add_server_args(parser)
+    add_metrics_args(parser)
+    add_log_args(parser)
     parser.add_argument(
         "--no-profile",
         dest="profile",
@@ -185,12 +192,21 @@ def add_node_args(parser: Any, default_port: int) -> None:
     )
 
 
-def check_listen(listen: str, insecure: bool) -> None:
+def add_insecure_arg(parser: Any) -> None:
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen address without TLS and a token",
+    )
+
+
+def check_listen(listen: str, insecure: bool, secured: bool = False) -> None:
+    """Loopback is always allowed; another address needs TLS and a token (`secured`), or --insecure."""
     host, _ = split_listen(listen)
-    if not loopback_only(host) and not insecure:
+    if not loopback_only(host) and not secured and not insecure:
         raise ValueError(
-            f"refusing to listen on {host} without TLS: pass --insecure to expose an unauthenticated node "
-            "on your network"
+            f"refusing to listen on {host}: a non-loopback address needs both TLS (--tls-cert and --tls-key) "
+            "and a shared token (--auth-token-file); pass --insecure to expose the server without them"
         )
 
 
@@ -206,11 +222,23 @@ def serve_node(
     from common.loading import load_model
     from common.model_store import resolve_model
 
-    check_listen(args.listen, args.insecure)
-    server = Server(args.listen, [(add_to_server, servicer, service_name)]).start()
+    sec = security.ServerSecurity.from_args(args)
+    check_listen(args.listen, args.insecure, sec.complete)
+    configure_logs(args, role)
+    start_metrics_server(args)
+    server = Server(
+        args.listen,
+        [(add_to_server, servicer, service_name)],
+        credentials=sec.credentials(),
+        interceptors=sec.interceptors(),
+    ).start()
     server.stop_on_signals()
     host = split_listen(args.listen)[0]
-    print(f"{role} node listening on {host}:{server.port} (loading model)", file=sys.stderr, flush=True)
+    print(
+        f"{role} node listening on {host}:{server.port} ({sec.describe()}; loading model)",
+        file=sys.stderr,
+        flush=True,
+    )
     path = resolve_model(args.model)
     loaded = load_model(path, dtype=args.dtype, device=args.device)
     engine = make_engine(loaded)

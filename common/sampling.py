@@ -67,6 +67,9 @@ def sample_rows(logits: Tensor, params: SamplingParams, positions: list[int]) ->
     if params.greedy:
         return logits.argmax(-1)
     scores = logits / params.temperature
+    # A temperature so small that the division overflows would leave NaN probabilities (and draw
+    # garbage); in that limit the distribution is a point mass on the arg-max, which greedy picks.
+    overflowed = ~torch.isfinite(scores.amax(-1))
     if params.top_k:
         scores, candidates = scores.topk(min(params.top_k, scores.shape[-1]), dim=-1)
     else:
@@ -80,7 +83,7 @@ def sample_rows(logits: Tensor, params: SamplingParams, positions: list[int]) ->
     picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(max=probs.shape[-1] - 1)
     if candidates is not None:
         picked = candidates.gather(-1, picked)
-    return picked.squeeze(-1)
+    return torch.where(overflowed, logits.argmax(-1), picked.squeeze(-1))
 
 
 def _nucleus(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:

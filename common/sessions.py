@@ -81,6 +81,11 @@ class SessionTable(Generic[S]):
         stale = [sid for sid, (_, t, _) in self._sessions.items() if now - t > self.idle_timeout]
         for sid in stale:
             del self._sessions[sid]
+        if stale:
+            from common.metrics import session_event
+
+            for sid in stale:
+                session_event("expired", sid, idle_timeout_s=self.idle_timeout)
         return len(stale)
 
 

@@ -37,9 +37,7 @@ class DraftEngine(NodeEngine[DraftSession]):
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
         with timed_lock(self._lock, timing):
             check_step(session.step, step_id)
-            if truncate_to is not None:
-                session.truncate(truncate_to)
-            session.commit(new_tokens)
+            session.update(new_tokens, truncate_to)
             built = session.build_tree(params)
             session.step = step_id if step_id is not None else session.step + 1
         return DraftedTree(built.tree, built.draft_forwards)

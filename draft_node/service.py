@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.metrics import observe_step
 from common.node_servicer import NodeServicer, client_key
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -28,6 +29,7 @@ class DraftServicer(NodeServicer, pb_grpc.DraftServiceServicer):
             step_id=request.step_id or None,
             timing=timing,
         )
+        observe_step("build_tree", request.session_id, request.step_id, timing, drafted.tree.size)
         return pb.BuildTreeResponse(
             tree=tree_to_proto(drafted.tree),
             draft_forwards=drafted.draft_forwards,

@@ -30,6 +30,18 @@ class DraftSession:
         self._last: BuiltTree | None = None
         self.step = 0
 
+    def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
+        """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before
+        either happens, so a refused request leaves the session as it was."""
+        if truncate_to is not None:
+            self._check_truncate(truncate_to)
+        kept = len(self.committed) if truncate_to is None else truncate_to
+        if kept + len(tokens) > self.max_context:
+            raise ValueError(f"sequence would exceed the context limit of {self.max_context} tokens")
+        if truncate_to is not None:
+            self.truncate(truncate_to)
+        self.commit(tokens)
+
     def commit(self, tokens: list[int]) -> None:
         """Append tokens accepted since the last tree, reusing that tree's KV along the matched path."""
         if len(self.committed) + len(tokens) > self.max_context:
@@ -41,11 +53,14 @@ class DraftSession:
 
     def truncate(self, length: int) -> None:
         """Roll back to the first `length` committed tokens (a chat turn that rewrites history)."""
-        if not 1 <= length <= len(self.committed):
-            raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
+        self._check_truncate(length)
         del self.committed[length:]
         self.cache.truncate(length)
         self._last = None
+
+    def _check_truncate(self, length: int) -> None:
+        if not 1 <= length <= len(self.committed):
+            raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
 
     def build_tree(self, params: TreeParams) -> BuiltTree:
         root_logprobs = self._catch_up()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 
+from common.metrics import observe_step
 from common.node_servicer import NodeServicer, client_key
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -50,6 +51,16 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
             step_id=request.step_id or None,
             timing=timing,
+        )
+        observe_step(
+            "verify",
+            request.session_id,
+            request.step_id,
+            timing,
+            tree.size,
+            model_name=e.loaded.name,
+            accepted=result.accepted,
+            tokens=len(result.tokens),
         )
         return pb.VerifyResponse(
             tokens=result.tokens,

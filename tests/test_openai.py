@@ -1,0 +1,250 @@
+"""The OpenAI-compatible endpoint, driven by the real `openai` client against a loopback server on the
+tiny models (in-process engines): same text as the Python API for the same parameters."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+
+import openai
+import pytest
+
+from client.api import Chat, SpecExec
+from client.openai_server import OpenAIServer
+from common.sampling import SamplingParams
+from common.tree import TreeParams
+from draft_node.engine import DraftEngine
+from target_node.engine import TargetEngine
+
+PROMPT = "Hello, "
+MODEL = "tiny-pair"
+SEEDED = dict(temperature=0.8, top_p=0.9, seed=7)
+
+
+@pytest.fixture(scope="module")
+def gen(loaded) -> SpecExec:
+    target = TargetEngine(loaded["target"], max_context=512, max_tree=8)
+    draft = DraftEngine(loaded["truncated"], max_context=512, max_tree=8)
+    return SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8))
+
+
+@pytest.fixture(scope="module")
+def server(gen):
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL).start()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+
+
+def expected(gen: SpecExec, max_tokens: int = 16, **sampling):
+    return gen.generate(PROMPT, SamplingParams(max_new_tokens=max_tokens, ignore_eos=True, **sampling))
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+
+
+def test_completion_equals_the_python_api(client, gen, loaded):
+    out = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, extra_body={"ignore_eos": True}, **SEEDED
+    )
+    want = expected(gen, **SEEDED)
+    assert out.choices[0].text == want.text
+    assert out.choices[0].finish_reason == "length"
+    prompt_tokens = len(loaded["target"].tokenizer.encode(PROMPT))
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (prompt_tokens, 16)
+    assert out.usage.total_tokens == prompt_tokens + 16
+    assert out.object == "text_completion" and out.model == MODEL
+
+
+def test_streamed_completion_equals_non_streamed(client, gen):
+    chunks = list(
+        client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=16,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+            **SEEDED,
+        )
+    )
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
+    assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
+    assert "".join(c.choices[0].text for c in chunks[:-1]) == expected(gen, **SEEDED).text
+
+
+def test_chat_uses_the_chat_template(client, gen):
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    sampling = dict(max_tokens=12, temperature=0.7, seed=3)
+    out = client.chat.completions.create(
+        model=MODEL, messages=messages, extra_body={"ignore_eos": True}, **sampling
+    )
+    chat = Chat(gen, system="Be brief.")
+    want = "".join(
+        c.text for c in chat.send("Hi there", max_new_tokens=12, temperature=0.7, seed=3, ignore_eos=True)
+    )
+    chat.close()
+    assert out.choices[0].message.content == want
+    assert out.choices[0].message.role == "assistant" and out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 12 and out.object == "chat.completion"
+
+    chunks = list(
+        client.chat.completions.create(
+            model=MODEL, messages=messages, stream=True, extra_body={"ignore_eos": True}, **sampling
+        )
+    )
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client, gen):
+    full = expected(gen, max_tokens=32, temperature=0).text
+    stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
+    cut = full[: full.find(stop)]
+    for value in (stop, [stop, "never-appears"]):
+        out = client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=32,
+            temperature=0,
+            stop=value,
+            extra_body={"ignore_eos": True},
+        )
+        assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    streamed = client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=stop, stream=True,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    chunks = list(streamed)
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_reproducibility_and_openai_default_temperature(client, gen):
+    def sample(seed: int) -> str:
+        out = client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=16, seed=seed, extra_body={"ignore_eos": True}
+        )
+        return out.choices[0].text
+
+    first = sample(11)
+    assert sample(11) == first
+    # No temperature given: OpenAI's default 1.0, not specexec's greedy default.
+    assert first == expected(gen, temperature=1.0, seed=11).text
+    assert len({sample(s) for s in range(1, 5)} | {first}) > 1
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, needle",
+    [
+        (dict(n=2), "n", "n=1"),
+        (dict(temperature=3.5), "temperature", "between 0"),
+        (dict(top_p=1.5), "top_p", "top_p"),
+        (dict(max_tokens=0), "max_tokens", "max_tokens"),
+        (dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (dict(logprobs=2), "logprobs", "not supported"),
+        (dict(prompt=["one", "two"]), "prompt", "one prompt"),
+    ],
+)
+def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=4) | kwargs
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(**request)
+    assert err.value.status_code == 400
+    assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == param
+    assert needle in err.value.body["message"]
+
+
+def test_errors_before_output_are_http_errors(client, server):
+    with pytest.raises(openai.BadRequestError, match="context limit"):
+        client.completions.create(model=MODEL, prompt=[65] * 600, max_tokens=4)
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=4)
+    assert err.value.body["code"] == "model_not_found"
+    with pytest.raises(openai.BadRequestError, match="role"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    base = server.url.removesuffix("/v1")
+    status, body = raw(base + "/v1/completions", b"{not json")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    assert raw(base + "/v1/completions")[0] == 405
+    assert raw(base + "/nowhere")[0] == 404
+    assert raw(base + "/health") == (200, {"status": "ok"})
+
+
+def test_bearer_token(gen):
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="s3cret").start()
+    try:
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url, api_key="wrong", max_retries=0).models.list()
+        good = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
+        assert good.models.list().data[0].id == MODEL
+        assert raw(srv.url.removesuffix("/v1") + "/health")[0] == 200  # probes need no token
+    finally:
+        srv.stop()
+
+
+def raw(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_https_with_the_servers_tls_flags(gen, tmp_path):
+    import argparse
+    import ssl
+
+    from client.openai_server import tls_context
+    from common.certs import generate
+
+    issued = generate(tmp_path / "pki", ["localhost"])
+    cert, key = issued.servers["localhost"]
+    args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_client_ca=None)
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="t0k", tls=tls_context(args)).start()
+    try:
+        assert srv.url.startswith("https://")
+        trust = ssl.create_default_context(cafile=str(issued.ca))
+        request = urllib.request.Request(srv.url + "/models", headers={"Authorization": "Bearer t0k"})
+        with urllib.request.urlopen(request, timeout=30, context=trust) as response:
+            assert json.loads(response.read())["data"][0]["id"] == MODEL
+        with pytest.raises(urllib.error.URLError):  # a client that does not trust the CA
+            urllib.request.urlopen(srv.url + "/models", timeout=30, context=ssl.create_default_context())
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_goes_away_frees_the_sessions(client, gen):
+    import time
+
+    from prometheus_client import REGISTRY
+
+    def finished() -> float:
+        return REGISTRY.get_sample_value("specexec:request_success_total", {"finished_reason": "length"}) or 0
+
+    before = finished()
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    assert len(gen.target.sessions) == 1
+    stream.close()
+    deadline = time.monotonic() + 10
+    while (len(gen.target.sessions) or len(gen.draft.sessions)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+    assert finished() == before  # stopped, not run to its end
