@@ -41,6 +41,7 @@ class BudgetPlanner:
             raise ValueError(
                 "--budget auto needs forward-time curves from both nodes (start them with profiling on)"
             )
+        self.expand_batch = free_batch(self.draft_curve)
         self.probe = self._probe_budget()
 
     def candidates(self, limit: int) -> list[int]:
@@ -62,8 +63,8 @@ class BudgetPlanner:
 
     def draft_seconds(self, budget: int, depth: int) -> float:
         """Each level of the tree needs one draft forward, and each forward expands at most expand_batch."""
-        batch = min(self.base.expand_batch, budget)
-        iterations = max(depth, math.ceil(budget / self.base.expand_batch))
+        batch = min(self.expand_batch, budget)
+        iterations = max(depth, math.ceil(budget / self.expand_batch))
         return self.draft_scale * iterations * interpolate(self.draft_curve, batch)
 
     def target_seconds(self, budget: int) -> float:
@@ -104,11 +105,11 @@ class BudgetPlanner:
 
     def _choose(self) -> TreeParams:
         if self.survival is None:
-            return replace(self.base, budget=self.probe)
+            return replace(self.base, budget=self.probe, expand_batch=self.expand_batch)
         best = int(max(self.table(), key=lambda r: r["tokens_per_s"])["budget"])
         if len(self.history) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
             best = min(2 * best, self.base.budget)
-        return replace(self.base, budget=best)
+        return replace(self.base, budget=best, expand_batch=self.expand_batch)
 
     def observe(self, tree: TokenTree, accepted: int, draft_seconds: float, target_seconds: float) -> None:
         with self._lock:
@@ -135,6 +136,13 @@ class BudgetPlanner:
             depth = torch.cat((depth, torch.maximum(self.depth[len(depth) :], depth[-1])))
         self.survival, self.depth = survival, depth
         self.history.append(n)
+
+
+def free_batch(draft_curve: list[tuple[int, float]], slack: float = 1.25) -> int:
+    """The largest expansion batch the draft runs in about the time of one token: expanding more nodes
+    per forward is then free, and fewer forwards build the same tree."""
+    one = interpolate(draft_curve, 1)
+    return max((n for n, t in draft_curve if t <= slack * one), default=1)
 
 
 def _ema_ratio(observed: float, predicted: float) -> float:

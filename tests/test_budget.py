@@ -72,3 +72,12 @@ def test_auto_budget_output_is_still_exact(loaded, model_dirs):
     out = gen.generate(PROMPT, params)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
     assert len(set(out.stats.budgets)) >= 1 and max(out.stats.budgets) <= 64
+
+
+def test_expansion_batch_comes_from_the_draft_curve():
+    from client.budget import free_batch
+
+    assert free_batch([(1, 0.010), (8, 0.011), (16, 0.012), (32, 0.020), (64, 0.040)]) == 16
+    assert free_batch([(1, 0.010), (2, 0.020)]) == 1
+    plan = BudgetPlanner([(1, 1.0), (1025, 1.0)], [(1, 0.01), (64, 0.0101)], base=BASE)
+    assert plan.choose().expand_batch == 64
