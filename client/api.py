@@ -153,6 +153,14 @@ class SpecExec:
         yield Chunk(text.flush(), [], finish, stats)
 
 
+def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 class Chat:
     """A multi-turn conversation. Each turn re-renders the chat template and keeps the KV of the
     longest common prefix on both nodes, so the history is not re-read."""
@@ -165,10 +173,7 @@ class Chat:
     def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
         sampling = sampling or SamplingParams(**kwargs)
         self.messages.append({"role": "user", "content": text})
-        rendered = self.gen.tokenizer.apply_chat_template(
-            self.messages, add_generation_prompt=True, tokenize=False
-        )
-        ids = list(self.gen.tokenizer.encode(rendered, add_special_tokens=False))
+        ids = render_chat(self.gen.tokenizer, self.messages)
         if self.sequence is None:
             self.sequence = Sequence(self.gen.target, self.gen.draft, ids)
         else:

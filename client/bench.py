@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from client.api import SpecExec
+from client.api import SpecExec, render_chat
 from common.sampling import SamplingParams
 from common.tree import TreeParams
 
@@ -81,8 +81,7 @@ def load_prompts(path: str | None, limit: int | None, categories: list[str] | No
 
 def encode(tokenizer: Any, prompt: str) -> list[int]:
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False)
-        return list(tokenizer.encode(text, add_special_tokens=False))
+        return render_chat(tokenizer, [{"role": "user", "content": prompt}])
     return list(tokenizer.encode(prompt))
 
 

@@ -90,8 +90,18 @@ def print_stream(chunks: Iterator[Any], as_json: bool) -> int:
     return 0
 
 
+def prompt_from(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
+    """`--chat` renders the prompt as one user turn of the model's chat template (instruct models)."""
+    if getattr(args, "chat", False):
+        from client.api import render_chat
+
+        return render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    return args.prompt
+
+
 def cmd_generate(args: argparse.Namespace) -> int:
-    return print_stream(generator_from(args).stream(args.prompt, sampling_from(args)), args.json)
+    gen = generator_from(args)
+    return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
 
 
 def generator_from(args: argparse.Namespace) -> Any:
@@ -295,6 +305,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     add_remote_args(g, in_process=True)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    g.add_argument("--chat", action="store_true", help="send the prompt as a user turn in the model's chat template")
     add_sampling_args(g)
     add_tree_args(g)
     g.set_defaults(func=cmd_generate)
@@ -336,6 +347,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--draft-port", type=int, default=50052)
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
     lo.add_argument("--json", action="store_true")
+    lo.add_argument("--chat", action="store_true", help="send the prompt as a user turn in the model's chat template")
     add_server_args(lo)  # passed to both nodes; the client sends the same --auth-token-file
     add_client_args(lo, token=False)
     add_sampling_args(lo)

@@ -6,7 +6,7 @@ import argparse
 import subprocess
 import sys
 
-from client.cli import auto_budget, print_stream, sampling_from, tree_from
+from client.cli import auto_budget, print_stream, prompt_from, sampling_from, tree_from
 from client.remote import connect, wait_until_serving
 from common.security import ClientSecurity
 
@@ -29,6 +29,9 @@ def start_node(
         dtype,
         "--max-tree",
         str(max(max_tree, 1)),
+        # The generated text shares this terminal: nodes report only warnings and errors.
+        "--log-level",
+        "warning",
         *(security_args or []),
     ]
     return subprocess.Popen(cmd)
@@ -71,7 +74,7 @@ def run_local(args: argparse.Namespace) -> int:
             auto_budget=auto_budget(args),
             security=security,
         )
-        return print_stream(gen.stream(args.prompt, sampling_from(args)), args.json)
+        return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
     finally:
         for node in nodes:
             node.terminate()

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from client.api import Chunk, SpecExec
+from client.api import Chunk, SpecExec, render_chat
 from common.logs import event
 from common.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
 from common.rpc import split_listen, status_for
@@ -262,12 +262,10 @@ def chat_prompt(gen: SpecExec, messages: Any) -> tuple[list[int], Any]:
             raise bad(f"messages[{i}].role {role!r} is not supported (system, user, assistant)", "messages")
         rendered_messages.append({"role": role, "content": _content(m, i)})
     try:
-        text = gen.tokenizer.apply_chat_template(
-            rendered_messages, add_generation_prompt=True, tokenize=False
-        )
+        ids = render_chat(gen.tokenizer, rendered_messages)
     except Exception as exc:  # no template, or one that refuses this conversation
         raise bad(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
-    return list(gen.tokenizer.encode(text, add_special_tokens=False)), rendered_messages
+    return ids, rendered_messages
 
 
 def parse_job(gen: SpecExec, body: dict[str, Any], chat: bool, default_max_tokens: int) -> Job:

@@ -8,4 +8,10 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --upgrade pip >/dev/null 2>&1 || true
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q "torch==${TORCH_VERSION:-2.13.0}"
-.venv/bin/pip install -q -e ".[test]"
+# Reinstall only when the project's requirements changed since the last setup.
+stamp=.venv/.specexec-setup
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
+    .venv/bin/pip install -q -e ".[test]"
+    echo "$want" > "$stamp"
+fi

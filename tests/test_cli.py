@@ -98,3 +98,16 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
         "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
     )
     assert out.returncode == 2 and "/nonexistent does not exist" in out.stderr
+
+
+def test_chat_flag_renders_the_chat_template(model_dirs, loaded):
+    from client.api import render_chat
+
+    out = run(
+        "generate", "--target-model", str(model_dirs["target"]), "--mode", "autoregressive", "--prompt", "Hi",
+        "--chat", "--max-new-tokens", "5", "--ignore-eos", "--json",
+    )  # fmt: skip
+    ids = render_chat(loaded["target"].tokenizer, [{"role": "user", "content": "Hi"}])
+    assert ids[-len("<assistant>") :] == loaded["target"].tokenizer.encode("<assistant>")
+    params = SamplingParams(max_new_tokens=5, ignore_eos=True)
+    assert json.loads(out.stdout)["token_ids"] == reference_decode(model_dirs["target"], ids, params)
