@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import socket
+
 import torch
 from transformers import AutoModelForCausalLM
 
@@ -24,3 +26,10 @@ def reference_decode(
             if token in eos and not params.ignore_eos:
                 break
     return out
+
+
+def free_port() -> int:
+    """A loopback port nobody listens on now (tests start their servers on it right away)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,17 +14,12 @@ from client.generation import Recovery
 from client.remote import connect, wait_until_serving
 from common.sampling import SamplingParams
 from common.tree import TreeParams
-from tests.helpers import reference_decode
+from tests.helpers import free_port, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, seed=21, max_new_tokens=60, ignore_eos=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(role: str, model: Path, addr: str) -> subprocess.Popen:

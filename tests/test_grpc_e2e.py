@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -25,7 +24,7 @@ from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.sampling import SamplingParams
 from common.tiny_models import make_tiny_model
 from common.tree import TreeParams
-from tests.helpers import reference_decode
+from tests.helpers import free_port, reference_decode
 
 pytestmark = pytest.mark.slow
 
@@ -38,11 +37,6 @@ SAMPLINGS = {
     "seeded": dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True),
 }
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -15,14 +14,10 @@ from pathlib import Path
 from client.faults import NodeFault
 from client.generation import Recovery
 from client.remote import RemoteTarget, connect, wait_until_serving
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_target(model: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:

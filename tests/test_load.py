@@ -4,7 +4,6 @@ run, the session cap holds (RESOURCE_EXHAUSTED beyond it) and every session is f
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,16 +15,11 @@ import pytest
 from client.remote import NodeError, RemoteTarget, connect, wait_until_serving
 from common.sampling import SamplingParams
 from common.tree import TreeParams
-from tests.helpers import reference_decode
+from tests.helpers import free_port, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = 8
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

