@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -33,3 +37,53 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Proc:
+    """A server subprocess whose output goes to a file (a full pipe would block it), shown when a test fails."""
+
+    def __init__(self, name: str, args: list[str], env: dict[str, str], logs: Path) -> None:
+        self.name = name
+        self.log = logs / f"{name}.log"
+        self._file = self.log.open("wb")
+        self.popen = subprocess.Popen(
+            [sys.executable, *args], cwd=ROOT, env=env, stdout=self._file, stderr=subprocess.STDOUT
+        )
+
+    def alive(self) -> bool:
+        return self.popen.poll() is None
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")[-4000:]
+
+    def wait_serving(self, address: str, security: Any = None) -> None:
+        from client.remote import wait_until_serving
+
+        try:
+            wait_until_serving(address, timeout=120, alive=self.alive, security=security)
+        except Exception as exc:
+            raise AssertionError(f"{self.name} did not start: {exc}\n{self.output()}") from exc
+
+    def finish(self, timeout: float = 60) -> int:
+        try:
+            return self.popen.wait(timeout=timeout)
+        finally:
+            self._file.close()
+
+    def terminate(self) -> None:
+        if self.alive():
+            self.popen.terminate()
+
+    def stop(self) -> None:
+        """SIGTERM (a graceful stop), then reap; `terminate` them all first to stop several at once."""
+        self.terminate()
+        if self.popen.returncode is None:
+            try:
+                self.popen.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait()
+        self._file.close()

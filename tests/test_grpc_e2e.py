@@ -17,14 +17,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.api import SpecExec
-from client.remote import connect, open_channel, wait_until_serving
+from client.remote import connect, open_channel
 from common.node_info import TokenizerMismatch
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.sampling import SamplingParams
 from common.tiny_models import make_tiny_model
 from common.tree import TreeParams
-from tests.helpers import free_port, reference_decode
+from tests.helpers import Proc, free_port, reference_decode
 
 pytestmark = pytest.mark.slow
 
@@ -37,45 +37,6 @@ SAMPLINGS = {
     "seeded": dict(temperature=0.8, top_p=0.9, seed=7, max_new_tokens=16, ignore_eos=True),
 }
 
-
-
-class Proc:
-    """A subprocess whose output goes to a file (a full pipe would block it), shown when a test fails."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], logs: Path) -> None:
-        self.name = name
-        self.log = logs / f"{name}.log"
-        self._file = self.log.open("wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=env, stdout=self._file, stderr=subprocess.STDOUT
-        )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def wait_serving(self, address: str) -> None:
-        try:
-            wait_until_serving(address, timeout=120, alive=self.alive)
-        except Exception as exc:
-            raise AssertionError(f"{self.name} did not start: {exc}\n{self.output()}") from exc
-
-    def terminate(self) -> None:
-        if self.alive():
-            self.popen.terminate()
-
-    def stop(self) -> None:
-        """SIGTERM (a graceful stop), then reap; `terminate` them all first to stop several at once."""
-        self.terminate()
-        if self.popen.returncode is None:
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._file.close()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.tree import TokenTree
 from common.wire import tree_to_proto
-from tests.test_grpc_e2e import ROOT, Proc, free_port
+from tests.helpers import ROOT, Proc, free_port
 
 pytestmark = pytest.mark.slow
 

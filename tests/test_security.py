@@ -23,14 +23,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.cli import main as cli_main
 from client.faults import NodeUnavailable
-from client.remote import NodeAuthError, RemoteDraft, RemoteTarget, connect, open_channel, wait_until_serving
+from client.remote import NodeAuthError, RemoteDraft, RemoteTarget, connect, open_channel
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import check_listen
 from common.sampling import SamplingParams
 from common.security import ClientSecurity, read_token
 from common.tree import TreeParams
-from tests.helpers import free_port, reference_decode
+from tests.helpers import Proc, free_port, reference_decode
 
 pytestmark = pytest.mark.slow
 
@@ -41,46 +41,6 @@ PROMPT = "Hello, "
 BUDGET = 16
 GREEDY = dict(max_new_tokens=12, ignore_eos=True)
 
-
-
-class Proc:
-    """A subprocess whose output goes to a file (a full pipe would block it)."""
-
-    def __init__(self, name: str, args: list[str], env: dict[str, str], logs: Path) -> None:
-        self.name = name
-        self.log = logs / f"{name}.log"
-        self._file = self.log.open("wb")
-        self.popen = subprocess.Popen(
-            [sys.executable, *args], cwd=ROOT, env=env, stdout=self._file, stderr=subprocess.STDOUT
-        )
-
-    def alive(self) -> bool:
-        return self.popen.poll() is None
-
-    def output(self) -> str:
-        return self.log.read_text(errors="replace")[-4000:]
-
-    def wait_serving(self, address: str, security: ClientSecurity) -> None:
-        try:
-            wait_until_serving(address, timeout=120, alive=self.alive, security=security)
-        except Exception as exc:
-            raise AssertionError(f"{self.name} did not start: {exc}\n{self.output()}") from exc
-
-    def finish(self, timeout: float = 60) -> int:
-        try:
-            return self.popen.wait(timeout=timeout)
-        finally:
-            self._file.close()
-
-    def stop(self) -> None:
-        if self.alive():
-            self.popen.terminate()
-            try:
-                self.popen.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait()
-        self._file.close()
 
 
 @pytest.fixture(scope="module")
