@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.budget import BudgetPlanner
 from client.generation import (
@@ -24,6 +24,9 @@ from client.generation import (
 from client.text import TextAssembler
 from common.sampling import SamplingParams
 from common.tree import TreeParams
+
+if TYPE_CHECKING:
+    from target_node.offload import OffloadPlan
 
 
 @dataclass
@@ -84,23 +87,28 @@ class SpecExec:
         *,
         dtype: str = "float32",
         device: str = "cpu",
+        repack: bool = True,
+        offload: OffloadPlan | None = None,
         mode: str = "specexec",
         tree: TreeParams | None = None,
         max_context: int = 4096,
         auto_budget: bool = False,
     ) -> SpecExec:
-        """Both models in this process: the engines are called directly, no servers involved."""
+        """Both models in this process: the engines are called directly, no servers involved.
+
+        `offload` streams the target's layers from host RAM to `device` (target_node.offload)."""
         from common.loading import load_model
         from draft_node.engine import DraftEngine
         from target_node.engine import TargetEngine
+        from target_node.offload import load_target
 
-        target_loaded = load_model(target_model, dtype=dtype, device=device)
+        target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
         draft = None
         if draft_model is not None and mode != "autoregressive":
             draft = DraftEngine(
-                load_model(draft_model, dtype=dtype, device=device),
+                load_model(draft_model, dtype=dtype, device=device, repack=repack),
                 max_context=max_context,
                 max_tree=max_tree,
             )

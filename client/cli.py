@@ -111,6 +111,7 @@ def generator_from(args: argparse.Namespace) -> Any:
     tree = tree_from(args)
     if getattr(args, "target_model", None):
         from common.model_store import resolve_model
+        from target_node.offload import plan_from_args
 
         draft = resolve_model(args.draft_model) if args.draft_model else None
         return SpecExec.local(
@@ -118,6 +119,8 @@ def generator_from(args: argparse.Namespace) -> Any:
             resolve_model(args.target_model),
             dtype=args.dtype,
             device=args.device,
+            repack=args.repack,
+            offload=plan_from_args(args),
             mode=args.mode,
             tree=tree,
             auto_budget=auto_budget(args),
@@ -283,6 +286,11 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         p.add_argument("--device", default="cpu")
+        from common.rpc import add_repack_arg
+        from target_node.offload import add_offload_args
+
+        add_repack_arg(p)
+        add_offload_args(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,7 +313,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--prompt", required=True)
     add_remote_args(g, in_process=True)
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument("--chat", action="store_true", help="send the prompt as a user turn in the model's chat template")
+    g.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user turn in the model's chat template"
+    )
     add_sampling_args(g)
     add_tree_args(g)
     g.set_defaults(func=cmd_generate)
@@ -347,7 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--draft-port", type=int, default=50052)
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
     lo.add_argument("--json", action="store_true")
-    lo.add_argument("--chat", action="store_true", help="send the prompt as a user turn in the model's chat template")
+    lo.add_argument(
+        "--chat", action="store_true", help="send the prompt as a user turn in the model's chat template"
+    )
     add_server_args(lo)  # passed to both nodes; the client sends the same --auth-token-file
     add_client_args(lo, token=False)
     add_sampling_args(lo)
@@ -378,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     ce = sub.add_parser("certs", help="create a private CA, server and client certificates and a token")
     add_certs_args(ce)
     ce.set_defaults(func=cmd_certs)
-    add_status_args(sub.add_parser("status", help="health, models, sessions and round-trip time of the nodes"))
+    add_status_args(
+        sub.add_parser("status", help="health, models, sessions and round-trip time of the nodes")
+    )
     add_config_option(parser)
     return parser
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
+from common import packed_linear
 from common.transformer import Transformer, config_from_hf, rope_inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -32,8 +33,13 @@ def parse_dtype(name: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Weights are read straight from safetensors into a meta-initialised module: one copy in memory."""
+def load_model(
+    path: str | Path, *, dtype: str = "float32", device: str = "cpu", repack: bool = True
+) -> LoadedModel:
+    """Weights are read straight from safetensors into a meta-initialised module: one copy in memory.
+
+    `repack` reorders bf16 CPU weights for oneDNN (common.packed_linear); other dtypes and devices
+    are left as loaded."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
@@ -59,6 +65,9 @@ def load_model(path: str | Path, *, dtype: str = "float32", device: str = "cpu")
         model.lm_head.weight = model.model.embed_tokens.weight
     model.inv_freq = inv_freq.float().to(device)
     model.eval()
+    del state
+    if repack:
+        packed_linear.repack(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
         model=model,

@@ -9,6 +9,7 @@ import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
+from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -174,6 +175,7 @@ def add_node_args(parser: Any, default_port: int) -> None:
     parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu")
+    add_repack_arg(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
     parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
     parser.add_argument("--max-sessions", type=int, default=8)
@@ -189,6 +191,15 @@ def add_node_args(parser: Any, default_port: int) -> None:
         dest="profile",
         action="store_false",
         help="skip measuring the forward-time curve at start-up (clients then cannot use --budget auto)",
+    )
+
+
+def add_repack_arg(parser: Any) -> None:
+    parser.add_argument(
+        "--no-repack",
+        dest="repack",
+        action="store_false",
+        help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison)",
     )
 
 
@@ -217,8 +228,11 @@ def serve_node(
     add_to_server: Callable[[Any, grpc.Server], None],
     service_name: str,
     make_engine: Callable[[Any], Any],
+    load: Callable[[Any, Path], Any] | None = None,
 ) -> int:
-    """Bind first and answer health as NOT_SERVING while the model loads, then serve until a signal."""
+    """Bind first and answer health as NOT_SERVING while the model loads, then serve until a signal.
+
+    `load(args, path)` returns the LoadedModel (the target passes one that can offload)."""
     from common.loading import load_model
     from common.model_store import resolve_model
 
@@ -240,7 +254,10 @@ def serve_node(
         flush=True,
     )
     path = resolve_model(args.model)
-    loaded = load_model(path, dtype=args.dtype, device=args.device)
+    if load is None:
+        loaded = load_model(path, dtype=args.dtype, device=args.device, repack=args.repack)
+    else:
+        loaded = load(args, path)
     engine = make_engine(loaded)
     if args.profile:
         engine.profile()

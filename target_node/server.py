@@ -9,12 +9,14 @@ import sys
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc import add_node_args, engine_kwargs, serve_node
 from target_node.engine import TargetEngine
+from target_node.offload import add_offload_args, load_target, plan_from_args
 from target_node.service import TargetServicer
 
 
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
     add_node_args(parser, default_port=50051)
+    add_offload_args(parser)
     return parser
 
 
@@ -26,6 +28,9 @@ def run(args: argparse.Namespace) -> int:
         pb_grpc.add_TargetServiceServicer_to_server,
         "specexec.v1.TargetService",
         lambda loaded: TargetEngine(loaded, **engine_kwargs(args)),
+        lambda args, path: load_target(
+            path, dtype=args.dtype, device=args.device, repack=args.repack, plan=plan_from_args(args)
+        ),
     )
 
 
