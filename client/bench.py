@@ -394,7 +394,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     projection: list[dict] = []
     if args.target_cost_model:
         bandwidth = float(args.target_cost_model.split(":")[1]) if ":" in args.target_cost_model else 25.0
-        target_bytes = sum(p.numel() * p.element_size() for p in tl.model.parameters())
+        cfg = tl.model.cfg  # an offloaded target streams its decoder layers every pass
+        target_bytes = cfg.num_layers * cfg.layer_parameter_count * tl.model.dtype.itemsize
         projection = project(runs, contestants, target_bytes, bandwidth, args.per_token_ms)
     meta["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     meta["grpc_nodes_peak_rss_mb"] = node_rss

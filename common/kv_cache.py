@@ -35,6 +35,7 @@ class KVCache:
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         """Copy slots `src` onto slots `dst` for every layer (sources are read before any write)."""
+        src, dst = src.to(self.k.device), dst.to(self.k.device)
         self.k[:, :, dst] = self.k[:, :, src]
         self.v[:, :, dst] = self.v[:, :, src]
 

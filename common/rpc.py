@@ -264,10 +264,26 @@ def serve_node(
     servicer.attach(engine, path)
     reaper = start_reaper([engine.sessions])
     server.ready()
-    print(f"{role} node ready: {loaded.name} ({args.dtype}, {args.device})", file=sys.stderr, flush=True)
+    print(
+        f"{role} node ready: {loaded.name} ({args.dtype}, {args.device}; {memory_report(args.device)})",
+        file=sys.stderr,
+        flush=True,
+    )
     server.wait()
     reaper.set()
     return 0
+
+
+def memory_report(device: str) -> str:
+    """Peak memory so far: what a user sizing a machine for this model needs to know."""
+    import resource
+
+    import torch
+
+    report = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    if device.startswith("cuda"):
+        report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return report
 
 
 def engine_kwargs(args: Any) -> dict[str, Any]:

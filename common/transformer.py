@@ -37,6 +37,20 @@ class ModelConfig:
     max_position_embeddings: int
 
     @property
+    def layer_parameter_count(self) -> int:
+        """Weights of one decoder layer: what an offloaded target streams per layer and pass."""
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_heads * d, self.num_kv_heads * d
+        count = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size + 2 * h
+        return count + (q + 2 * kv if self.qkv_bias else 0) + (2 * d if self.qk_norm else 0)
+
+    @property
+    def parameter_count(self) -> int:
+        """All weights, however they are stored (repacked and streamed layers live outside `parameters()`)."""
+        embeddings = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
+        return self.num_layers * self.layer_parameter_count + embeddings + self.hidden_size
+
+    @property
     def kv_bytes_per_token(self) -> int:
         """Bytes of K and V per token for every layer at 2 bytes per element (bf16)."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * 2
@@ -237,6 +251,8 @@ class Transformer(nn.Module):
         0 where a token may attend, -inf elsewhere. Logits are left to `logits()` so callers pay for
         the vocabulary projection only on the rows they sample from.
         """
+        device = self.device  # callers build indices on the CPU; a no-op there
+        tokens, positions, slots, bias = (t.to(device) for t in (tokens, positions, slots, bias))
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(self.dtype)

@@ -82,14 +82,14 @@ class DraftSession:
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         hidden = self.model(pending, positions, positions, attention_bias(causal, start), self.cache)
         self.cache.length = start + t
-        return torch.log_softmax(self.model.logits(hidden[-1:]), -1)[0]
+        return torch.log_softmax(self.model.logits(hidden[-1:]), -1)[0].cpu()
 
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
         base = self.cache.length
         slots = base + nodes - 1
         positions = base - 1 + depths
         hidden = self.model(tokens, positions, slots, attention_bias(visible, base), self.cache)
-        return torch.log_softmax(self.model.logits(hidden), -1)
+        return torch.log_softmax(self.model.logits(hidden), -1).cpu()  # the tree lives on the CPU
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         base = self.cache.length

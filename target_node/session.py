@@ -166,6 +166,6 @@ class TargetSession:
             row = int(rows[node])
             node_logits = logits[row : row + 1] if row >= 0 else self.model.logits(hidden[node : node + 1])
             position = root_pos + int(structure.depths[node]) + 1
-            return int(sample_rows(node_logits, params, [position])[0])
+            return int(sample_rows(node_logits.cpu(), params, [position])[0])  # one row per draw
 
         return draw

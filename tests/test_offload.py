@@ -10,7 +10,7 @@ import torch
 
 from common.loading import load_model
 from common.tree import TokenTree, TreeStructure, attention_bias
-from target_node.offload import StreamedLayers, offload
+from target_node.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
@@ -68,3 +68,35 @@ def test_bad_layouts_are_refused(model_dirs):
         offload(model, "cpu", resident_layers=5)
     with pytest.raises(ValueError, match="at least 1 layer"):
         offload(load_model(model_dirs["target"], repack=False).model, "cpu", ring=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_generation_with_an_offloaded_target_is_unchanged(device, model_dirs):
+    """The whole loop (tree passes, acceptance, cache pruning) over a streamed target: same tokens."""
+    from client.api import SpecExec
+    from common.sampling import SamplingParams
+    from common.tree import TreeParams
+
+    def run(plan: OffloadPlan | None, device: str) -> list[int]:
+        gen = SpecExec.local(
+            str(model_dirs["truncated"]),
+            str(model_dirs["target"]),
+            device=device,
+            offload=plan,
+            tree=TreeParams(budget=8),
+            max_context=256,
+        )
+        params = SamplingParams(max_new_tokens=24, temperature=0.8, seed=3, ignore_eos=True)
+        return gen.generate([5, 17, 99, 3], params).token_ids
+
+    assert run(OffloadPlan(resident_layers=1, prefetch_layers=2), device) == run(None, "cpu")
+
+
+def test_target_command_accepts_offload_flags():
+    from client.cli import build_parser
+
+    args = build_parser().parse_args(
+        ["target", "--model", "m", "--offload", "--resident-layers", "3", "--prefetch-layers", "4"]
+    )
+    assert plan_from_args(args) == OffloadPlan(resident_layers=3, prefetch_layers=4)
+    assert plan_from_args(build_parser().parse_args(["target", "--model", "m"])) is None

@@ -57,3 +57,11 @@ def test_unsupported_architecture_is_refused():
 
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         config_from_hf(GPT2Config())
+
+
+@pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
+def test_parameter_counts_match_the_module(name, loaded):
+    model = loaded[name].model
+    assert model.cfg.parameter_count == sum(p.numel() for p in model.parameters())
+    layer = model.model.layers[0]
+    assert model.cfg.layer_parameter_count == sum(p.numel() for p in layer.parameters())

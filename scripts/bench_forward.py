@@ -1,0 +1,175 @@
+"""Forward time against tree size for each way of running the weights, beside the bandwidth floor.
+
+One pass = a k-token tree (4-D ancestor mask) after a 64-token prefix, plus the LM head on all k rows,
+timed by `common.profiling.time_tree_forward` (minimum over repeats). Configurations:
+
+- plain:    row-major bf16 weights, `F.linear` (what `--no-repack` runs);
+- repacked: oneDNN-reordered weights with fused QKV and gate/up (the default, common.packed_linear);
+- int8:     weight-only int8 with per-row scales (`aten._weight_int8pack_mm`), benchmark only;
+- compiled: `torch.compile` with inductor freezing on the plain model, one static-shape graph per k
+            (only with --compile: about a minute of compilation per k).
+
+The floor is the bytes one pass must read (decoder weights plus the LM head) over the measured copy
+bandwidth. Also reports int8's top-1 agreement with bf16 over 64 greedy positions.
+
+    .venv/bin/python scripts/bench_forward.py --out docs/forward.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from common.loading import load_model  # noqa: E402
+from common.model_store import resolve_model  # noqa: E402
+from common.profiling import time_tree_forward  # noqa: E402
+from common.transformer import Transformer  # noqa: E402
+
+
+class Int8Linear(nn.Module):
+    """Weight-only int8 with one bf16 scale per output row; activations stay bf16."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([lin.weight.detach().float() for lin in linears])
+        scales = (weight.abs().amax(1) / 127).clamp(min=1e-8)
+        self.weight_int8 = torch.round(weight / scales[:, None]).clamp(-128, 127).to(torch.int8)
+        self.scales = scales.to(linears[0].weight.dtype)
+        self.split_sizes = [lin.out_features for lin in linears]
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+
+    def forward(self, x: Tensor) -> Tensor:
+        out = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
+        return out if self.bias is None else out + self.bias
+
+
+def quantize_int8(model: Transformer) -> None:
+    for layer in model.model.layers:
+        attn, mlp = layer.self_attn, layer.mlp
+        attn.qkv_proj = Int8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
+        attn.o_proj = Int8Linear([attn.o_proj])
+        del attn.q_proj, attn.k_proj, attn.v_proj
+        mlp.gate_up_proj = Int8Linear([mlp.gate_proj, mlp.up_proj])
+        mlp.down_proj = Int8Linear([mlp.down_proj])
+        del mlp.gate_proj, mlp.up_proj
+    if not model.cfg.tie_word_embeddings:
+        model.lm_head = Int8Linear([model.lm_head])
+
+
+class Compiled:
+    """Quacks like a Transformer for `time_tree_forward`, with the forward compiled."""
+
+    def __init__(self, model: Transformer) -> None:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.freezing = True
+        self.model, self.cfg, self.device = model, model.cfg, model.device
+        self.compiled = torch.compile(model.forward.__wrapped__.__get__(model))
+        self.new_cache, self.logits = model.new_cache, model.logits
+
+    def __call__(self, *args: object) -> Tensor:
+        with torch.no_grad():
+            return self.compiled(*args)
+
+
+def copy_bandwidth_gbps(gib: float = 1.0) -> float:
+    src = torch.ones(int(gib * 2**30), dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(5):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * src.numel() / best / 1e9  # read + write
+
+
+def pass_bytes(model: Transformer) -> int:
+    """Weights one pass must stream: every decoder layer plus the LM head (not the embedding rows)."""
+    cfg = model.cfg
+    return (cfg.num_layers * cfg.layer_parameter_count + cfg.vocab_size * cfg.hidden_size) * 2
+
+
+def top1_agreement(reference: Transformer, other: Transformer, prompt: list[int], steps: int) -> int:
+    """Greedy-decode with `reference` and count positions where `other` picks the same next token."""
+    cache_r, cache_o = reference.new_cache(len(prompt) + steps), other.new_cache(len(prompt) + steps)
+    tokens, agree = list(prompt), 0
+    from common.tree import attention_bias
+
+    for i in range(steps):
+        new = tokens if i == 0 else tokens[-1:]
+        start = len(tokens) - len(new)
+        pos = torch.arange(start, len(tokens))
+        causal = torch.ones(len(new), len(tokens), dtype=torch.bool).tril(start)
+        bias = attention_bias(causal, 0)
+        ids = torch.tensor(new)
+        nxt_r = reference.logits(reference(ids, pos, pos, bias, cache_r)[-1:]).argmax(-1).item()
+        nxt_o = other.logits(other(ids, pos, pos, bias, cache_o)[-1:]).argmax(-1).item()
+        agree += nxt_r == nxt_o
+        tokens.append(nxt_r)
+    return agree
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"])
+    p.add_argument("--ks", type=int, nargs="+", default=[1, 8, 16, 32, 64])
+    p.add_argument("--configs", nargs="+", default=["plain", "repacked", "int8"])
+    p.add_argument("--compile", action="store_true", help="also time compiled forwards (slow)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--out", help="write the measurements as JSON here")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    configs = [*args.configs, *(["compiled"] if args.compile else [])]
+    bandwidth = copy_bandwidth_gbps()
+    rows, agreement = [], {}
+    for name in args.models:
+        path = resolve_model(name)
+        for config in configs:
+            loaded = load_model(path, dtype="bfloat16", repack=config == "repacked")
+            model = loaded.model
+            floor_ms = pass_bytes(model) / (bandwidth * 1e9) * 1e3
+            if config == "int8":
+                reference = model
+                model = load_model(path, dtype="bfloat16", repack=False).model
+                quantize_int8(model)
+                prompt = loaded.tokenizer.encode("def fibonacci(n):\n    ")
+                agreement[name] = top1_agreement(reference, model, prompt, 64)
+                del reference
+            runner = Compiled(model) if config == "compiled" else model
+            row = {"model": name, "config": config, "floor_ms": round(floor_ms, 1)}
+            for k in tqdm(args.ks, desc=f"{name} {config}", unit="k", leave=False):
+                row[f"k={k}"] = round(time_tree_forward(runner, k, k, budget_seconds=1.0) * 1e3, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            del loaded, model, runner
+    header = ["model", "config", *[f"k={k}" for k in args.ks], "floor_ms"]
+    print(f"\nbf16, {args.threads} threads, copy bandwidth {bandwidth:.1f} GB/s; ms per pass")
+    print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))
+    for row in rows:
+        print("| " + " | ".join(str(row[h]) for h in header) + " |")
+    for name, agree in agreement.items():
+        print(f"int8 top-1 agreement with bf16, {name}: {agree}/64")
+    if args.out:
+        result = {
+            "bandwidth_gbps": bandwidth,
+            "threads": args.threads,
+            "rows": rows,
+            "int8_top1_of_64": agreement,
+        }
+        Path(args.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
