@@ -62,10 +62,16 @@ class BudgetPlanner:
         return max(fits, default=1)
 
     def draft_seconds(self, budget: int, depth: int) -> float:
-        """Each level of the tree needs one draft forward, and each forward expands at most expand_batch."""
+        """One pass to catch up on the tokens the last step accepted, whatever the tree's size; then
+        one forward per level of the tree, each expanding at most expand_batch nodes.
+
+        The fixed catch-up pass must be modelled as fixed: folded into `draft_scale`, it would make
+        every tree look as much dearer as the small trees the planner has been choosing, and the
+        planner would keep choosing them."""
         batch = min(self.expand_batch, budget)
         iterations = max(depth, math.ceil(budget / self.expand_batch))
-        return self.draft_scale * iterations * interpolate(self.draft_curve, batch)
+        passes = interpolate(self.draft_curve, 1) + iterations * interpolate(self.draft_curve, batch)
+        return self.draft_scale * passes
 
     def target_seconds(self, budget: int) -> float:
         return self.target_scale * interpolate(self.target_curve, budget + 1)
