@@ -11,6 +11,8 @@ layer makes four weight passes instead of seven.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 
@@ -46,22 +48,26 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.split_sizes}, dtype={self.dtype}"
 
 
-def repack(model: Transformer) -> bool:
-    """Repack every projection of `model` in place; returns False (and changes nothing) where unsupported.
-
-    A tied LM head stays as it is: the embedding lookup needs the row-major table, and repacking a
-    tied head would hold a second copy of the vocabulary matrix."""
-    if not repack_supported(model):
-        return False
+def replace_projections(model: Transformer, fuse: Callable[[list[nn.Linear]], nn.Module]) -> None:
+    """Swap each layer's projections for `fuse`d modules: Q/K/V and gate/up become one module each
+    (exposing `split_sizes`), o/down/LM head one each. A tied LM head stays as it is: the embedding
+    lookup needs the row-major table, and replacing the head would hold the vocabulary matrix twice."""
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = PackedLinear([attn.q_proj, attn.k_proj, attn.v_proj])
-        attn.o_proj = PackedLinear([attn.o_proj])
+        attn.qkv_proj = fuse([attn.q_proj, attn.k_proj, attn.v_proj])
+        attn.o_proj = fuse([attn.o_proj])
         del attn.q_proj, attn.k_proj, attn.v_proj
-        mlp.gate_up_proj = PackedLinear([mlp.gate_proj, mlp.up_proj])
-        mlp.down_proj = PackedLinear([mlp.down_proj])
+        mlp.gate_up_proj = fuse([mlp.gate_proj, mlp.up_proj])
+        mlp.down_proj = fuse([mlp.down_proj])
         del mlp.gate_proj, mlp.up_proj
     if not model.cfg.tie_word_embeddings:
-        model.lm_head = PackedLinear([model.lm_head])
+        model.lm_head = fuse([model.lm_head])
+
+
+def repack(model: Transformer) -> bool:
+    """Repack every projection of `model` in place; returns False (and changes nothing) where unsupported."""
+    if not repack_supported(model):
+        return False
+    replace_projections(model, PackedLinear)
     model.repacked = True
     return True

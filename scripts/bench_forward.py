@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.loading import load_model  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
+from common.packed_linear import replace_projections  # noqa: E402
 from common.profiling import time_tree_forward  # noqa: E402
 from common.transformer import Transformer  # noqa: E402
 
@@ -52,19 +53,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return out if self.bias is None else out + self.bias
-
-
-def quantize_int8(model: Transformer) -> None:
-    for layer in model.model.layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        attn.qkv_proj = Int8Linear([attn.q_proj, attn.k_proj, attn.v_proj])
-        attn.o_proj = Int8Linear([attn.o_proj])
-        del attn.q_proj, attn.k_proj, attn.v_proj
-        mlp.gate_up_proj = Int8Linear([mlp.gate_proj, mlp.up_proj])
-        mlp.down_proj = Int8Linear([mlp.down_proj])
-        del mlp.gate_proj, mlp.up_proj
-    if not model.cfg.tie_word_embeddings:
-        model.lm_head = Int8Linear([model.lm_head])
 
 
 class Compiled:
@@ -142,7 +130,7 @@ def main() -> int:
             if config == "int8":
                 reference = model
                 model = load_model(path, dtype="bfloat16", repack=False).model
-                quantize_int8(model)
+                replace_projections(model, Int8Linear)
                 prompt = loaded.tokenizer.encode("def fibonacci(n):\n    ")
                 agreement[name] = top1_agreement(reference, model, prompt, 64)
                 del reference
