@@ -5,27 +5,21 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 from client.faults import NodeFault
 from client.generation import Recovery
-from client.remote import RemoteTarget, connect, wait_until_serving
-from tests.helpers import free_port
-
-ROOT = Path(__file__).resolve().parents[1]
+from client.remote import RemoteTarget, connect
+from tests.helpers import ROOT, Proc, free_port
 
 
-
-def start_target(model: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+def start_target(model: Path, logs: Path, *extra: str, env: dict[str, str] | None = None) -> tuple[Proc, str]:
     addr = f"127.0.0.1:{free_port()}"
-    cmd = [sys.executable, "-m", "target_node", "--model", str(model), "--listen", addr, "--no-profile", *extra]
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, cwd=ROOT,
-                            stderr=subprocess.PIPE, text=True)  # fmt: skip
-    wait_until_serving(addr, timeout=120, alive=lambda: proc.poll() is None)
+    args = ["-m", "target_node", "--model", str(model), "--listen", addr, "--no-profile", *extra]
+    proc = Proc("target", args, {**os.environ, "PYTHONPATH": str(ROOT), **(env or {})}, logs)
+    proc.wait_serving(addr)
     return proc, addr
 
 
@@ -36,27 +30,27 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError("no VmRSS")
 
 
-def test_vanished_clients_sessions_expire_and_memory_returns(model_dirs):
+def test_vanished_clients_sessions_expire_and_memory_returns(model_dirs, tmp_path):
     # A fixed mmap threshold makes glibc hand each freed cache straight back to the OS; its default
     # adaptive threshold may keep small freed blocks for reuse, which is not a leak but hides the drop.
-    proc, addr = start_target(model_dirs["target"], "--idle-timeout", "2", "--max-tree", "4096",
+    proc, addr = start_target(model_dirs["target"], tmp_path, "--idle-timeout", "2", "--max-tree", "4096",
                               "--max-sessions", "8", env={"MALLOC_MMAP_THRESHOLD_": "131072"})  # fmt: skip
     try:
         target = RemoteTarget(addr)
         target.close_session(target.open_session([1, 2, 3]))  # warm up allocator and code paths
-        baseline = rss_mb(proc.pid)
+        baseline = rss_mb(proc.popen.pid)
         for _ in range(8):
             target.open_session([1, 2, 3])  # never closed: the client "disappears"
-        held = rss_mb(proc.pid)
+        held = rss_mb(proc.popen.pid)
         assert held - baseline > 8, "eight sessions should hold measurable KV-cache memory"
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline and _open(target) > 0:
             time.sleep(0.5)
         assert _open(target) == 0
-        assert rss_mb(proc.pid) - baseline < (held - baseline) / 4
+        assert rss_mb(proc.popen.pid) - baseline < (held - baseline) / 4
     finally:
-        proc.kill()
-        proc.wait()
+        proc.popen.kill()
+        proc.finish()
 
 
 def _open(target: RemoteTarget) -> int:
@@ -65,8 +59,8 @@ def _open(target: RemoteTarget) -> int:
     return target.stub.Info(pb.InfoRequest(), metadata=target.metadata).open_sessions
 
 
-def test_sigterm_stops_the_node_cleanly_mid_generation(model_dirs):
-    proc, addr = start_target(model_dirs["target"])
+def test_sigterm_stops_the_node_cleanly_mid_generation(model_dirs, tmp_path):
+    proc, addr = start_target(model_dirs["target"], tmp_path)
     gen = connect(None, addr, mode="autoregressive")
     errors: list[BaseException] = []
 
@@ -80,12 +74,12 @@ def test_sigterm_stops_the_node_cleanly_mid_generation(model_dirs):
     worker = threading.Thread(target=generate)
     worker.start()
     time.sleep(1.0)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=20) == 0
+    proc.popen.send_signal(signal.SIGTERM)
+    assert proc.finish(timeout=20) == 0
     worker.join(timeout=30)
     assert not worker.is_alive()
     assert errors and isinstance(errors[0], NodeFault), errors
-    assert "shutting down" in proc.stderr.read()
+    assert "shutting down" in proc.output()
 
 
 
