@@ -62,7 +62,9 @@ def _call(
         return fn(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:
         code, details = exc.code(), exc.details()
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        # This client never cancels its own calls: CANCELLED means the node cut the call short,
+        # as a server does to in-flight calls when it shuts down.
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
             hint = ""
             if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
                 hint = f" ({(security or ClientSecurity()).hint()})"
