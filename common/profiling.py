@@ -43,15 +43,12 @@ def time_tree_forward(model: Transformer, n: int, logits_rows: int, budget_secon
     parents = synthetic_parents(n)
     structure = TreeStructure.from_parents(parents)
     cache = model.new_cache(PREFIX + n)
-    device = cache.k.device
-    tokens = torch.randint(0, model.cfg.vocab_size, (n,), device=device)
+    tokens = torch.randint(0, model.cfg.vocab_size, (n,))
     causal = torch.ones(PREFIX, PREFIX, dtype=torch.bool).tril()
-    prefix = torch.arange(PREFIX, device=device)
-    prompt = torch.randint(0, model.cfg.vocab_size, (PREFIX,), device=device)
-    model(prompt, prefix, prefix, attention_bias(causal, 0).to(device), cache)
-    bias = attention_bias(structure.ancestors, PREFIX).to(device)
-    positions = (PREFIX + structure.depths).to(device)
-    slots = torch.arange(PREFIX, PREFIX + n, device=device)
+    prefix = torch.arange(PREFIX)
+    model(torch.randint(0, model.cfg.vocab_size, (PREFIX,)), prefix, prefix, attention_bias(causal, 0), cache)
+    bias = attention_bias(structure.ancestors, PREFIX)
+    positions, slots = PREFIX + structure.depths, torch.arange(PREFIX, PREFIX + n)
     times: list[float] = []
     while len(times) < 21 and sum(times[1:]) < budget_seconds:
         start = time.perf_counter()

@@ -12,6 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from common.sampling import SamplingParams, sample_rows
+from common.tree import TokenTree, TreeStructure, attention_bias
 
 
 def reference_decode(
@@ -87,3 +88,18 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait()
         self._file.close()
+
+
+SAMPLE_TREE = TokenTree(torch.tensor([3, 10, 11, 12, 13, 14, 15]), torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
+
+
+def prefix_then_tree(model: Any, prefix: torch.Tensor, tree: TokenTree) -> tuple[torch.Tensor, torch.Tensor]:
+    """A causal pass over `prefix`, then one pass over `tree` in the slots after it; both hidden states."""
+    structure = TreeStructure.from_parents(tree.parents)
+    cache = model.new_cache(64)
+    p = prefix.numel()
+    causal = torch.ones(p, p, dtype=torch.bool).tril()
+    first = model(prefix, torch.arange(p), torch.arange(p), attention_bias(causal, 0), cache)
+    positions, slots = p + structure.depths, torch.arange(p, p + tree.size)
+    second = model(tree.tokens, positions, slots, attention_bias(structure.ancestors, p), cache)
+    return first, second

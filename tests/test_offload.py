@@ -9,30 +9,16 @@ import pytest
 import torch
 
 from common.loading import load_model
-from common.tree import TokenTree, TreeStructure, attention_bias
 from target_node.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
+from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
 def _two_steps(model) -> list[torch.Tensor]:
     """A prefix pass then a tree pass: the second forward reuses slots prefetched by the first."""
-    cache = model.new_cache(64)
-    prefix = torch.tensor([5, 17, 99, 3, 42], device=model.device)
-    p = prefix.numel()
-    causal = torch.ones(p, p, dtype=torch.bool).tril()
-    ar = torch.arange(p, device=model.device)
-    first = model(prefix, ar, ar, attention_bias(causal, 0).to(model.device), cache)
-    tree = TokenTree(torch.tensor([3, 10, 11, 12, 13, 14, 15]), torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
-    structure = TreeStructure.from_parents(tree.parents)
-    second = model(
-        tree.tokens.to(model.device),
-        (p + structure.depths).to(model.device),
-        torch.arange(p, p + tree.size, device=model.device),
-        attention_bias(structure.ancestors, p).to(model.device),
-        cache,
-    )
-    return [model.logits(first).cpu(), model.logits(second).cpu()]
+    hidden = prefix_then_tree(model, torch.tensor([5, 17, 99, 3, 42]), SAMPLE_TREE)
+    return [model.logits(h).cpu() for h in hidden]
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.tree import TokenTree, TreeStructure, attention_bias
+from common.tree import TreeStructure, attention_bias
+from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 
 @pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
@@ -28,19 +29,10 @@ def test_tree_pass_equals_per_path_passes(model_dirs, loaded):
     hf = AutoModelForCausalLM.from_pretrained(model_dirs["qwen2"], dtype=torch.float32)
     model = loaded["qwen2"].model
     prefix = torch.tensor([5, 17, 99, 3])
-    tree = TokenTree(torch.tensor([3, 10, 11, 12, 13, 14, 15]), torch.tensor([-1, 0, 0, 1, 1, 3, 2]))
+    tree = SAMPLE_TREE
     structure = TreeStructure.from_parents(tree.parents)
-    cache = model.new_cache(64)
     p = prefix.numel() - 1
-    causal = torch.ones(p, p, dtype=torch.bool).tril()
-    model(prefix[:p], torch.arange(p), torch.arange(p), attention_bias(causal, 0), cache)
-    hidden = model(
-        tree.tokens,
-        p + structure.depths,
-        torch.arange(p, p + tree.size),
-        attention_bias(structure.ancestors, p),
-        cache,
-    )
+    _, hidden = prefix_then_tree(model, prefix[:p], tree)
     ours = model.logits(hidden)
     for node in range(tree.size):
         path = tree.tokens[structure.ancestors[node]]
