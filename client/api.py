@@ -89,6 +89,7 @@ class SpecExec:
         device: str = "cpu",
         repack: bool = True,
         offload: OffloadPlan | None = None,
+        draft_quantize: str = "none",
         mode: str = "specexec",
         tree: TreeParams | None = None,
         max_context: int = 4096,
@@ -96,7 +97,9 @@ class SpecExec:
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
-        `offload` streams the target's layers from host RAM to `device` (target_node.offload)."""
+        `offload` streams the target's layers from host RAM to `device` (target_node.offload).
+        `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
+        `dtype` says: its fastest configuration on a CPU (common.quantized_linear)."""
         from common.loading import load_model
         from draft_node.engine import DraftEngine
         from target_node.engine import TargetEngine
@@ -108,7 +111,13 @@ class SpecExec:
         draft = None
         if draft_model is not None and mode != "autoregressive":
             draft = DraftEngine(
-                load_model(draft_model, dtype=dtype, device=device, repack=repack),
+                load_model(
+                    draft_model,
+                    dtype="float32" if draft_quantize != "none" else dtype,
+                    device=device,
+                    repack=repack,
+                    quantize=draft_quantize,
+                ),
                 max_context=max_context,
                 max_tree=max_tree,
             )

@@ -123,6 +123,11 @@ def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> lis
     return [make("hf generate", None), make("hf assisted", draft)]
 
 
+def draft_dtype(dtype: str, quantize: str) -> str:
+    """An int8 draft runs its float parts in float32 (its fastest on a CPU), as `specexec local` does."""
+    return dtype if quantize == "none" else "float32"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -132,13 +137,14 @@ def free_port() -> int:
 class GrpcNodes:
     """A draft and a target node as separate processes on loopback, for the network-path contestant."""
 
-    def __init__(self, draft: str, target: str, dtype: str, max_tree: int) -> None:
+    def __init__(self, draft: str, target: str, dtype: str, max_tree: int, draft_quantize: str = "none") -> None:
         from client.remote import wait_until_serving
 
         self.addrs = {role: f"127.0.0.1:{free_port()}" for role in ("target", "draft")}
+        flags = {"target": ["--dtype", dtype], "draft": ["--dtype", draft_dtype(dtype, draft_quantize), "--quantize", draft_quantize]}
         self.procs = [
             subprocess.Popen([sys.executable, "-m", f"{role}_node", "--model", model, "--listen", self.addrs[role],
-                              "--dtype", dtype, "--max-tree", str(max_tree), "--no-profile"])
+                              *flags[role], "--max-tree", str(max_tree), "--no-profile"])
             for role, model in (("target", target), ("draft", draft))
         ]
         for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
@@ -265,7 +271,8 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
 def write_report(out: Path, meta: dict, summary: list[dict], exact: list[dict], projection: list[dict]) -> str:
     lines = [f"# Benchmark: {meta['target']} <- {meta['draft']}", "",
              f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens, {meta['dtype']}, "
-             f"{meta['threads']} threads, command: `{meta['command']}`", ""]  # fmt: skip
+             f"{meta['threads']} threads, draft linears {meta.get('draft_quantize', 'none')}, "
+             f"command: `{meta['command']}`", ""]  # fmt: skip
     for setting in sorted({r["setting"] for r in summary}):
         lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step | draft / target / other |",
                   "|---|---|---|---|---|"]  # fmt: skip
@@ -352,11 +359,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     max_tree = max([*args.budgets, *args.chain, args.grpc_budget if args.grpc else 1])
     meta = dict(target=target_dir.name, draft=draft_dir.name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
-                projection=args.target_cost_model)  # fmt: skip
+                projection=args.target_cost_model, draft_quantize=args.draft_quantize)  # fmt: skip
     exact: list[dict] = []
     if args.exactness:
         # float32: batched tree passes and one-token passes then agree, so any divergence is a bug.
-        t32, d32 = load_model(target_dir, dtype="float32"), load_model(draft_dir, dtype="float32")
+        t32 = load_model(target_dir, dtype="float32")
+        d32 = load_model(draft_dir, dtype="float32", quantize=args.draft_quantize)
         target, draft = TargetEngine(t32, max_tree=max_tree), DraftEngine(d32, max_tree=max_tree)
         # The auto contestant's choices only change speed, never tokens: a flat stand-in curve will do.
         target.forward_curve = draft.forward_curve = ((1, 1.0), (max_tree + 1, 1.0))
@@ -365,7 +373,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          args.max_new_tokens, args.seed, "exactness (float32)")  # fmt: skip
         exact = check_exactness(runs, {c.name: c.family for c in contestants})
         del target, draft, t32, d32, contestants
-    tl, dl = load_model(target_dir, dtype=args.dtype), load_model(draft_dir, dtype=args.dtype)
+    tl = load_model(target_dir, dtype=args.dtype)
+    dl = load_model(draft_dir, dtype=draft_dtype(args.dtype, args.draft_quantize), quantize=args.draft_quantize)
     target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
     if args.auto:
         target.profile()
@@ -377,7 +386,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.grpc:
         from client.remote import connect
 
-        nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree)
+        nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree, args.draft_quantize)
         b = args.grpc_budget
         params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
         remote = connect(nodes.addrs["draft"], nodes.addrs["target"], tree=params)
@@ -417,6 +426,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("--draft-quantize", choices=("none", "int8"), default="none",
+                   help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype")
     b.add_argument("--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)")
     b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")
     b.add_argument("--limit", type=int, help="use the first N prompts (categories kept balanced)")

@@ -121,6 +121,7 @@ def generator_from(args: argparse.Namespace) -> Any:
             device=args.device,
             repack=args.repack,
             offload=plan_from_args(args),
+            draft_quantize=args.draft_quantize,
             mode=args.mode,
             tree=tree,
             auto_budget=auto_budget(args),
@@ -286,10 +287,11 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         p.add_argument("--device", default="cpu")
-        from common.rpc import add_repack_arg
+        from common.rpc import add_quantize_arg, add_repack_arg
         from target_node.offload import add_offload_args
 
         add_repack_arg(p)
+        add_quantize_arg(p, "--draft-quantize")
         add_offload_args(p)
 
 
@@ -301,7 +303,7 @@ def build_parser() -> argparse.ArgumentParser:
     from common.config import add_config_option
     from common.logs import add_log_args
     from common.metrics import add_metrics_args
-    from common.rpc import add_insecure_arg
+    from common.rpc import add_insecure_arg, add_quantize_arg
     from common.security import add_client_args, add_server_args
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
@@ -353,6 +355,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--draft-model", required=True)
     lo.add_argument("--target-model", required=True)
     lo.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
+    add_quantize_arg(lo, "--draft-quantize")
     lo.add_argument("--target-port", type=int, default=50051)
     lo.add_argument("--draft-port", type=int, default=50052)
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")

@@ -11,7 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from common import packed_linear
+from common import packed_linear, quantized_linear
+from common.quantized_linear import check_quantize
 from common.transformer import Transformer, config_from_hf, rope_inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -34,12 +35,18 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def load_model(
-    path: str | Path, *, dtype: str = "float32", device: str = "cpu", repack: bool = True
+    path: str | Path,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    repack: bool = True,
+    quantize: str = "none",
 ) -> LoadedModel:
     """Weights are read straight from safetensors into a meta-initialised module: one copy in memory.
 
     `repack` reorders bf16 CPU weights for oneDNN (common.packed_linear); other dtypes and devices
-    are left as loaded."""
+    are left as loaded. `quantize="int8"` replaces every projection with int8 weights instead
+    (common.quantized_linear; CPU only, meant for drafts)."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)
@@ -49,6 +56,7 @@ def load_model(
     cfg = config_from_hf(hf_config)
     inv_freq, scaling = rope_inverse_frequencies(hf_config)
     torch_dtype = parse_dtype(dtype)
+    check_quantize(quantize, device)
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq, scaling)
     state = _read_safetensors(path)
@@ -66,7 +74,9 @@ def load_model(
     model.inv_freq = inv_freq.float().to(device)
     model.eval()
     del state
-    if repack:
+    if quantize != "none":
+        quantized_linear.quantize(model, quantize)
+    elif repack:
         packed_linear.repack(model)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(

@@ -228,6 +228,7 @@ class Transformer(nn.Module):
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
         self.repacked = False  # see common.packed_linear
+        self.quantized = "none"  # see common.quantized_linear
 
     @property
     def device(self) -> torch.device:

@@ -1,0 +1,74 @@
+"""int8 linear layers for CPU draft models: int8 weights with one scale per output row, activations
+quantized to int8 on the fly per call (W8A8 dynamic), products accumulated in int32 by fbgemm/oneDNN.
+
+Why this scheme and why the draft: a CPU forward streams every weight once, so halving the bytes
+(bf16 -> int8) nearly halves a pass. Weight-only int8 (`aten._weight_int8pack_mm`) dequantises into
+bf16 and loses to repacked bf16 from 8 rows up; quantising the activations too keeps the product in
+integer units and wins at every tree size measured (docs/forward.md). It changes the model's numbers,
+so it belongs on the draft: the draft only proposes, the target decides, and the output stays exactly
+the target's. On the target it would change the output itself.
+
+The kernels are PyTorch's quantized CPU backend (`quantized::linear_dynamic`), which PyTorch marks
+deprecated in favour of torchao; they exist in every torch this project supports (>=2.5, <3).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import Tensor, nn
+
+from common.packed_linear import replace_projections
+from common.transformer import Transformer
+
+QUANTIZE_CHOICES = ("none", "int8")
+
+
+class Int8DynamicLinear(nn.Module):
+    """One or more `nn.Linear`s sharing an input, concatenated along their outputs, in int8."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([lin.weight.detach().float() for lin in linears])
+        biases = [lin.bias for lin in linears]
+        bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+        scales = (weight.abs().amax(1) / 127).clamp(min=1e-8).double()
+        zeros = torch.zeros(weight.shape[0], dtype=torch.long)
+        with warnings.catch_warnings():
+            warnings.filterwarnings(
+                "ignore", message=".*quantize_per_tensor.*deprecated", category=UserWarning
+            )
+            qweight = torch.quantize_per_channel(weight, scales, zeros, 0, torch.qint8)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+        self.split_sizes = [lin.out_features for lin in linears]
+        self.in_features = linears[0].in_features
+
+    def forward(self, x: Tensor) -> Tensor:
+        # reduce_range: 7-bit activations, so CPUs without VNNI cannot saturate their 16-bit sums.
+        out = torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
+        return out if x.dtype == torch.float32 else out.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.split_sizes}, int8 dynamic"
+
+
+def check_quantize(scheme: str, device: str | torch.device) -> None:
+    if scheme not in QUANTIZE_CHOICES:
+        raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
+    if scheme != "none" and torch.device(device).type != "cpu":
+        raise ValueError(f"quantize {scheme!r} runs on CPU nodes only, not on device {device!r}")
+    if scheme != "none" and not torch.backends.quantized.supported_engines:
+        raise ValueError("quantize 'int8' needs PyTorch's quantized CPU backend, which this build lacks")
+
+
+def quantize(model: Transformer, scheme: str) -> None:
+    """Quantize every projection of `model` in place, the LM head included even when tied (the
+    embedding keeps its float table for lookups; the head gets its own int8 copy, a quarter of it)."""
+    check_quantize(scheme, model.device)
+    if scheme == "none":
+        return
+    replace_projections(model, Int8DynamicLinear)
+    if model.cfg.tie_word_embeddings:
+        model.lm_head = Int8DynamicLinear([model.lm_head])
+    model.quantized = scheme

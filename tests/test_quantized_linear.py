@@ -1,0 +1,112 @@
+"""An int8 draft changes the draft's numbers, never the output: the target still decides every token."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from common.loading import load_model
+from common.quantized_linear import Int8DynamicLinear, check_quantize, quantize
+from common.sampling import SamplingParams
+from common.tree import TreeParams
+from tests.helpers import SAMPLE_TREE, prefix_then_tree
+
+pytestmark = pytest.mark.skipif(
+    not torch.backends.quantized.supported_engines, reason="needs PyTorch's quantized CPU backend"
+)
+
+
+def test_fused_int8_product_is_close_to_the_float_products():
+    torch.manual_seed(0)
+    linears = [nn.Linear(64, n, bias=True) for n in (48, 16, 16)]
+    fused = Int8DynamicLinear(linears)
+    assert fused.split_sizes == [48, 16, 16]
+    for rows in (1, 5, 33):
+        x = torch.randn(rows, 64)
+        ref = torch.cat([lin(x) for lin in linears], dim=-1).detach()
+        out = fused(x)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert (out - ref).abs().max() < 0.05 * ref.abs().max()
+        assert fused(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
+def test_int8_model_stays_close_to_the_float_model(name, model_dirs):
+    ref = load_model(model_dirs[name]).model
+    q = load_model(model_dirs[name], quantize="int8").model
+    assert q.quantized == "int8" and not q.repacked
+    assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int8DynamicLinear)
+    assert isinstance(q.lm_head, Int8DynamicLinear)
+    prefix = torch.tensor([5, 17, 99, 3, 42])
+    ours = q.logits(prefix_then_tree(q, prefix, SAMPLE_TREE)[1])
+    theirs = ref.logits(prefix_then_tree(ref, prefix, SAMPLE_TREE)[1])
+    cosine = torch.nn.functional.cosine_similarity(ours, theirs, dim=-1)
+    assert cosine.min() > 0.9, cosine  # random tiny weights: garbage (a wrong scale or layout) is near 0
+
+
+def test_a_tied_head_gets_its_own_int8_copy(model_dirs):
+    model = load_model(model_dirs["target"]).model
+    model.cfg = type(model.cfg)(**{**model.cfg.__dict__, "tie_word_embeddings": True})
+    table = model.model.embed_tokens.weight.clone()
+    quantize(model, "int8")
+    assert isinstance(model.lm_head, Int8DynamicLinear)
+    assert torch.equal(model.model.embed_tokens.weight, table)  # lookups still read the float table
+
+
+def test_bad_settings_name_the_field():
+    with pytest.raises(ValueError, match="quantize must be one of none, int8, got 'int4'"):
+        check_quantize("int4", "cpu")
+    with pytest.raises(ValueError, match="CPU nodes only, not on device 'cuda'"):
+        check_quantize("int8", "cuda")
+    check_quantize("none", "cuda")
+
+
+@pytest.mark.parametrize("mode", ["specexec", "chain"])
+def test_int8_draft_output_is_the_target_alone(mode, model_dirs):
+    """Greedy and seeded samples through an int8 draft equal the float32 target decoding alone."""
+    from client.api import SpecExec
+
+    def run(draft_quantize: str, mode: str, sampling: SamplingParams) -> list[int]:
+        gen = SpecExec.local(
+            str(model_dirs["truncated"]),
+            str(model_dirs["target"]),
+            draft_quantize=draft_quantize,
+            mode=mode,
+            tree=TreeParams(budget=8) if mode == "specexec" else TreeParams.chain(4),
+            max_context=256,
+        )
+        if draft_quantize != "none":
+            assert gen.draft is not None and gen.draft.loaded.model.quantized == draft_quantize
+        return gen.generate([5, 17, 99, 3], sampling).token_ids
+
+    for sampling in (
+        SamplingParams(max_new_tokens=24, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
+    ):
+        assert run("int8", mode, sampling) == run("none", "autoregressive", sampling)
+
+
+def test_commands_accept_quantize_flags():
+    from client.cli import build_parser
+
+    parse = build_parser().parse_args
+    assert parse(["draft", "--model", "m", "--quantize", "int8"]).quantize == "int8"
+    assert parse(["target", "--model", "m"]).quantize == "none"
+    assert (
+        parse(["generate", "--target-model", "t", "--prompt", "x", "--draft-quantize", "int8"]).draft_quantize
+        == "int8"
+    )
+    assert parse(
+        ["local", "--draft-model", "d", "--target-model", "t", "--draft-quantize", "int8"]
+    ).draft_quantize
+    assert parse(["bench", "--draft-quantize", "int8"]).draft_quantize == "int8"
+    with pytest.raises(SystemExit):
+        parse(["draft", "--model", "m", "--quantize", "int4"])
+
+
+def test_offload_refuses_quantized_weights(model_dirs):
+    from target_node.offload import OffloadPlan, load_target
+
+    with pytest.raises(ValueError, match="cannot be combined with --quantize int8"):
+        load_target(model_dirs["target"], dtype="float32", device="cpu", plan=OffloadPlan(), quantize="int8")
