@@ -6,7 +6,8 @@ Why this scheme and why the draft: a CPU forward streams every weight once, so h
 bf16 and loses to repacked bf16 from 8 rows up; quantising the activations too keeps the product in
 integer units and wins at every tree size measured (docs/forward.md). It changes the model's numbers,
 so it belongs on the draft: the draft only proposes, the target decides, and the output stays exactly
-the target's. On the target it would change the output itself.
+the target's. It is not offered on the target: a pass's activations share one scale, so a row's result
+depends on the other rows in the pass, and a tree pass could not reproduce the one-token pass.
 
 The kernels are PyTorch's quantized CPU backend (`quantized::linear_dynamic`), which PyTorch marks
 deprecated in favour of torchao; they exist in every torch this project supports (>=2.5, <3).

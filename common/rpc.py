@@ -176,7 +176,6 @@ def add_node_args(parser: Any, default_port: int) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu")
     add_repack_arg(parser)
-    add_quantize_arg(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
     parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
     parser.add_argument("--max-sessions", type=int, default=8)
@@ -209,8 +208,8 @@ def add_quantize_arg(parser: Any, flag: str = "--quantize") -> None:
         flag,
         choices=("none", "int8"),
         default="none",
-        help="int8: int8 weights and dynamically quantized activations, CPU only; about 2x faster "
-        "passes but different numbers, so meant for the draft (default none)",
+        help="int8: int8 weights and dynamically quantized activations, float32 elsewhere, CPU only: "
+        "about 2x faster draft passes; the output is still exactly the target's (default none)",
     )
 
 
@@ -267,7 +266,11 @@ def serve_node(
     path = resolve_model(args.model)
     if load is None:
         loaded = load_model(
-            path, dtype=args.dtype, device=args.device, repack=args.repack, quantize=args.quantize
+            path,
+            dtype=args.dtype,
+            device=args.device,
+            repack=args.repack,
+            quantize=getattr(args, "quantize", "none"),
         )
     else:
         loaded = load(args, path)

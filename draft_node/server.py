@@ -7,7 +7,7 @@ import logging
 import sys
 
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import add_node_args, engine_kwargs, serve_node
+from common.rpc import add_node_args, add_quantize_arg, engine_kwargs, serve_node
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 
@@ -15,6 +15,7 @@ from draft_node.service import DraftServicer
 def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.ArgumentParser:
     parser = parser or argparse.ArgumentParser(prog="specexec draft", description=__doc__)
     add_node_args(parser, default_port=50052)
+    add_quantize_arg(parser)
     return parser
 
 

@@ -7,6 +7,6 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/specexec models install
 exec .venv/bin/specexec local \
-    --draft-model qwen2.5-coder-0.5b --target-model qwen2.5-coder-1.5b --dtype bfloat16 \
+    --draft-model qwen2.5-coder-0.5b --target-model qwen2.5-coder-1.5b --dtype bfloat16 --draft-quantize int8 \
     --max-new-tokens "${MAX_NEW_TOKENS:-128}" --chat \
     --prompt "${PROMPT:-Write a Python function that checks whether a string is a palindrome, with a docstring.}" "$@"

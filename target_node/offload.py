@@ -153,15 +153,10 @@ def load_target(
     device: str,
     repack: bool = True,
     plan: OffloadPlan | None = None,
-    quantize: str = "none",
 ) -> LoadedModel:
     """Load the target resident on `device`, or on the host and streamed to `device` under `plan`."""
     if plan is None:
-        return load_model(path, dtype=dtype, device=device, repack=repack, quantize=quantize)
-    if quantize != "none":
-        raise ValueError(
-            f"--offload streams float weights to a GPU; it cannot be combined with --quantize {quantize}"
-        )
+        return load_model(path, dtype=dtype, device=device, repack=repack)
     loaded = load_model(path, dtype=dtype, device="cpu", repack=False)
     offload(loaded.model, device, resident_layers=plan.resident_layers, ring=plan.prefetch_layers)
     return loaded

@@ -34,7 +34,6 @@ def run(args: argparse.Namespace) -> int:
             device=args.device,
             repack=args.repack,
             plan=plan_from_args(args),
-            quantize=args.quantize,
         ),
     )
 
