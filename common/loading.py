@@ -62,7 +62,10 @@ def load_model(
     state = _read_safetensors(path)
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)
-    state = {k: v.to(device=device, dtype=torch_dtype) for k, v in state.items()}
+    # int8 linears are built from the stored weights, and only what stays float is cast (below): a
+    # float32 copy of the whole model would more than double the load's peak memory.
+    load_dtype = torch_dtype if quantize == "none" else None
+    state = {k: v.to(device=device, dtype=load_dtype or v.dtype) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
@@ -71,13 +74,14 @@ def load_model(
         )
     if cfg.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight
-    model.inv_freq = inv_freq.float().to(device)
     model.eval()
     del state
     if quantize != "none":
         quantized_linear.quantize(model, quantize)
+        model.to(dtype=torch_dtype)
     elif repack:
         packed_linear.repack(model)
+    model.inv_freq = inv_freq.float().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
         model=model,

@@ -115,3 +115,23 @@ def test_quantized_rows_depend_on_the_batch():
     linear = Int8DynamicLinear([nn.Linear(64, 32)])
     x, loud = torch.randn(1, 64), 10 * torch.randn(1, 64)
     assert not torch.equal(linear(x), linear(torch.cat([x, loud]))[:1])
+
+
+def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp_path):
+    """The real pair is stored in bf16: linears quantize from it, embeddings and norms become --dtype."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    src = model_dirs["target"]
+    shutil.copytree(src, tmp_path / "bf16")
+    weights = next((tmp_path / "bf16").glob("*.safetensors"))
+    save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
+    model = load_model(tmp_path / "bf16", dtype="float32", quantize="int8").model
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    assert model.inv_freq.dtype == torch.float32
+    ref = load_model(src).model
+    prefix = torch.tensor([5, 17, 99, 3, 42])
+    ours = model.logits(prefix_then_tree(model, prefix, SAMPLE_TREE)[1])
+    theirs = ref.logits(prefix_then_tree(ref, prefix, SAMPLE_TREE)[1])
+    assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.9
