@@ -10,7 +10,8 @@ the target's. It is not offered on the target: a pass's activations share one sc
 depends on the other rows in the pass, and a tree pass could not reproduce the one-token pass.
 
 The kernels are PyTorch's quantized CPU backend (`quantized::linear_dynamic`), which PyTorch marks
-deprecated in favour of torchao; they exist in every torch this project supports (>=2.5, <3).
+deprecated in favour of torchao; tested with torch 2.13. A torch without them gets a clear error at
+load (`check_quantize`), not a failure mid-request.
 """
 
 from __future__ import annotations
@@ -59,8 +60,10 @@ def check_quantize(scheme: str, device: str | torch.device) -> None:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")
     if scheme != "none" and torch.device(device).type != "cpu":
         raise ValueError(f"quantize {scheme!r} runs on CPU nodes only, not on device {device!r}")
-    if scheme != "none" and not torch.backends.quantized.supported_engines:
-        raise ValueError("quantize 'int8' needs PyTorch's quantized CPU backend, which this build lacks")
+    if scheme != "none" and not (
+        torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
+    ):
+        raise ValueError(f"quantize {scheme!r} needs PyTorch's quantized CPU backend, which this build lacks")
 
 
 def quantize(model: Transformer, scheme: str) -> None:
