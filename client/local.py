@@ -13,7 +13,7 @@ from common.security import ClientSecurity
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
 
-def start_node(
+def node_command(
     role: str,
     model: str,
     port: int,
@@ -21,10 +21,13 @@ def start_node(
     max_tree: int,
     security_args: list[str] | None = None,
     quantize: str = "none",
-) -> subprocess.Popen:
-    """An int8 node runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
+) -> list[str]:
+    """An int8 draft runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
+    if role == "target" and quantize != "none":
+        raise ValueError("only a draft node can be quantized")
     module = "target_node" if role == "target" else "draft_node"
-    cmd = [
+    weights = ["--dtype", dtype] if quantize == "none" else ["--dtype", "float32", "--quantize", quantize]
+    return [
         sys.executable,
         "-m",
         module,
@@ -32,10 +35,7 @@ def start_node(
         model,
         "--listen",
         f"127.0.0.1:{port}",
-        "--dtype",
-        "float32" if quantize != "none" else dtype,
-        "--quantize",
-        quantize,
+        *weights,
         "--max-tree",
         str(max(max_tree, 1)),
         # The generated text shares this terminal: nodes report only warnings and errors.
@@ -43,27 +43,25 @@ def start_node(
         "warning",
         *(security_args or []),
     ]
-    return subprocess.Popen(cmd)
 
 
 def run_local(args: argparse.Namespace) -> int:
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
     # The nodes get this command's server flags; the client trusts --node-tls-ca, presents
     # --node-tls-cert/--node-tls-key and sends the nodes' own --auth-token-file.
-    flags = [
-        (f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in SERVER_SECURITY_FLAGS
-    ]
+    flags = [(f"--{name.replace('_', '-')}", getattr(args, name, None)) for name in SERVER_SECURITY_FLAGS]
     security_args = [item for flag, value in flags if value for item in (flag, value)]
     security = ClientSecurity.from_files(
         args.node_tls_ca, args.node_tls_cert, args.node_tls_key, args.auth_token_file
     )
     budget = tree_from(args).budget
-    nodes = [
-        start_node("target", args.target_model, args.target_port, args.dtype, budget, security_args),
-        start_node(
+    commands = [
+        node_command("target", args.target_model, args.target_port, args.dtype, budget, security_args),
+        node_command(
             "draft", args.draft_model, args.draft_port, args.dtype, budget, security_args, args.draft_quantize
         ),
     ]
+    nodes = [subprocess.Popen(cmd) for cmd in commands]
     try:
         for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
             wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None, security=security)

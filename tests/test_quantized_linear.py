@@ -135,3 +135,17 @@ def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp
     ours = model.logits(prefix_then_tree(model, prefix, SAMPLE_TREE)[1])
     theirs = ref.logits(prefix_then_tree(ref, prefix, SAMPLE_TREE)[1])
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.9
+
+
+def test_local_starts_nodes_with_flags_they_accept():
+    from client.local import node_command
+    from draft_node.server import build_parser as draft_parser
+    from target_node.server import build_parser as target_parser
+
+    for scheme, dtype in (("none", "bfloat16"), ("int8", "float32")):
+        cmd = node_command("draft", "m", 1, "bfloat16", 8, quantize=scheme)
+        args = draft_parser().parse_args(cmd[3:])
+        assert (args.quantize, args.dtype) == (scheme, dtype)
+    assert target_parser().parse_args(node_command("target", "m", 1, "bfloat16", 8)[3:]).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="only a draft node"):
+        node_command("target", "m", 1, "bfloat16", 8, quantize="int8")
