@@ -101,6 +101,7 @@ class SpecExec:
         `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
         `dtype` says: its fastest configuration on a CPU (common.quantized_linear)."""
         from common.loading import load_model
+        from common.quantized_linear import draft_dtype
         from draft_node.engine import DraftEngine
         from target_node.engine import TargetEngine
         from target_node.offload import load_target
@@ -113,7 +114,7 @@ class SpecExec:
             draft = DraftEngine(
                 load_model(
                     draft_model,
-                    dtype="float32" if draft_quantize != "none" else dtype,
+                    dtype=draft_dtype(dtype, draft_quantize),
                     device=device,
                     repack=repack,
                     quantize=draft_quantize,

@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
+from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
 
@@ -121,11 +122,6 @@ def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> lis
         return Contestant(name, "hf", run)
 
     return [make("hf generate", None), make("hf assisted", draft)]
-
-
-def draft_dtype(dtype: str, quantize: str) -> str:
-    """An int8 draft runs its float parts in float32 (its fastest on a CPU), as `specexec local` does."""
-    return dtype if quantize == "none" else "float32"
 
 
 def free_port() -> int:
@@ -426,7 +422,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    b.add_argument("--draft-quantize", choices=("none", "int8"), default="none",
+    b.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="none",
                    help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype")
     b.add_argument("--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)")
     b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")

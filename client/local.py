@@ -23,10 +23,16 @@ def node_command(
     quantize: str = "none",
 ) -> list[str]:
     """An int8 draft runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
+    from common.quantized_linear import draft_dtype
+
     if role == "target" and quantize != "none":
         raise ValueError("only a draft node can be quantized")
     module = "target_node" if role == "target" else "draft_node"
-    weights = ["--dtype", dtype] if quantize == "none" else ["--dtype", "float32", "--quantize", quantize]
+    weights = [
+        "--dtype",
+        draft_dtype(dtype, quantize),
+        *(["--quantize", quantize] if quantize != "none" else []),
+    ]
     return [
         sys.executable,
         "-m",

@@ -55,6 +55,12 @@ class Int8DynamicLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.split_sizes}, int8 dynamic"
 
 
+def draft_dtype(dtype: str, scheme: str) -> str:
+    """The float dtype an int8 draft runs its embeddings and norms in when the user asked for `dtype`
+    for both models: float32, its fastest on a CPU (no conversions around each int8 product)."""
+    return dtype if scheme == "none" else "float32"
+
+
 def check_quantize(scheme: str, device: str | torch.device) -> None:
     if scheme not in QUANTIZE_CHOICES:
         raise ValueError(f"quantize must be one of {', '.join(QUANTIZE_CHOICES)}, got {scheme!r}")

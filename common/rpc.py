@@ -204,9 +204,11 @@ def add_repack_arg(parser: Any) -> None:
 
 
 def add_quantize_arg(parser: Any, flag: str = "--quantize") -> None:
+    from common.quantized_linear import QUANTIZE_CHOICES
+
     parser.add_argument(
         flag,
-        choices=("none", "int8"),
+        choices=QUANTIZE_CHOICES,
         default="none",
         help="int8: int8 weights and dynamically quantized activations, float32 elsewhere, CPU only: "
         "up to 1.9x faster draft passes; the output is still exactly the target's (default none)",
