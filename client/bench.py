@@ -134,14 +134,14 @@ class GrpcNodes:
     """A draft and a target node as separate processes on loopback, for the network-path contestant."""
 
     def __init__(self, draft: str, target: str, dtype: str, max_tree: int, draft_quantize: str = "none") -> None:
+        from client.local import node_command
         from client.remote import wait_until_serving
 
-        self.addrs = {role: f"127.0.0.1:{free_port()}" for role in ("target", "draft")}
-        flags = {"target": ["--dtype", dtype], "draft": ["--dtype", draft_dtype(dtype, draft_quantize), "--quantize", draft_quantize]}
+        ports = {role: free_port() for role in ("target", "draft")}
+        self.addrs = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
         self.procs = [
-            subprocess.Popen([sys.executable, "-m", f"{role}_node", "--model", model, "--listen", self.addrs[role],
-                              *flags[role], "--max-tree", str(max_tree), "--no-profile"])
-            for role, model in (("target", target), ("draft", draft))
+            subprocess.Popen(node_command(role, model, ports[role], dtype, max_tree, ["--no-profile"], quantize))
+            for role, model, quantize in (("target", target, "none"), ("draft", draft, draft_quantize))
         ]
         for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
             wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)

@@ -19,7 +19,7 @@ def node_command(
     port: int,
     dtype: str,
     max_tree: int,
-    security_args: list[str] | None = None,
+    extra_args: list[str] | None = None,
     quantize: str = "none",
 ) -> list[str]:
     """An int8 draft runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
@@ -47,7 +47,7 @@ def node_command(
         # The generated text shares this terminal: nodes report only warnings and errors.
         "--log-level",
         "warning",
-        *(security_args or []),
+        *(extra_args or []),
     ]
 
 
