@@ -12,7 +12,6 @@ import torch
 from safetensors.torch import load_file
 
 from common import packed_linear, quantized_linear
-from common.quantized_linear import check_quantize
 from common.transformer import Transformer, config_from_hf, rope_inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,7 +55,7 @@ def load_model(
     cfg = config_from_hf(hf_config)
     inv_freq, scaling = rope_inverse_frequencies(hf_config)
     torch_dtype = parse_dtype(dtype)
-    check_quantize(quantize, device)
+    quantized_linear.check_quantize(quantize, device)
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq, scaling)
     state = _read_safetensors(path)
@@ -64,8 +63,8 @@ def load_model(
         state.pop("lm_head.weight", None)
     # int8 linears are built from the stored weights, and only what stays float is cast (below): a
     # float32 copy of the whole model would more than double the load's peak memory.
-    load_dtype = torch_dtype if quantize == "none" else None
-    state = {k: v.to(device=device, dtype=load_dtype or v.dtype) for k, v in state.items()}
+    cast = torch_dtype if quantize == "none" else None
+    state = {k: v.to(device=device, dtype=cast) for k, v in state.items()}
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:

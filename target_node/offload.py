@@ -147,12 +147,7 @@ class OffloadPlan:
 
 
 def load_target(
-    path: str | Path,
-    *,
-    dtype: str,
-    device: str,
-    repack: bool = True,
-    plan: OffloadPlan | None = None,
+    path: str | Path, *, dtype: str, device: str, repack: bool = True, plan: OffloadPlan | None = None
 ) -> LoadedModel:
     """Load the target resident on `device`, or on the host and streamed to `device` under `plan`."""
     if plan is None:

@@ -29,11 +29,7 @@ def run(args: argparse.Namespace) -> int:
         "specexec.v1.TargetService",
         lambda loaded: TargetEngine(loaded, **engine_kwargs(args)),
         lambda args, path: load_target(
-            path,
-            dtype=args.dtype,
-            device=args.device,
-            repack=args.repack,
-            plan=plan_from_args(args),
+            path, dtype=args.dtype, device=args.device, repack=args.repack, plan=plan_from_args(args)
         ),
     )
 

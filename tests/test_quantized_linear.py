@@ -100,9 +100,8 @@ def test_commands_accept_quantize_flags():
         parse(["generate", "--target-model", "t", "--prompt", "x", "--draft-quantize", "int8"]).draft_quantize
         == "int8"
     )
-    assert parse(
-        ["local", "--draft-model", "d", "--target-model", "t", "--draft-quantize", "int8"]
-    ).draft_quantize
+    local = ["local", "--draft-model", "d", "--target-model", "t", "--draft-quantize", "int8"]
+    assert parse(local).draft_quantize == "int8"
     assert parse(["bench", "--draft-quantize", "int8"]).draft_quantize == "int8"
     with pytest.raises(SystemExit):
         parse(["draft", "--model", "m", "--quantize", "int4"])
