@@ -255,14 +255,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
         f"{out.stats.tokens_per_step:.2f} tokens/step"
     )
-    print("| budget | draft s | target s | expected tokens/step | expected tok/s |")
-    print("|---|---|---|---|---|")
+    print("| shape | size | draft s | target s | expected tokens/step | expected tok/s |")
+    print("|---|---|---|---|---|---|")
     for r in gen.planner.table():
         print(
-            f"| {r['budget']} | {r['draft_s']:.3f} | {r['target_s']:.3f} | {r['expected_tokens']:.2f} "
-            f"| {r['tokens_per_s']:.2f} |"
+            f"| {r['shape']} | {r['size']} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
+            f"| {r['expected_tokens']:.2f} | {r['tokens_per_s']:.2f} |"
         )
-    print(f"choice: --budget {gen.planner.choose().budget}")
+    best = gen.planner.best()
+    choice = f"--budget {best.size}" if best.kind == "tree" else f"--mode chain --budget {best.size}"
+    print(f"choice: {choice}")
     return 0
 
 

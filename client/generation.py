@@ -56,6 +56,7 @@ class GenerationStats:
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)
+    chain_steps: int = 0  # steps whose draft proposal was a plain chain
     draft_failures: int = 0
 
     @property
@@ -77,6 +78,7 @@ class GenerationStats:
             "target_seconds": round(self.target_seconds, 4),
             "draft_failures": self.draft_failures,
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
+            "chain_steps": self.chain_steps,
         }
 
 
@@ -168,7 +170,7 @@ class Sequence:
             self.draft_session = session
         self._valid[node] = self._length[node] = len(self.tokens)
 
-    def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> TokenTree | None:
+    def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> DraftedTree | None:
         """The draft's tree, or None while the draft is down (the step then runs on the target alone)."""
         assert self.draft is not None
         if self._draft_down_since is not None:
@@ -183,7 +185,7 @@ class Sequence:
             self.recovery.notify("draft node is back: speculative decoding resumes")
         try:
             truncate_to, append = self._sync("draft")
-            return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to).tree
+            return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
         except NodeFault as exc:
             stats.draft_failures += 1
             self._draft_down_since = time.monotonic()
@@ -229,23 +231,28 @@ class Sequence:
         generated = 0
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
-            drafted = None
-            if tree is not None and self.draft is not None:
-                params = planner.choose() if planner is not None else tree
+            drafted: DraftedTree | None = None
+            params = planner.choose() if planner is not None else tree
+            if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
                     stats.budgets.append(params.budget)
-            if drafted is None:
-                drafted = TokenTree.root_only(self.tokens[-1])
+                    stats.chain_steps += params.max_branch == 1
+            verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
             mid = time.perf_counter()
-            result = self._verify(drafted, sampling, sampling.max_new_tokens - generated)
+            result = self._verify(verified, sampling, sampling.max_new_tokens - generated)
             draft_s, target_s = mid - start, time.perf_counter() - mid
             stats.draft_seconds += draft_s
             stats.target_seconds += target_s
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
-            if planner is not None and drafted.size > 1:
-                planner.observe(drafted, result.accepted, draft_s, target_s)
+            if (
+                planner is not None
+                and params is not None
+                and drafted is not None
+                and not result.finish_reason
+            ):
+                planner.observe(params, drafted, result.tokens, draft_s, target_s)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

@@ -63,6 +63,17 @@ class TokenTree:
         """The tree of autoregressive decoding: verify it and the target simply draws its next token."""
         return TokenTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
 
+    def walk(self, tokens: list[int]) -> list[int]:
+        """Nodes (root first) along the path that spells a prefix of `tokens`, as far as it goes."""
+        path, node = [0], 0
+        for token in tokens:
+            match = ((self.parents == node) & (self.tokens == token)).nonzero()
+            if match.numel() == 0:
+                break
+            node = int(match[0])
+            path.append(node)
+        return path
+
     def validate(self, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeStructure:
         """Check every rule a verifier relies on and return the derived structure."""
         tokens, parents = self.tokens, self.parents

@@ -98,17 +98,11 @@ class DraftSession:
     def _salvage(self, tokens: list[int]) -> None:
         last = self._last
         assert last is not None
-        tree = last.tree
-        node, src = 0, []
-        for token in tokens:
-            match = ((tree.parents == node) & (tree.tokens == token)).nonzero()
-            if match.numel() == 0:
-                break
-            node = int(match[0])
-            if not bool(last.expanded[node]):
-                break
-            src.append(int(last.slots[node]))
-        if src:
+        path = torch.tensor(last.tree.walk(tokens)[1:], dtype=torch.long)
+        unexpanded = (~last.expanded[path]).nonzero()
+        if unexpanded.numel():
+            path = path[: int(unexpanded[0])]
+        if path.numel():
             base = self.cache.length
-            self.cache.move(base + torch.tensor(src), torch.arange(base, base + len(src)))
-            self.cache.length = base + len(src)
+            self.cache.move(base + last.slots[path], torch.arange(base, base + path.numel()))
+            self.cache.length = base + path.numel()

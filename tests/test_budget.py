@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
 from client.api import SpecExec
 from client.budget import BudgetPlanner
-from common.tree import TokenTree, TreeParams
+from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
@@ -17,17 +19,29 @@ BASE = TreeParams(budget=1024, max_depth=32, max_branch=8, expand_batch=64)
 DRAFT = [(1, 0.01), (64, 0.012)]
 
 
-def confident_tree(n: int = 1024, p: float = 0.9) -> TokenTree:
-    """A tree whose draft probabilities decay slowly: many nodes are likely to be accepted."""
+def confident_tree(n: int = 1025, p: float = 0.9) -> TokenTree:
+    """A binary tree (children of i are 2i+1, 2i+2; token = node id) whose draft probabilities decay
+    slowly with depth: many nodes are likely to be accepted."""
     parents = torch.arange(-1, n - 1)
-    parents[1:] = (torch.arange(1, n) - 1) // 2  # binary tree
+    parents[1:] = (torch.arange(1, n) - 1) // 2
     depth = torch.log2(torch.arange(1, n + 1).float()).floor()
     return TokenTree(torch.arange(n), parents, depth * torch.log(torch.tensor(p)))
 
 
-def planner(target_curve) -> BudgetPlanner:
+GREEDY_PATH = [1, 3, 7, 15, 31, 63, 127, 255]  # first child at every level: the draft's own chain
+SIDE_PATH = [2, 6, 14, 30, 62, 126, 254, 510]  # last child at every level: only a wide tree has it
+NOT_A_CHILD = 10**6
+
+
+def observe(plan: BudgetPlanner, path: list[int], seconds: float, tree: TokenTree | None = None) -> None:
+    tree = tree or confident_tree()
+    params = replace(BASE, budget=tree.size - 1)
+    plan.observe(params, DraftedTree(tree, 10), [*path, NOT_A_CHILD], 0.1, seconds)
+
+
+def planner(target_curve, path=SIDE_PATH) -> BudgetPlanner:
     plan = BudgetPlanner(target_curve, DRAFT, base=BASE)
-    plan.observe(confident_tree(), accepted=8, draft_seconds=0.1, target_seconds=target_curve[-1][1])
+    observe(plan, path, target_curve[-1][1])
     return plan
 
 
@@ -47,12 +61,39 @@ def test_probe_is_bounded_by_step_cost():
     assert cpu.choose().budget < flat.choose().budget == 1024
 
 
+def test_replay_gives_each_smaller_tree_its_exact_accepted_length():
+    plan = planner([(1, 1.0), (1025, 1.0)])
+    by_budget = dict(zip(plan.budgets, plan.tree_accepted, strict=True))
+    # SIDE_PATH's node at depth d ranks 2^(d+1) - 2: the tree of budget B holds it iff that is <= B.
+    assert [by_budget[b] for b in (1, 2, 4, 8, 64, 256, 512, 1024)] == [0, 1, 1, 2, 5, 7, 8, 8]
+    assert plan.chain_accepted == [0.0] * len(plan.chains)  # the greedy chain misses at once
+
+
+def test_a_chain_wins_when_the_target_follows_the_draft_and_passes_cost_per_token():
+    cpu = [(1, 0.05), (1025, 51.2)]
+    plan = planner(cpu, path=GREEDY_PATH)
+    assert plan.chain_accepted[7] == 8  # the greedy chain of 8 holds the whole accepted path
+    assert plan.choose() == TreeParams.chain(plan.best().size)
+    assert planner(cpu, path=SIDE_PATH).best().kind == "tree"
+
+
+def test_a_chain_longer_than_the_greedy_path_is_extended_with_its_acceptance_rate():
+    plan = BudgetPlanner([(1, 1.0), (17, 1.0)], DRAFT, base=replace(BASE, budget=16, max_depth=16))
+    chain = TokenTree(torch.arange(5), torch.arange(-1, 4), -0.1 * torch.arange(5).float())
+    for _ in range(50):
+        plan.observe(TreeParams.chain(4), DraftedTree(chain, 3), [1, 2, 3, 4, NOT_A_CHILD], 0.1, 1.0)
+    assert plan.chain_accepted[3] == pytest.approx(4)
+    assert 4 < plan.chain_accepted[7] <= 8
+    assert plan.chain_accepted[15] > plan.chain_accepted[7]
+
+
 def test_calibration_follows_observed_acceptance():
     plan = planner([(1, 1.0), (1025, 1.0)])
     before = plan.calibration
-    for _ in range(30):
-        plan.observe(confident_tree(), accepted=0, draft_seconds=0.1, target_seconds=1.0)
+    for _ in range(60):
+        observe(plan, [], 1.0)
     assert plan.calibration < before * 0.1
+    assert max(plan.tree_accepted) < 0.1
 
 
 def test_planner_needs_curves():
@@ -81,3 +122,35 @@ def test_expansion_batch_comes_from_the_draft_curve():
     assert free_batch([(1, 0.010), (2, 0.020)]) == 1
     plan = BudgetPlanner([(1, 1.0), (1025, 1.0)], [(1, 0.01), (64, 0.0101)], base=BASE)
     assert plan.choose().expand_batch == 64
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, seed):
+    """The planner's claim, checked: one verified 64-node tree tells how many tokens every smaller
+    tree and every chain it contains would have had accepted, had it been built instead."""
+    from client.budget import greedy_path
+    from common.sampling import SamplingParams
+
+    base = TreeParams(budget=64, max_depth=8, max_branch=4, expand_batch=8)
+    sampling = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=32, ignore_eos=True)
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    draft = DraftEngine(loaded["self"], max_context=256, max_tree=64)  # accepts 2 to 8 per step here
+
+    def step(params: TreeParams) -> tuple[DraftedTree, int, list[int]]:
+        d, t = draft.open_session(PROMPT), target.open_session(PROMPT)
+        drafted = draft.build_tree(d, [], params)
+        result = target.verify(t, drafted.tree, sampling, max_tokens=32)
+        draft.close_session(d)
+        target.close_session(t)
+        return drafted, result.accepted, result.tokens
+
+    plan = BudgetPlanner([(1, 1.0), (65, 1.0)], DRAFT, base=base)
+    drafted, _, tokens = step(base)
+    plan.observe(base, drafted, tokens, 0.1, 1.0)
+    for b, replayed in zip(plan.budgets, plan.tree_accepted, strict=True):
+        assert step(replace(base, budget=b))[1] == replayed, b
+    greedy = len(greedy_path(drafted.tree))
+    matched = int(plan.chain_accepted[-1]) if greedy < len(plan.chains) else None
+    for k, replayed in zip(plan.chains, plan.chain_accepted, strict=True):
+        if k <= greedy or matched is not None and matched < greedy:
+            assert step(TreeParams.chain(k))[1] == replayed, k
