@@ -43,6 +43,8 @@ class Run:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # draft nodes proposed, per step that had a draft
+    chain_steps: int = 0
 
     @property
     def tokens_per_second(self) -> float:
@@ -91,7 +93,7 @@ def engine_contestant(name: str, gen: SpecExec, budget: int | None = None, famil
         out = gen.generate(ids, sampling)
         s = out.stats
         return Run(name, -1, "", "", out.token_ids, s.wall_seconds, s.target_steps, s.draft_seconds,
-                   s.target_seconds, list(s.accepted_per_step))  # fmt: skip
+                   s.target_seconds, list(s.accepted_per_step), list(s.budgets), s.chain_steps)  # fmt: skip
 
     return Contestant(name, family, run, budget)
 
@@ -230,6 +232,7 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 for r in sel:
                     for a in r.accepted_per_step:
                         hist[a] = hist.get(a, 0) + 1
+                drafted = [b for r in sel for b in r.budgets]
                 q = statistics.quantiles(tps, n=10, method="inclusive") if len(tps) >= 2 else [tps[0]] * 9
                 rows.append(dict(
                     contestant=c.name, family=c.family, budget=c.budget, setting=setting, category=category,
@@ -238,6 +241,8 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                     draft_share=draft / wall if steps else None, target_share=target / wall if steps else None,
                     other_share=(wall - draft - target) / wall if steps else None,
                     accepted_histogram=dict(sorted(hist.items())),
+                    mean_draft_nodes=statistics.mean(drafted) if drafted else None,
+                    chain_share=sum(r.chain_steps for r in sel) / len(drafted) if drafted else None,
                 ))  # fmt: skip
     return rows
 
@@ -257,10 +262,11 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
             continue
         tokens = sum(len(r.token_ids) for r in sel)
         steps = sum(r.target_steps for r in sel)
-        nodes = (c.budget or (int(c.name.split("=")[1]) if "chain" in c.name else 0)) + 1
-        seconds = sum(r.draft_seconds for r in sel) + steps * pass_seconds(nodes)
+        passes = [pass_seconds(b + 1) for r in sel for b in r.budgets]
+        passes += [pass_seconds(1)] * (steps - len(passes))  # steps the target ran alone
+        seconds = sum(r.draft_seconds for r in sel) + sum(passes)
         rows.append(dict(contestant=c.name, budget=c.budget, tokens_per_step=tokens / steps,
-                         projected_tok_s=tokens / seconds, pass_seconds=pass_seconds(nodes)))  # fmt: skip
+                         projected_tok_s=tokens / seconds, pass_seconds=sum(passes) / steps))  # fmt: skip
     return rows
 
 
@@ -270,16 +276,18 @@ def write_report(out: Path, meta: dict, summary: list[dict], exact: list[dict], 
              f"{meta['threads']} threads, draft linears {meta.get('draft_quantize', 'none')}, "
              f"command: `{meta['command']}`", ""]  # fmt: skip
     for setting in sorted({r["setting"] for r in summary}):
-        lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step | draft / target / other |",
-                  "|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step | draft / target / other "
+                  "| draft nodes/step (chain steps) |", "|---|---|---|---|---|---|"]  # fmt: skip
         for r in summary:
             if r["setting"] != setting:
                 continue
             shares = (f"{r['draft_share']:.0%} / {r['target_share']:.0%} / {r['other_share']:.0%}"
                       if r["draft_share"] is not None else "-")  # fmt: skip
             tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] else "-"
+            nodes = (f"{r['mean_draft_nodes']:.1f} ({r['chain_share']:.0%})"
+                     if r.get("mean_draft_nodes") is not None else "-")  # fmt: skip
             lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
-                         f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} |")  # fmt: skip
+                         f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} |")  # fmt: skip
         lines.append("")
     bad = [e for e in exact if e["first_divergence"] is not None]
     lines += ["## Exactness against the target alone", ""]

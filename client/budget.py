@@ -27,22 +27,29 @@ from common.profiling import interpolate
 from common.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
 
 EMA = 0.2  # time scales and calibration
-ACCEPT_EMA = 0.1  # per-candidate accepted lengths: noisier, so averaged over more steps
-EXPLORE_EVERY = 8
+ACCEPT_EMA = 0.1  # per-candidate accepted lengths: noisier, so averaged over about 10 steps
+EXPLORE_EVERY = 16
 MAX_CHAIN = 16
+DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
+PRIOR_WEIGHT = 2.0  # in recent observations: what a candidate's mean is shrunk with
+NEW_REQUEST_WEIGHT = 0.3  # what the observations of earlier requests count for in a new one
 
 
 @dataclass(frozen=True)
 class Candidate:
     kind: str  # "tree" or "chain"
     size: int  # budget, or chain length
+    depth: int  # depth limit; a chain's is its length
+
+    def __str__(self) -> str:
+        return f"chain k={self.size}" if self.kind == "chain" else f"tree b={self.size} d={self.depth}"
 
 
 @dataclass
 class BudgetPlanner:
     target_curve: list[tuple[int, float]]
     draft_curve: list[tuple[int, float]]
-    base: TreeParams  # its budget is the largest tree considered
+    base: TreeParams  # its budget and depth are the largest considered
     calibration: float = 1.0
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
@@ -57,52 +64,65 @@ class BudgetPlanner:
                 "--budget auto needs forward-time curves from both nodes (start them with profiling on)"
             )
         self.expand_batch = free_batch(self.draft_curve)
-        self.budgets = powers_of_two(self.base.budget) if self.base.max_branch > 1 else []
-        self.chains = list(range(1, min(self.base.budget, self.base.max_depth, MAX_CHAIN) + 1))
-        nan = float("nan")
-        self.tree_accepted = [nan] * len(self.budgets)  # running means; nan until observed
-        self.tree_forwards = [nan] * len(self.budgets)
-        self.chain_accepted = [nan] * len(self.chains)
+        base = self.base
+        self.trees = (
+            [
+                Candidate("tree", b, d)
+                for b in powers_of_two(base.budget)
+                for d in tree_depths(b, base.max_depth)
+            ]
+            if base.max_branch > 1
+            else []
+        )
+        self.chains = [
+            Candidate("chain", k, k) for k in range(1, min(base.budget, base.max_depth, MAX_CHAIN) + 1)
+        ]
+        self.accepted: dict[Candidate, float] = {}  # running means of replayed accepted lengths
+        self.seen: dict[Candidate, float] = {}  # recent observations, decaying like the means
+        self.deepest: dict[Candidate, float] = {}  # running means of the deepest node's depth
+        self.forwards: dict[Candidate, float] = {}  # running means of expansion forwards, where built
         self.greedy_hits, self.greedy_misses = 1.0, 1.0  # a weak prior on the chain's acceptance rate
         self.forwards_scale = 1.0  # observed / modelled expansion forwards of trees
-        self.learned = False
         self.probe = self._probe()
 
     def candidates(self) -> list[Candidate]:
-        return [Candidate("tree", b) for b in self.budgets] + [Candidate("chain", k) for k in self.chains]
+        return self.trees + self.chains
 
     def params(self, c: Candidate) -> TreeParams:
         if c.kind == "chain":
             return TreeParams.chain(c.size)
-        return replace(self.base, budget=c.size, expand_batch=self.expand_batch)
+        return replace(self.base, budget=c.size, max_depth=c.depth, expand_batch=self.expand_batch)
 
     def _probe(self) -> Candidate:
         """The first tree is built large enough to learn from, but no larger than 4 cheap steps cost."""
-        if not self.budgets:
-            return Candidate("chain", self.chains[-1])
-        one = self.step_seconds(Candidate("tree", 1))
-        fits = [b for b in self.budgets if self.step_seconds(Candidate("tree", b)) <= 4 * one]
-        return Candidate("tree", max(fits, default=1))
+        if not self.trees:
+            return self.chains[-1]
+        full = [c for c in self.trees if c.depth == self.base.max_depth]
+        one = self.step_seconds(full[0])
+        return max(
+            (c for c in full if self.step_seconds(c) <= 4 * one), key=lambda c: c.size, default=full[0]
+        )
 
     def draft_seconds(self, c: Candidate, forwards: float | None = None) -> float:
         """One pass to catch up on the tokens the last step accepted, whatever the shape; then the
         expansion forwards: one node each for a chain, up to expand_batch nodes each for a tree.
 
-        A tree's forward count is the running mean seen at that budget, else one per level or per
-        full batch. The catch-up pass must be modelled as fixed: folded into `draft_scale`, it would
-        make every tree look as much dearer as the small ones the planner has been choosing."""
+        The catch-up pass must be modelled as fixed: folded into `draft_scale`, it would make every
+        tree look as much dearer as the small ones the planner has been choosing."""
         one = interpolate(self.draft_curve, 1)
         if c.kind == "chain":
             return self.draft_scale * one * (1 + (c.size - 1 if forwards is None else forwards))
         if forwards is None:
-            forwards = self.tree_forwards[self.budgets.index(c.size)]
-            if math.isnan(forwards):
-                forwards = self.forwards_scale * self._modelled_forwards(c.size)
+            forwards = self.forwards.get(c, self.forwards_scale * self._modelled_forwards(c))
         batch = min(self.expand_batch, c.size)
         return self.draft_scale * (one + forwards * interpolate(self.draft_curve, batch))
 
-    def _modelled_forwards(self, budget: int) -> int:
-        return max(self._depth(budget), math.ceil(budget / self.expand_batch))
+    def _modelled_forwards(self, c: Candidate) -> float:
+        """One forward per level the search expands (nodes at the depth limit never are), or per full
+        batch, whichever is more."""
+        deepest = self.deepest.get(c, min(self._depth(c.size), c.depth))
+        levels = deepest if deepest < c.depth else c.depth - 1
+        return max(levels, math.ceil(c.size / self.expand_batch))
 
     def target_seconds(self, size: int) -> float:
         return self.target_scale * interpolate(self.target_curve, size + 1)
@@ -115,16 +135,30 @@ class BudgetPlanner:
         return 1.0 + self._accepted(c)
 
     def _accepted(self, c: Candidate) -> float:
+        """A candidate seen in few recent steps (only replayable from the occasional larger tree) has
+        its mean shrunk towards the best smaller candidate it contains: the largest of many noisy
+        means is too high, and choosing by it would chase noise."""
+        if c in self.accepted:
+            smaller = [
+                v
+                for o, v in self.accepted.items()
+                if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth
+            ]
+            mean, seen = self.accepted[c], self.seen[c]
+            prior = min(max(smaller, default=0.0), mean)  # a stale smaller mean must not lift this one
+            return (seen * mean + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
         if c.kind == "chain":
-            value = self.chain_accepted[c.size - 1]
-            return value if not math.isnan(value) else self._greedy_run(0, c.size)
-        i = self.budgets.index(c.size)
-        if not math.isnan(self.tree_accepted[i]):
-            return self.tree_accepted[i]
-        seen = [j for j in range(i) if not math.isnan(self.tree_accepted[j])]
-        known, known_size = (self.tree_accepted[seen[-1]], self.budgets[seen[-1]]) if seen else (0.0, 0)
+            return self._greedy_run(0, c.size)
+        # A tree holds every smaller or shallower one: start from the best seen below it, and add the
+        # calibrated draft probability of the nodes it adds.
+        below = [
+            (v, o.size)
+            for o, v in self.accepted.items()
+            if o.kind == "tree" and o.size <= c.size and o.depth <= c.depth
+        ]
+        known, known_size = max(below, default=(0.0, 0))
         extra = self.calibration * (self._survival(c.size) - self._survival(known_size))
-        return min(known + max(extra, 0.0), float(self._depth(c.size)))
+        return min(known + max(extra, 0.0), float(min(self._depth(c.size), c.depth)))
 
     def _greedy_run(self, matched: int, length: int) -> float:
         """Expected accepted length of a greedy chain of `length` whose first `matched` tokens are
@@ -151,6 +185,7 @@ class BudgetPlanner:
                 dict(
                     shape=c.kind,
                     size=c.size,
+                    depth=c.depth,
                     draft_s=self.draft_seconds(c),
                     target_s=self.target_seconds(c.size),
                     expected_tokens=tokens,
@@ -164,20 +199,28 @@ class BudgetPlanner:
             return self._best()
 
     def _best(self) -> Candidate:
-        if not self.learned:
+        if not self.accepted:
             return self.probe
         return max(self.candidates(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
 
     def choose(self) -> TreeParams:
-        """The best candidate by the model; every EXPLORE_EVERY steps a tree twice its size, so the
-        planner keeps learning about trees beyond the sizes it has been choosing."""
+        """The best candidate by the model; every EXPLORE_EVERY steps one a notch larger, so the
+        planner keeps learning about the shapes just beyond the one it has been choosing."""
         with self._lock:
             best = self._best()
-            if self.budgets and len(self.history) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
-                size = min(2 ** math.ceil(math.log2(2 * best.size)), self.base.budget)
-                best = Candidate("tree", size)
+            if len(self.history) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+                best = self._explore(best)
             self.history.append(best)
             return self.params(best)
+
+    def _explore(self, best: Candidate) -> Candidate:
+        """Twice the nodes and one level deeper: a tree that holds `best` and every candidate a notch
+        beyond it, so one step's replay refreshes all of them. Cheap next to a blind jump to the
+        largest tree, which on a CPU costs several ordinary steps."""
+        if not self.trees:
+            return self.chains[min(best.size, len(self.chains) - 1)]
+        size = min(2 ** math.ceil(math.log2(2 * best.size)), self.base.budget)
+        return Candidate("tree", size, min(best.depth + 1, self.base.max_depth))
 
     def observe(
         self,
@@ -205,29 +248,61 @@ class BudgetPlanner:
         if tree.logprobs is None or n < 1:
             return
         is_chain = params.max_branch == 1
-        c = Candidate("chain" if is_chain else "tree", params.budget)
-        structure = TreeStructure.from_parents(tree.parents)
-        path = tree.walk(tokens)  # the accepted nodes
-        self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(c, drafted.draft_forwards))
+        built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
+        path = tree.walk(tokens)  # the accepted nodes, root first
+        for c in self.seen:
+            self.seen[c] *= 1 - ACCEPT_EMA
+        self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
         self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
-        self._replay_chains(tree, path)
-        self.learned = True
-        if is_chain:
+        self._replay_chain(tree, path)
+        if is_chain or params.max_branch != self.base.max_branch:
             return
-        if c.size in self.budgets:
-            i = self.budgets.index(c.size)
-            self.tree_forwards[i] = _mean(self.tree_forwards[i], drafted.draft_forwards, EMA)
-            self.forwards_scale *= _ema_ratio(drafted.draft_forwards, self._modelled_forwards(c.size))
-        order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1
-        rank = torch.empty(n + 1, dtype=torch.long)
-        rank[order] = torch.arange(1, n + 1)
-        path_ranks = rank[torch.tensor(path[1:], dtype=torch.long)]
-        for i, b in enumerate(self.budgets):
-            if b <= n:  # the top b nodes of this tree are exactly the tree of budget b
-                self.tree_accepted[i] = _mean(self.tree_accepted[i], int((path_ranks <= b).sum()), ACCEPT_EMA)
-        self._learn_survival(tree, structure, order, accepted=len(path) - 1)
+        self.forwards[built] = _mean(self.forwards.get(built, math.nan), drafted.draft_forwards, EMA)
+        modelled = self.forwards_scale * self._modelled_forwards(built)
+        self.forwards_scale *= _ema_ratio(drafted.draft_forwards, modelled)
+        structure = TreeStructure.from_parents(tree.parents)
+        # A depth limit the search never reached did not shape the tree: it stands for any limit.
+        limit = params.max_depth if int(structure.depths.max()) >= params.max_depth else self.base.max_depth
+        self._replay_trees(tree, structure, path, complete=n == params.budget, depth_limit=limit)
+        if limit == self.base.max_depth:
+            order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1
+            self._learn_survival(tree, structure, order, accepted=len(path) - 1)
 
-    def _replay_chains(self, tree: TokenTree, path: list[int]) -> None:
+    def _replay_trees(
+        self, tree: TokenTree, structure: TreeStructure, path: list[int], complete: bool, depth_limit: int
+    ) -> None:
+        """The tree of budget b and depth limit d is the top b nodes of depth <= d. This tree holds
+        them all when it was built with that limit, when it holds every node its search could reach
+        (`complete` False), when the b-th best of them still beats the worst node it kept, or when
+        its own top b nodes are no deeper than d."""
+        assert tree.logprobs is not None
+        scores, depths = tree.logprobs, structure.depths
+        order = torch.argsort(scores[1:], descending=True, stable=True) + 1
+        worst = float(scores[order[-1]]) if complete else -math.inf
+        on_path = torch.tensor(path[1:], dtype=torch.long)
+        reach_all = torch.cat((torch.zeros(1, dtype=torch.long), depths[order].cummax(0).values))
+        for d in sorted({c.depth for c in self.trees if c.depth <= depth_limit}):
+            within = order[depths[order] <= d]
+            rank = torch.full((tree.size,), tree.size + 1, dtype=torch.long)
+            rank[within] = torch.arange(1, within.numel() + 1)
+            path_ranks = rank[on_path]
+            reach = torch.cat((torch.zeros(1, dtype=torch.long), depths[within].cummax(0).values))
+            for c in self.trees:
+                if c.depth != d:
+                    continue
+                held = c.size <= within.numel() and (
+                    d == depth_limit
+                    or float(scores[within[c.size - 1]]) > worst
+                    or int(reach_all[c.size]) <= d  # the top c.size nodes are all this shallow anyway
+                )
+                if not (held or worst == -math.inf):
+                    continue
+                b = min(c.size, within.numel())
+                value = int((path_ranks <= b).sum())
+                self._record(c, value)
+                self.deepest[c] = _mean(self.deepest.get(c, math.nan), int(reach[b]), ACCEPT_EMA)
+
+    def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
         prefix with the accepted path. Past the end of that path in this tree, the rate fills in."""
         greedy = greedy_path(tree)
@@ -236,12 +311,24 @@ class BudgetPlanner:
             matched += 1
         self.greedy_hits = (1 - ACCEPT_EMA) * self.greedy_hits + matched
         self.greedy_misses = (1 - ACCEPT_EMA) * self.greedy_misses + (matched < len(greedy))
-        for k in self.chains:
-            if k <= len(greedy) or matched < len(greedy):
-                value = float(min(k, matched))
+        for c in self.chains:
+            if c.size <= len(greedy) or matched < len(greedy):
+                value = float(min(c.size, matched))
             else:
-                value = self._greedy_run(matched, k)
-            self.chain_accepted[k - 1] = _mean(self.chain_accepted[k - 1], value, ACCEPT_EMA)
+                value = self._greedy_run(matched, c.size)
+            self._record(c, value)
+
+    def _record(self, c: Candidate, accepted: float) -> None:
+        """An exponentially weighted mean: the weight of a new value is one over the decayed count of
+        observations, so a candidate not seen for a while (or since a new request began) adapts fast."""
+        self.seen[c] = self.seen.get(c, 0.0) + 1.0
+        self.accepted[c] = _mean(self.accepted.get(c, math.nan), accepted, 1.0 / self.seen[c])
+
+    def start(self) -> None:
+        """A new request: its text may differ from the last one's, so what was learned counts for less."""
+        with self._lock:
+            for c in self.seen:
+                self.seen[c] *= NEW_REQUEST_WEIGHT
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int
@@ -259,6 +346,11 @@ class BudgetPlanner:
             survival = torch.cat((survival, tail))
             depth = torch.cat((depth, torch.maximum(self.depth[len(depth) :], depth[-1])))
         self.survival, self.depth = survival, depth
+
+
+def tree_depths(budget: int, max_depth: int) -> list[int]:
+    """Depth limits worth trying for a budget: shallow trees need fewer draft forwards."""
+    return [d for d in DEPTHS if d < min(budget, max_depth)] + [max_depth]
 
 
 def greedy_path(tree: TokenTree) -> list[int]:

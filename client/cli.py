@@ -255,16 +255,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
         f"{out.stats.tokens_per_step:.2f} tokens/step"
     )
-    print("| shape | size | draft s | target s | expected tokens/step | expected tok/s |")
-    print("|---|---|---|---|---|---|")
-    for r in gen.planner.table():
+    rows = sorted(gen.planner.table(), key=lambda r: -float(r["tokens_per_s"]))
+    print(f"best {min(12, len(rows))} of {len(rows)} candidates:")
+    print("| shape | size | depth | draft s | target s | expected tokens/step | expected tok/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows[:12]:
         print(
-            f"| {r['shape']} | {r['size']} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
+            f"| {r['shape']} | {r['size']} | {r['depth']} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
             f"| {r['expected_tokens']:.2f} | {r['tokens_per_s']:.2f} |"
         )
     best = gen.planner.best()
-    choice = f"--budget {best.size}" if best.kind == "tree" else f"--mode chain --budget {best.size}"
-    print(f"choice: {choice}")
+    if best.kind == "chain":
+        print(f"choice: --mode chain --budget {best.size}")
+    else:
+        print(f"choice: --budget {best.size} --max-depth {best.depth}")
     return 0
 
 

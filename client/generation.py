@@ -229,6 +229,8 @@ class Sequence:
     ) -> Iterator[VerifyResult]:
         """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
+        if planner is not None:
+            planner.start()
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import BudgetPlanner
+from client.budget import BudgetPlanner, Candidate
 from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -41,7 +41,8 @@ def observe(plan: BudgetPlanner, path: list[int], seconds: float, tree: TokenTre
 
 def planner(target_curve, path=SIDE_PATH) -> BudgetPlanner:
     plan = BudgetPlanner(target_curve, DRAFT, base=BASE)
-    observe(plan, path, target_curve[-1][1])
+    for _ in range(10):
+        observe(plan, path, target_curve[-1][1])
     return plan
 
 
@@ -63,16 +64,21 @@ def test_probe_is_bounded_by_step_cost():
 
 def test_replay_gives_each_smaller_tree_its_exact_accepted_length():
     plan = planner([(1, 1.0), (1025, 1.0)])
-    by_budget = dict(zip(plan.budgets, plan.tree_accepted, strict=True))
+    full = [plan.accepted[Candidate("tree", b, BASE.max_depth)] for b in (1, 2, 4, 8, 64, 256, 512, 1024)]
     # SIDE_PATH's node at depth d ranks 2^(d+1) - 2: the tree of budget B holds it iff that is <= B.
-    assert [by_budget[b] for b in (1, 2, 4, 8, 64, 256, 512, 1024)] == [0, 1, 1, 2, 5, 7, 8, 8]
-    assert plan.chain_accepted == [0.0] * len(plan.chains)  # the greedy chain misses at once
+    assert full == [0, 1, 1, 2, 5, 7, 8, 8]
+    # Depth <= 2 holds nodes 1-6; the top 4 are 1-4, with SIDE_PATH's node 2 but not its node 6.
+    assert plan.accepted[Candidate("tree", 4, 2)] == 1
+    # Nodes of depth <= 4 are the top 30 of this tree: trees with that limit are replayed exactly too.
+    assert plan.accepted[Candidate("tree", 8, 3)] == 2 and plan.accepted[Candidate("tree", 16, 4)] == 3
+    assert Candidate("tree", 8, 2) not in plan.accepted  # a budget-8 tree of depth 2 is not inside this one
+    assert all(plan.accepted[c] == 0 for c in plan.chains)  # the greedy chain misses at once
 
 
 def test_a_chain_wins_when_the_target_follows_the_draft_and_passes_cost_per_token():
     cpu = [(1, 0.05), (1025, 51.2)]
     plan = planner(cpu, path=GREEDY_PATH)
-    assert plan.chain_accepted[7] == 8  # the greedy chain of 8 holds the whole accepted path
+    assert plan.accepted[Candidate("chain", 8, 8)] == 8  # the greedy chain of 8 holds the whole path
     assert plan.choose() == TreeParams.chain(plan.best().size)
     assert planner(cpu, path=SIDE_PATH).best().kind == "tree"
 
@@ -82,9 +88,9 @@ def test_a_chain_longer_than_the_greedy_path_is_extended_with_its_acceptance_rat
     chain = TokenTree(torch.arange(5), torch.arange(-1, 4), -0.1 * torch.arange(5).float())
     for _ in range(50):
         plan.observe(TreeParams.chain(4), DraftedTree(chain, 3), [1, 2, 3, 4, NOT_A_CHILD], 0.1, 1.0)
-    assert plan.chain_accepted[3] == pytest.approx(4)
-    assert 4 < plan.chain_accepted[7] <= 8
-    assert plan.chain_accepted[15] > plan.chain_accepted[7]
+    chain = {c.size: plan.accepted[c] for c in plan.chains}
+    assert chain[4] == pytest.approx(4)
+    assert 4 < chain[8] <= 8 and chain[16] > chain[8]
 
 
 def test_calibration_follows_observed_acceptance():
@@ -93,7 +99,7 @@ def test_calibration_follows_observed_acceptance():
     for _ in range(60):
         observe(plan, [], 1.0)
     assert plan.calibration < before * 0.1
-    assert max(plan.tree_accepted) < 0.1
+    assert max(plan.accepted[c] for c in plan.trees if c in plan.accepted) < 0.1
 
 
 def test_planner_needs_curves():
@@ -147,10 +153,11 @@ def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, s
     plan = BudgetPlanner([(1, 1.0), (65, 1.0)], DRAFT, base=base)
     drafted, _, tokens = step(base)
     plan.observe(base, drafted, tokens, 0.1, 1.0)
-    for b, replayed in zip(plan.budgets, plan.tree_accepted, strict=True):
-        assert step(replace(base, budget=b))[1] == replayed, b
     greedy = len(greedy_path(drafted.tree))
-    matched = int(plan.chain_accepted[-1]) if greedy < len(plan.chains) else None
-    for k, replayed in zip(plan.chains, plan.chain_accepted, strict=True):
-        if k <= greedy or matched is not None and matched < greedy:
-            assert step(TreeParams.chain(k))[1] == replayed, k
+    checked = 0
+    for c in plan.candidates():
+        exact = c.kind == "tree" or c.size <= greedy or plan.accepted[c] < greedy
+        if c in plan.accepted and exact:
+            assert step(plan.params(c))[1] == plan.accepted[c], c
+            checked += 1
+    assert checked >= 20
