@@ -161,3 +161,24 @@ def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, s
             assert step(plan.params(c))[1] == plan.accepted[c], c
             checked += 1
     assert checked >= 20
+
+
+def test_a_new_request_discounts_what_earlier_ones_taught():
+    flat = [(1, 1.0), (1025, 1.0)]
+    restarted, continued = planner(flat, path=GREEDY_PATH), planner(flat, path=GREEDY_PATH)
+    restarted.start()
+    for plan in (restarted, continued):
+        observe(plan, [], 1.0)
+    c = Candidate("tree", 256, BASE.max_depth)
+    assert restarted.accepted[c] < continued.accepted[c] < 8
+
+
+def test_exploration_builds_a_notch_larger_tree_holding_the_best():
+    from client.budget import EXPLORE_EVERY
+
+    plan = planner([(1, 0.05), (1025, 51.2)])
+    picks = [plan.choose() for _ in range(EXPLORE_EVERY)]
+    best, explored = plan.best(), picks[-1]
+    assert picks[:-1] == [plan.params(best)] * (EXPLORE_EVERY - 1)
+    assert explored.max_branch == BASE.max_branch and explored.budget >= 2 * best.size
+    assert explored.max_depth == min(best.depth + 1, BASE.max_depth)
