@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -55,7 +55,7 @@ class BudgetPlanner:
     target_scale: float = 1.0
     survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
     depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
-    history: list[Candidate] = field(default_factory=list)
+    steps: int = 0  # proposals chosen; a counter, not a list: a gateway runs for months
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -208,9 +208,9 @@ class BudgetPlanner:
         planner keeps learning about the shapes just beyond the one it has been choosing."""
         with self._lock:
             best = self._best()
-            if len(self.history) % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            if self.steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
                 best = self._explore(best)
-            self.history.append(best)
+            self.steps += 1
             return self.params(best)
 
     def _explore(self, best: Candidate) -> Candidate:
