@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from common.profiling import interpolate
+from common.profiling import interpolate, profile_sizes
 from common.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
 
 EMA = 0.2  # time scales and calibration
@@ -68,7 +68,7 @@ class BudgetPlanner:
         self.trees = (
             [
                 Candidate("tree", b, d)
-                for b in powers_of_two(base.budget)
+                for b in profile_sizes(base.budget)
                 for d in tree_depths(b, base.max_depth)
             ]
             if base.max_branch > 1
@@ -233,43 +233,41 @@ class BudgetPlanner:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
         and its own token), from a step that was not cut short by a stop or a length limit."""
         with self._lock:
-            self._observe(params, drafted, tokens, draft_seconds, target_seconds)
-
-    def _observe(
-        self,
-        params: TreeParams,
-        drafted: DraftedTree,
-        tokens: list[int],
-        draft_seconds: float,
-        target_seconds: float,
-    ) -> None:
-        tree = drafted.tree
-        n = tree.size - 1
-        if tree.logprobs is None or n < 1:
-            return
-        is_chain = params.max_branch == 1
-        built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
-        path = tree.walk(tokens)  # the accepted nodes, root first
-        for c in self.seen:
-            self.seen[c] *= 1 - ACCEPT_EMA
-        self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
-        self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
-        self._replay_chain(tree, path)
-        if is_chain or params.max_branch != self.base.max_branch:
-            return
-        self.forwards[built] = _mean(self.forwards.get(built, math.nan), drafted.draft_forwards, EMA)
-        modelled = self.forwards_scale * self._modelled_forwards(built)
-        self.forwards_scale *= _ema_ratio(drafted.draft_forwards, modelled)
-        structure = TreeStructure.from_parents(tree.parents)
-        # A depth limit the search never reached did not shape the tree: it stands for any limit.
-        limit = params.max_depth if int(structure.depths.max()) >= params.max_depth else self.base.max_depth
-        self._replay_trees(tree, structure, path, complete=n == params.budget, depth_limit=limit)
-        if limit == self.base.max_depth:
-            order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1
-            self._learn_survival(tree, structure, order, accepted=len(path) - 1)
+            tree = drafted.tree
+            n = tree.size - 1
+            if tree.logprobs is None or n < 1:
+                return
+            is_chain = params.max_branch == 1
+            built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
+            path = tree.walk(tokens)  # the accepted nodes, root first
+            for c in self.seen:
+                self.seen[c] *= 1 - ACCEPT_EMA
+            self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
+            self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
+            self._replay_chain(tree, path)
+            if is_chain or params.max_branch != self.base.max_branch:
+                return
+            self.forwards[built] = _mean(self.forwards.get(built, math.nan), drafted.draft_forwards, EMA)
+            modelled = self.forwards_scale * self._modelled_forwards(built)
+            self.forwards_scale *= _ema_ratio(drafted.draft_forwards, modelled)
+            structure = TreeStructure.from_parents(tree.parents)
+            # A depth limit the search never reached did not shape the tree: it stands for any limit.
+            limit = (
+                params.max_depth if int(structure.depths.max()) >= params.max_depth else self.base.max_depth
+            )
+            order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1  # best node first
+            self._replay_trees(tree, structure, order, path, complete=n == params.budget, depth_limit=limit)
+            if limit == self.base.max_depth:
+                self._learn_survival(tree, structure, order, accepted=len(path) - 1)
 
     def _replay_trees(
-        self, tree: TokenTree, structure: TreeStructure, path: list[int], complete: bool, depth_limit: int
+        self,
+        tree: TokenTree,
+        structure: TreeStructure,
+        order: torch.Tensor,
+        path: list[int],
+        complete: bool,
+        depth_limit: int,
     ) -> None:
         """The tree of budget b and depth limit d is the top b nodes of depth <= d. This tree holds
         them all when it was built with that limit, when it holds every node its search could reach
@@ -277,7 +275,6 @@ class BudgetPlanner:
         its own top b nodes are no deeper than d."""
         assert tree.logprobs is not None
         scores, depths = tree.logprobs, structure.depths
-        order = torch.argsort(scores[1:], descending=True, stable=True) + 1
         worst = float(scores[order[-1]]) if complete else -math.inf
         on_path = torch.tensor(path[1:], dtype=torch.long)
         reach_all = torch.cat((torch.zeros(1, dtype=torch.long), depths[order].cummax(0).values))
@@ -363,14 +360,6 @@ def greedy_path(tree: TokenTree) -> list[int]:
             return path
         node = int(children[torch.argmax(tree.logprobs[children])])
         path.append(node)
-
-
-def powers_of_two(limit: int) -> list[int]:
-    sizes, b = [], 1
-    while b < limit:
-        sizes.append(b)
-        b *= 2
-    return [*sizes, limit]
 
 
 def free_batch(draft_curve: list[tuple[int, float]], slack: float = 1.25) -> int:
