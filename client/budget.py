@@ -138,27 +138,28 @@ class BudgetPlanner:
         """A candidate seen in few recent steps (only replayable from the occasional larger tree) has
         its mean shrunk towards the best smaller candidate it contains: the largest of many noisy
         means is too high, and choosing by it would chase noise."""
+        inside = self._observed_inside(c)
         if c in self.accepted:
-            smaller = [
-                v
-                for o, v in self.accepted.items()
-                if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth
-            ]
             mean, seen = self.accepted[c], self.seen[c]
-            prior = min(max(smaller, default=0.0), mean)  # a stale smaller mean must not lift this one
+            prior = min(
+                max((v for _, v in inside), default=0.0), mean
+            )  # a stale smaller mean must not lift this one
             return (seen * mean + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
         if c.kind == "chain":
             return self._greedy_run(0, c.size)
         # A tree holds every smaller or shallower one: start from the best seen below it, and add the
         # calibrated draft probability of the nodes it adds.
-        below = [
-            (v, o.size)
-            for o, v in self.accepted.items()
-            if o.kind == "tree" and o.size <= c.size and o.depth <= c.depth
-        ]
-        known, known_size = max(below, default=(0.0, 0))
+        known, known_size = max(((v, o.size) for o, v in inside), default=(0.0, 0))
         extra = self.calibration * (self._survival(c.size) - self._survival(known_size))
         return min(known + max(extra, 0.0), float(min(self._depth(c.size), c.depth)))
+
+    def _observed_inside(self, c: Candidate) -> list[tuple[Candidate, float]]:
+        """Observed candidates of the same kind that `c` contains, with their means."""
+        return [
+            (o, v)
+            for o, v in self.accepted.items()
+            if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth
+        ]
 
     def _greedy_run(self, matched: int, length: int) -> float:
         """Expected accepted length of a greedy chain of `length` whose first `matched` tokens are
@@ -237,7 +238,7 @@ class BudgetPlanner:
             n = tree.size - 1
             if tree.logprobs is None or n < 1:
                 return
-            is_chain = params.max_branch == 1
+            is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self.seen:

@@ -239,7 +239,7 @@ class Sequence:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
                     stats.budgets.append(params.budget)
-                    stats.chain_steps += params.max_branch == 1
+                    stats.chain_steps += params.is_chain
             verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
             mid = time.perf_counter()
             result = self._verify(verified, sampling, sampling.max_new_tokens - generated)

@@ -34,6 +34,10 @@ class TreeParams:
             if not 1 <= value <= limit:
                 raise ValueError(f"{name} must be in [1, {limit}], got {value}")
 
+    @property
+    def is_chain(self) -> bool:
+        return self.max_branch == 1
+
     @staticmethod
     def chain(length: int) -> TreeParams:
         """Classic speculative decoding: the draft's greedy chain of `length` tokens."""
