@@ -141,9 +141,8 @@ class BudgetPlanner:
         inside = self._observed_inside(c)
         if c in self.accepted:
             mean, seen = self.accepted[c], self.seen[c]
-            prior = min(
-                max((v for _, v in inside), default=0.0), mean
-            )  # a stale smaller mean must not lift this one
+            # A stale smaller mean must not lift this one.
+            prior = min(max((v for _, v in inside), default=0.0), mean)
             return (seen * mean + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
         if c.kind == "chain":
             return self._greedy_run(0, c.size)
