@@ -90,6 +90,7 @@ class SpecExec:
         repack: bool = True,
         offload: OffloadPlan | None = None,
         draft_quantize: str = "none",
+        compile_buckets: tuple[int, ...] | None = None,
         mode: str = "specexec",
         tree: TreeParams | None = None,
         max_context: int = 4096,
@@ -99,7 +100,9 @@ class SpecExec:
 
         `offload` streams the target's layers from host RAM to `device` (target_node.offload).
         `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
-        `dtype` says: its fastest configuration on a CPU (common.quantized_linear)."""
+        `dtype` says: its fastest configuration on a CPU (common.quantized_linear).
+        `compile_buckets` compiles both models' passes for those token counts before returning
+        (common.compiled_forward)."""
         from common.loading import load_model
         from common.quantized_linear import draft_dtype
         from draft_node.engine import DraftEngine
@@ -109,19 +112,22 @@ class SpecExec:
         target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
-        draft = None
+        draft = draft_loaded = None
         if draft_model is not None and mode != "autoregressive":
-            draft = DraftEngine(
-                load_model(
-                    draft_model,
-                    dtype=draft_dtype(dtype, draft_quantize),
-                    device=device,
-                    repack=repack,
-                    quantize=draft_quantize,
-                ),
-                max_context=max_context,
-                max_tree=max_tree,
+            draft_loaded = load_model(
+                draft_model,
+                dtype=draft_dtype(dtype, draft_quantize),
+                device=device,
+                repack=repack,
+                quantize=draft_quantize,
             )
+            draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=max_tree)
+        if compile_buckets is not None:
+            from common.compiled_forward import compile_model
+
+            compile_model(target_loaded.model, compile_buckets)
+            if draft_loaded is not None:
+                compile_model(draft_loaded.model, compile_buckets)
         if auto_budget and draft is not None:
             target.profile()
             draft.profile()

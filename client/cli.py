@@ -122,6 +122,7 @@ def generator_from(args: argparse.Namespace) -> Any:
             repack=args.repack,
             offload=plan_from_args(args),
             draft_quantize=args.draft_quantize,
+            compile_buckets=args.compile_buckets if args.compile else None,
             mode=args.mode,
             tree=tree,
             auto_budget=auto_budget(args),
@@ -293,10 +294,11 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         p.add_argument("--device", default="cpu")
-        from common.rpc import add_quantize_arg, add_repack_arg
+        from common.rpc import add_compile_args, add_quantize_arg, add_repack_arg
         from target_node.offload import add_offload_args
 
         add_repack_arg(p)
+        add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
         add_offload_args(p)
 

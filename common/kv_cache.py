@@ -3,6 +3,8 @@
 Slot i holds the keys and values of whatever token was written there; the committed sequence lives in
 slots [0, length) and a tree under construction in the slots after it. Keeping only an index copy
 (`move`) as the way to reshape it means pruning never allocates and the buffers can be compiled against.
+One slot past `capacity` is scratch: a compiled forward pads its batch with rows that write there, and
+no attention ever reads it.
 """
 
 from __future__ import annotations
@@ -23,10 +25,11 @@ class KVCache:
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"KV cache capacity must be positive, got {capacity}")
-        shape = (num_layers, num_kv_heads, capacity, head_dim)
+        shape = (num_layers, num_kv_heads, capacity + 1, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.capacity = capacity
+        self.scratch_slot = capacity
         self.length = 0
 
     @property

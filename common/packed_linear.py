@@ -28,6 +28,18 @@ def repack_supported(model: Transformer) -> bool:
     )
 
 
+@torch.library.custom_op("specexec::packed_linear", mutates_args=())
+def packed_linear(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    """The product as one opaque op for `torch.compile`: inductor lowers oneDNN's linear only for
+    weights frozen into the graph, which would copy them into every compiled graph."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+@packed_linear.register_fake
+def _(x: Tensor, packed: Tensor, bias: Tensor | None, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
 class PackedLinear(nn.Module):
     """One or more `nn.Linear`s sharing an input, concatenated along their outputs and reordered."""
 
@@ -42,6 +54,8 @@ class PackedLinear(nn.Module):
         self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return packed_linear(x, self.packed, self.bias, sum(self.split_sizes))
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

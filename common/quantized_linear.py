@@ -16,7 +16,9 @@ load (`check_quantize`), not a failure mid-request.
 
 from __future__ import annotations
 
+import itertools
 import warnings
+import weakref
 
 import torch
 from torch import Tensor, nn
@@ -25,6 +27,22 @@ from common.packed_linear import replace_projections
 from common.transformer import Transformer
 
 QUANTIZE_CHOICES = ("none", "int8")
+
+
+# Compiled graphs cannot take the packed weights (a TorchScript object) as an argument, so the traced
+# op names its layer by a number instead.
+_LAYERS: weakref.WeakValueDictionary[int, Int8DynamicLinear] = weakref.WeakValueDictionary()
+_NEXT_KEY = itertools.count()
+
+
+@torch.library.custom_op("specexec::int8_dynamic_linear", mutates_args=())
+def int8_dynamic_linear(x: Tensor, key: int, out_features: int) -> Tensor:
+    return _LAYERS[key].product(x)
+
+
+@int8_dynamic_linear.register_fake
+def _(x: Tensor, key: int, out_features: int) -> Tensor:
+    return x.new_empty((*x.shape[:-1], out_features))
 
 
 class Int8DynamicLinear(nn.Module):
@@ -45,8 +63,15 @@ class Int8DynamicLinear(nn.Module):
             self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
         self.split_sizes = [lin.out_features for lin in linears]
         self.in_features = linears[0].in_features
+        self.key = next(_NEXT_KEY)
+        _LAYERS[self.key] = self
 
     def forward(self, x: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():
+            return int8_dynamic_linear(x, self.key, sum(self.split_sizes))
+        return self.product(x)
+
+    def product(self, x: Tensor) -> Tensor:
         # reduce_range: 7-bit activations, so CPUs without VNNI cannot saturate their 16-bit sums.
         out = torch.ops.quantized.linear_dynamic(x.float(), self.packed, True)
         return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -176,6 +176,7 @@ def add_node_args(parser: Any, default_port: int) -> None:
     parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     parser.add_argument("--device", default="cpu")
     add_repack_arg(parser)
+    add_compile_args(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
     parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
     parser.add_argument("--max-sessions", type=int, default=8)
@@ -201,6 +202,32 @@ def add_repack_arg(parser: Any) -> None:
         action="store_false",
         help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison)",
     )
+
+
+def add_compile_args(parser: Any) -> None:
+    from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the forward pass per token-count bucket at start-up (CUDA graphs on a GPU); "
+        "off by default: on a CPU it measured no faster than the repacked eager pass (docs/forward.md)",
+    )
+    parser.add_argument(
+        "--compile-buckets",
+        type=parse_buckets,
+        default=DEFAULT_BUCKETS,
+        metavar="N,N,...",
+        help="with --compile: padded token counts, one graph each; larger passes run eagerly "
+        f"(default {','.join(map(str, DEFAULT_BUCKETS))})",
+    )
+
+
+def maybe_compile(args: Any, model: Any) -> None:
+    if getattr(args, "compile", False):
+        from common.compiled_forward import compile_model
+
+        compile_model(model, args.compile_buckets)
 
 
 def add_quantize_arg(parser: Any, flag: str = "--quantize") -> None:
@@ -276,6 +303,7 @@ def serve_node(
         )
     else:
         loaded = load(args, path)
+    maybe_compile(args, loaded.model)
     engine = make_engine(loaded)
     if args.profile:
         engine.profile()

@@ -229,6 +229,7 @@ class Transformer(nn.Module):
         self.rope_scaling = rope_scaling
         self.repacked = False  # see common.packed_linear
         self.quantized = "none"  # see common.quantized_linear
+        self.compiled: Any = None  # a common.compiled_forward.CompiledForward, when compiled
 
     @property
     def device(self) -> torch.device:
@@ -254,13 +255,23 @@ class Transformer(nn.Module):
         """
         device = self.device  # callers build indices on the CPU; a no-op there
         tokens, positions, slots, bias = (t.to(device) for t in (tokens, positions, slots, bias))
+        if self.compiled is not None:
+            hidden = self.compiled(tokens, positions, slots, bias, cache)
+            if hidden is not None:
+                return hidden
+        return self.layers_forward(tokens, positions, slots, bias, cache.k, cache.v)
+
+    def layers_forward(
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: Tensor, v: Tensor
+    ) -> Tensor:
+        """The pass itself, on plain tensors only, so that `torch.compile` can trace it whole."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         cos = (emb.cos() * self.rope_scaling).to(self.dtype)
         sin = (emb.sin() * self.rope_scaling).to(self.dtype)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, slots, bias, cache.k[i], cache.v[i])
+            x = layer(x, cos, sin, slots, bias, k[i], v[i])
         return self.model.norm(x)
 
     @torch.inference_mode()

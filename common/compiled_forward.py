@@ -1,0 +1,119 @@
+"""Forwards compiled with `torch.compile`, one static-shape graph per token-count bucket.
+
+A pass of t tokens runs as the smallest bucket that holds it. The padding rows repeat the last real
+row (same token, position and mask row) and write their K/V to the cache's scratch slot, so they
+change nothing a real row sees, not even a per-pass activation scale. The attended length is padded
+to a multiple of KV_ALIGN with masked columns and kept symbolic, so one graph serves every cache
+length and capacity. Passes larger than the largest bucket (a long prompt) run eagerly.
+
+Every bucket compiles at start-up (`warm_up`), before a node reports SERVING, never inside a
+request. Inductor's on-disk cache lives under the user's cache directory, so a restart re-traces but
+does not re-generate kernels. On CUDA the graphs are also captured as CUDA graphs
+("reduce-overhead"), which removes the per-kernel launch cost that dominates a small draft's pass.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from tqdm import tqdm
+
+from common.kv_cache import KVCache
+from common.transformer import Transformer
+from common.tree import NEG_INF
+
+DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
+KV_ALIGN = 256
+MAX_BUCKET = 4096
+
+
+def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
+    """Buckets from "1,4,8" or a sequence; each must be in [1, MAX_BUCKET]."""
+    items = text.split(",") if isinstance(text, str) else list(text)
+    try:
+        buckets = sorted({int(b) for b in items if str(b).strip()})
+    except ValueError as e:
+        raise ValueError(f"compile buckets must be integers separated by commas, got {text!r}") from e
+    if not buckets or buckets[0] < 1 or buckets[-1] > MAX_BUCKET:
+        raise ValueError(f"compile buckets must be in [1, {MAX_BUCKET}], got {text!r}")
+    return tuple(buckets)
+
+
+def inductor_cache_dir() -> Path:
+    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
+    return base / "specexec" / "inductor"
+
+
+class CompiledForward:
+    def __init__(self, model: Transformer, buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
+        if not isinstance(model.model.layers, nn.ModuleList):
+            raise ValueError("--compile does not combine with --offload: streamed layers are not traceable")
+        self.buckets = parse_buckets(buckets)
+        self.cuda = model.device.type == "cuda"
+        # Dynamo counts graphs per function, and every compiled model shares `layers_forward`.
+        extra = 2 * len(self.buckets) + 2
+        config = torch._dynamo.config
+        config.recompile_limit += extra
+        config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, config.recompile_limit)
+        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        self.fn = torch.compile(
+            model.layers_forward,
+            fullgraph=True,
+            dynamic=False,
+            mode="reduce-overhead" if self.cuda else None,
+        )
+
+    def bucket(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def __call__(
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache
+    ) -> Tensor | None:
+        """Hidden states of the real rows, or None when the pass is larger than every bucket."""
+        t = tokens.numel()
+        b = self.bucket(t)
+        if b is None:
+            return None
+        kv = bias.shape[1]
+        kv_padded = min(-(-kv // KV_ALIGN) * KV_ALIGN, cache.capacity)
+        # Always fresh tensors made here: graphs guard on aliasing and on inference-mode tensors.
+        rows = torch.arange(b, device=tokens.device).clamp_(max=t - 1)
+        tokens, positions, slots = tokens[rows], positions[rows], slots[rows]
+        slots[t:] = cache.scratch_slot
+        padded = bias.new_full((b, kv_padded), NEG_INF)
+        padded[:, :kv] = bias[rows]
+        bias = padded
+        torch._dynamo.mark_dynamic(bias, 1)
+        torch._dynamo.mark_dynamic(cache.k, 2)
+        torch._dynamo.mark_dynamic(cache.v, 2)
+        hidden = self.fn(tokens, positions, slots, bias, cache.k, cache.v)
+        if self.cuda:
+            hidden = hidden.clone()  # a CUDA graph's output buffer is overwritten by its next replay
+        return hidden[:t]
+
+    def warm_up(self, model: Transformer, progress: bool = True) -> None:
+        """Compile every bucket now, so no request ever waits for a compilation."""
+        cache = model.new_cache(2 * KV_ALIGN)
+        for b in tqdm(self.buckets, desc="compiling forward buckets", unit="bucket", disable=not progress):
+            positions = torch.arange(KV_ALIGN, KV_ALIGN + b)
+            bias = torch.zeros(b, KV_ALIGN + b)
+            tokens = torch.zeros(b, dtype=torch.long)
+            for _ in range(3 if self.cuda else 1):  # cudagraph trees record on the second or third call
+                model(tokens, positions, positions, bias, cache)
+
+
+def compile_model(
+    model: Transformer, buckets: Sequence[int] = DEFAULT_BUCKETS, progress: bool = True
+) -> None:
+    """Route `model`'s passes through compiled graphs and compile them all before returning."""
+    compiled = CompiledForward(model, buckets)
+    model.compiled = compiled
+    try:
+        compiled.warm_up(model, progress)
+    except Exception:
+        model.compiled = None
+        raise

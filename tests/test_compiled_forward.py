@@ -1,0 +1,152 @@
+"""Compiled forwards: same numbers as the eager pass, padding invisible, exactness kept end to end."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.api import SpecExec
+from common.compiled_forward import KV_ALIGN, compile_model, parse_buckets
+from common.loading import load_model
+from common.sampling import SamplingParams
+from common.tiny_models import make_tiny_model
+from common.tree import attention_bias
+from draft_node.engine import DraftEngine
+from draft_node.tree_builder import TreeParams
+from target_node.engine import TargetEngine
+from target_node.offload import offload
+from tests.helpers import reference_decode
+
+BUCKETS = (1, 4, 16)
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+
+
+def run_passes(model, sizes: list[int], prefix: int, seed: int = 0) -> tuple[list[torch.Tensor], object]:
+    """A causal prefix, then tree-shaped passes of the given sizes on top of it (each is kept)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.cfg.vocab_size
+    cache = model.new_cache(prefix + sum(sizes) + 8)
+    positions = torch.arange(prefix)
+    causal = torch.ones(prefix, prefix, dtype=torch.bool).tril()
+    outs = [
+        model(
+            torch.randint(0, vocab, (prefix,), generator=g),
+            positions,
+            positions,
+            attention_bias(causal, 0),
+            cache,
+        )
+    ]
+    start = prefix
+    for n in sizes:
+        parents = (torch.rand(n, generator=g) * torch.arange(n)).long()
+        visible = torch.eye(n, dtype=torch.bool)
+        depths = torch.zeros(n, dtype=torch.long)
+        for i in range(1, n):
+            visible[i] |= visible[parents[i]]
+            depths[i] = depths[parents[i]] + 1
+        slots = torch.arange(start, start + n)
+        tokens = torch.randint(0, vocab, (n,), generator=g)
+        outs.append(model(tokens, start + depths, slots, attention_bias(visible, start), cache))
+        start += n
+    cache.length = start
+    return outs, cache
+
+
+@pytest.fixture(scope="module")
+def compiled_f32(model_dirs):
+    model = load_model(model_dirs["qwen2"]).model
+    compile_model(model, BUCKETS, progress=False)
+    return model
+
+
+@pytest.mark.parametrize("prefix", [5, KV_ALIGN + 3])
+def test_float32_compiled_equals_eager(loaded, compiled_f32, prefix):
+    eager = loaded["qwen2"].model
+    sizes = [1, 3, 4, 9, 16, 40]  # padded to 1, 4, 4, 16, 16; 40 runs eagerly
+    got, got_cache = run_passes(compiled_f32, sizes, prefix)
+    want, want_cache = run_passes(eager, sizes, prefix)
+    for g, w in zip(got, want):
+        assert g.shape == w.shape
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    used = got_cache.length
+    torch.testing.assert_close(got_cache.k[:, :, :used], want_cache.k[:, :, :used], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(got_cache.v[:, :, :used], want_cache.v[:, :, :used], atol=1e-4, rtol=1e-4)
+
+
+def test_bfloat16_compiled_within_bf16_error(tmp_path):
+    """The compiled bf16 pass is as close to float32 as the eager bf16 pass is."""
+    path = make_tiny_model(tmp_path / "m", arch="qwen2", layers=4, init_std=0.02, seed=3)
+    reference = load_model(path).model
+    eager = load_model(path, dtype="bfloat16").model
+    compiled = load_model(path, dtype="bfloat16").model
+    assert compiled.repacked
+    compile_model(compiled, (8,), progress=False)
+    sizes = [5, 8]
+    ref = [reference.logits(h) for h in run_passes(reference, sizes, 20)[0]]
+    for model in (eager, compiled):
+        model.err = max(
+            (model.logits(h) - r).abs().max().item() for h, r in zip(run_passes(model, sizes, 20)[0], ref)
+        )
+    assert compiled.err <= 1.5 * eager.err + 1e-3
+
+
+def test_int8_draft_compiles_and_padding_keeps_activation_scale(model_dirs):
+    """Padding rows repeat a real row, so a per-pass activation scale (int8 dynamic) is unchanged."""
+    eager = load_model(model_dirs["qwen2"], quantize="int8").model
+    compiled = load_model(model_dirs["qwen2"], quantize="int8").model
+    compile_model(compiled, (8,), progress=False)
+    for g, w in zip(run_passes(compiled, [3, 8], 10)[0], run_passes(eager, [3, 8], 10)[0]):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        SamplingParams(max_new_tokens=24, ignore_eos=True),
+        SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=11, ignore_eos=True),
+    ],
+    ids=["greedy", "seeded"],
+)
+def test_compiled_specexec_equals_target_alone(model_dirs, sampling):
+    target = load_model(model_dirs["target"])
+    draft = load_model(model_dirs["truncated"])
+    for m in (target.model, draft.model):
+        compile_model(m, BUCKETS, progress=False)
+    tree = TreeParams(budget=12, max_depth=8, max_branch=4, expand_batch=4)
+    engine = SpecExec(
+        TargetEngine(target, max_context=256, max_tree=12),
+        DraftEngine(draft, max_context=256, max_tree=12),
+        target.tokenizer,
+        tree=tree,
+    )
+    got = engine.generate(PROMPT, sampling)
+    assert got.token_ids == reference_decode(model_dirs["target"], PROMPT, sampling)
+
+
+def test_offloaded_model_refuses_compile(model_dirs):
+    model = load_model(model_dirs["qwen2"], repack=False).model
+    offload(model, torch.device("cpu"), resident_layers=0, ring=1)
+    with pytest.raises(ValueError, match="--offload"):
+        compile_model(model, (1,), progress=False)
+    assert model.compiled is None
+
+
+@pytest.mark.parametrize("text", ["", "0,4", "1,x", "8192"])
+def test_bad_buckets_are_refused(text):
+    with pytest.raises(ValueError, match="compile buckets"):
+        parse_buckets(text)
+
+
+def test_buckets_parse_sorted_and_unique():
+    assert parse_buckets("16, 1,4,4") == (1, 4, 16)
+
+
+def test_no_compilation_after_warm_up(compiled_f32):
+    """Requests never wait for a compile: any size within the buckets, any cache, reuses a graph."""
+    from torch._dynamo.utils import counters
+
+    before = dict(counters["stats"])
+    run_passes(compiled_f32, [1, 2, 4, 7, 16], 300, seed=5)
+    run_passes(compiled_f32, [3, 1, 12], 9, seed=6)
+    assert dict(counters["stats"]) == before
