@@ -8,7 +8,8 @@ length and capacity. Passes larger than the largest bucket (a long prompt) run e
 
 Every bucket compiles at start-up (`warm_up`), before a node reports SERVING, never inside a
 request. Inductor's on-disk cache lives under the user's cache directory, so a restart re-traces but
-does not re-generate kernels. On CUDA the graphs are also captured as CUDA graphs
+does not re-generate kernels
+(`TORCHINDUCTOR_CACHE_DIR` overrides it). On CUDA the graphs are also captured as CUDA graphs
 ("reduce-overhead"), which removes the per-kernel launch cost that dominates a small draft's pass.
 """
 
@@ -44,8 +45,9 @@ def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
 
 
 def inductor_cache_dir() -> Path:
-    base = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache"))
-    return base / "specexec" / "inductor"
+    from common.model_store import cache_root
+
+    return cache_root() / "inductor"
 
 
 class CompiledForward:

@@ -38,7 +38,6 @@ SAMPLINGS = {
 }
 
 
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> Iterator[dict[str, str]]:
     """Tokenizers fetched from the target are cached under SPECEXEC_HOME: keep them out of $HOME."""
@@ -303,6 +302,31 @@ def test_gateway_cancel_frees_both_sessions(gateway, nodes):
         assert err.value.code() == grpc.StatusCode.CANCELLED
     assert wait_for_sessions(nodes["target"], "target", 0, within=3) == 0
     assert wait_for_sessions(nodes["draft"], "draft", 0, within=3) == 0
+
+
+def test_compiled_nodes_equal_target_alone(model_dirs, env, reference, tmp_path):
+    """`--compile` nodes compile before they report SERVING and keep the output exact."""
+    procs, addresses = {}, {}
+    try:
+        for name, module, model in (
+            ("target", "target_node", model_dirs["target"]),
+            ("draft", "draft_node", model_dirs["truncated"]),
+        ):
+            addresses[name] = f"127.0.0.1:{free_port()}"
+            args = ["-m", module, "--model", str(model), "--listen", addresses[name], "--no-profile"]
+            args += ["--max-tree", str(BUDGET), "--compile", "--compile-buckets", "1,4,32"]
+            procs[name] = Proc(name, args, env, tmp_path)
+        for name, proc in procs.items():
+            proc.wait_serving(addresses[name])
+        for sampling in SAMPLINGS:
+            with remote(addresses) as gen:
+                got = gen.generate(PROMPT, SamplingParams(**SAMPLINGS[sampling]))
+            assert got.token_ids == reference[sampling]
+        for proc in procs.values():
+            assert "compiling forward buckets" in proc.log.read_text(errors="replace")
+    finally:
+        for proc in procs.values():
+            proc.stop()
 
 
 # ------------------------------------------------------------------------------------------------
