@@ -23,6 +23,7 @@ import torch
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
+from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
@@ -179,6 +180,21 @@ def build_contestants(args: argparse.Namespace, target, draft, tokenizer, draft_
                             expand_batch=tree.expand_batch)  # fmt: skip
         out.append(engine_contestant("specexec auto", SpecExec(target, draft, tokenizer, tree=params, auto_budget=True)))
     return out
+
+
+def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Contestant]:
+    """Each contestant twice, interleaved: eager, then through the models' compiled forwards."""
+    handles = [m.compiled for m in models]
+
+    def switch(c: Contestant, on: bool) -> Contestant:
+        def run(ids: list[int], sampling: SamplingParams) -> Run:
+            for model, handle in zip(models, handles, strict=True):
+                model.compiled = handle if on else None
+            return c.run(ids, sampling)
+
+        return Contestant(c.name + (" compiled" if on else ""), c.family, run, None if on else c.budget)
+
+    return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
 
 def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc) -> list[Run]:
@@ -380,10 +396,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
     tl = load_model(target_dir, dtype=args.dtype)
     dl = load_model(draft_dir, dtype=draft_dtype(args.dtype, args.draft_quantize), quantize=args.draft_quantize)
     target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
+    if args.compile:
+        from common.compiled_forward import compile_model
+
+        for model in (tl.model, dl.model):
+            compile_model(model, args.compile_buckets)
     if args.auto:
         target.profile()
         draft.profile()
     contestants = build_contestants(args, target, draft, tl.tokenizer, draft_dir, target_dir)
+    if args.compile:
+        contestants = compiled_twins(contestants, [tl.model, dl.model])
     if args.hf:
         contestants += hf_contestants(draft_dir, target_dir, tl.model.dtype)
     nodes = None
@@ -449,6 +472,9 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
     b.add_argument("--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)")
     b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")
+    b.add_argument("--compile", action="store_true",
+                   help="also run every engine contestant with both models compiled (see --compile-buckets)")
+    b.add_argument("--compile-buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="N,N,...")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())
     b.add_argument("--out", default="bench-results")

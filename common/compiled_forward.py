@@ -16,6 +16,7 @@ does not re-generate kernels
 from __future__ import annotations
 
 import os
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -50,6 +51,15 @@ def inductor_cache_dir() -> Path:
     return cache_root() / "inductor"
 
 
+def use_inductor_cache_dir() -> None:
+    """Point inductor's cache at ours unless the user chose one. Inductor writes its own default, a
+    directory under /tmp that a reboot clears, into the environment the first time it looks."""
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    default = current is not None and Path(current).parent == Path(tempfile.gettempdir())
+    if current is None or (default and Path(current).name.startswith("torchinductor_")):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache_dir())
+
+
 class CompiledForward:
     def __init__(self, model: Transformer, buckets: Sequence[int] = DEFAULT_BUCKETS) -> None:
         if not isinstance(model.model.layers, nn.ModuleList):
@@ -61,7 +71,7 @@ class CompiledForward:
         config = torch._dynamo.config
         config.recompile_limit += extra
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, config.recompile_limit)
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(inductor_cache_dir()))
+        use_inductor_cache_dir()
         self.fn = torch.compile(
             model.layers_forward,
             fullgraph=True,

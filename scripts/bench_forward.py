@@ -8,8 +8,8 @@ timed by `common.profiling.time_tree_forward` (minimum over repeats). Configurat
 - int8-wo:  weight-only int8 with per-row scales (`aten._weight_int8pack_mm`), benchmark only;
 - int8:     int8 weights and dynamically quantized activations, float32 elsewhere (`--quantize int8`,
             common.quantized_linear); int8-bf16 is the same with bf16 embeddings and norms;
-- compiled: `torch.compile` with inductor freezing on the plain model, one static-shape graph per k
-            (only with --compile: about a minute of compilation per k).
+- X+compiled: configuration X run through `--compile` (common.compiled_forward), one graph per k
+            (with --compile, for repacked and int8: about a minute of compilation per k).
 
 The floor is the bytes one pass must read (decoder weights plus the LM head) over the measured copy
 bandwidth. Also reports each int8 variant's top-1 agreement with bf16 over 64 greedy positions on each
@@ -33,6 +33,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.compiled_forward import compile_model  # noqa: E402
 from common.loading import load_model  # noqa: E402
 from common.model_store import resolve_model  # noqa: E402
 from common.packed_linear import replace_projections  # noqa: E402
@@ -62,22 +63,6 @@ class Int8Linear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         out = torch.ops.aten._weight_int8pack_mm(x, self.weight_int8, self.scales)
         return out if self.bias is None else out + self.bias
-
-
-class Compiled:
-    """Quacks like a Transformer for `time_tree_forward`, with the forward compiled."""
-
-    def __init__(self, model: Transformer) -> None:
-        import torch._inductor.config as inductor_config
-
-        inductor_config.freezing = True
-        self.model, self.cfg, self.device = model, model.cfg, model.device
-        self.compiled = torch.compile(model.forward.__wrapped__.__get__(model))
-        self.new_cache, self.logits = model.new_cache, model.logits
-
-    def __call__(self, *args: object) -> Tensor:
-        with torch.no_grad():
-            return self.compiled(*args)
 
 
 def copy_bandwidth_gbps(gib: float = 1.0) -> float:
@@ -127,12 +112,13 @@ def main() -> int:
     p.add_argument("--out", help="write the measurements as JSON here")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
-    configs = [*args.configs, *(["compiled"] if args.compile else [])]
+    configs = [*args.configs, *([f"{c}+compiled" for c in ("repacked", "int8")] if args.compile else [])]
     bandwidth = copy_bandwidth_gbps()
     rows, agreement = [], {}
     for name in args.models:
         path = resolve_model(name)
         for config in configs:
+            config, _, compiled = config.partition("+")
             loaded = load_model(path, dtype="bfloat16", repack=config == "repacked")
             model = loaded.model
             floor_ms = pass_bytes(model) / (bandwidth * 1e9) * 1e3
@@ -144,18 +130,21 @@ def main() -> int:
                 else:
                     dtype = "bfloat16" if config == "int8-bf16" else "float32"
                     model = load_model(path, dtype=dtype, quantize="int8").model
-                agreement[f"{name} {config}"] = [
-                    top1_agreement(reference, model, loaded.tokenizer.encode(prompt), 64)
-                    for prompt in AGREEMENT_PROMPTS
-                ]
+                if not compiled:
+                    agreement[f"{name} {config}"] = [
+                        top1_agreement(reference, model, loaded.tokenizer.encode(prompt), 64)
+                        for prompt in AGREEMENT_PROMPTS
+                    ]
                 del reference
-            runner = Compiled(model) if config == "compiled" else model
+            if compiled:
+                compile_model(model, args.ks)
+                config += "+compiled"
             row = {"model": name, "config": config, "floor_ms": round(floor_ms, 1)}
             for k in tqdm(args.ks, desc=f"{name} {config}", unit="k", leave=False):
-                row[f"k={k}"] = round(time_tree_forward(runner, k, k, budget_seconds=1.0) * 1e3, 1)
+                row[f"k={k}"] = round(time_tree_forward(model, k, k, budget_seconds=1.0) * 1e3, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
-            del loaded, model, runner
+            del loaded, model
     header = ["model", "config", *[f"k={k}" for k in args.ks], "floor_ms"]
     print(f"\nbf16, {args.threads} threads, copy bandwidth {bandwidth:.1f} GB/s; ms per pass")
     print("| " + " | ".join(header) + " |\n|" + "---|" * len(header))

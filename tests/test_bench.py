@@ -38,3 +38,20 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
     assert raw["projection"] and all(p["projected_tok_s"] > 0 for p in raw["projection"])
     assert "token-identical to the target alone" in (out / "report.md").read_text()
     assert (out / "bench.png").stat().st_size > 10_000
+
+
+def test_bench_compile_runs_compiled_twins_with_identical_tokens(model_dirs, tmp_path):
+    out = tmp_path / "bench"
+    cmd = [sys.executable, "-m", "client.cli", "bench", "--draft-model", str(model_dirs["truncated"]),
+           "--target-model", str(model_dirs["target"]), "--dtype", "float32", "--limit", "1",
+           "--max-new-tokens", "6", "--budgets", "4", "--chain", "2", "--no-auto", "--no-hf", "--no-grpc",
+           "--exactness", "0", "--compile", "--compile-buckets", "1,8", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    raw = json.loads((out / "results.json").read_text())
+    names = {r["contestant"] for r in raw["runs"]}
+    assert names == {"autoregressive", "autoregressive compiled", "chain k=2", "chain k=2 compiled",
+                     "specexec b=4", "specexec b=4 compiled"}  # fmt: skip
+    # float32: the compiled twins produce the target's tokens exactly, like everyone else
+    assert raw["bf16_divergence"] and all(d["first_divergence"] is None for d in raw["bf16_divergence"])

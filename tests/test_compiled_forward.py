@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 import torch
 
 from client.api import SpecExec
-from common.compiled_forward import KV_ALIGN, compile_model, parse_buckets
+from common.compiled_forward import KV_ALIGN, compile_model, parse_buckets, use_inductor_cache_dir
 from common.loading import load_model
 from common.sampling import SamplingParams
 from common.tiny_models import make_tiny_model
@@ -151,3 +154,15 @@ def test_no_compilation_after_warm_up(compiled_f32):
     run_passes(compiled_f32, [1, 2, 4, 7, 16], 300, seed=5)
     run_passes(compiled_f32, [3, 1, 12], 9, seed=6)
     assert dict(counters["stats"]) == before
+
+
+def test_inductor_cache_moves_under_specexec_home_unless_chosen(monkeypatch, tmp_path):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    monkeypatch.setenv(
+        "TORCHINDUCTOR_CACHE_DIR", os.path.join(tempfile.gettempdir(), "torchinductor_someone")
+    )
+    use_inductor_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "inductor")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "chosen"))
+    use_inductor_cache_dir()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == str(tmp_path / "chosen")
