@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from common.profiling import interpolate, profile_sizes
+from common.sampling import SamplingParams
 from common.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
 
 EMA = 0.2  # time scales and calibration
@@ -33,6 +34,7 @@ MAX_CHAIN = 16
 DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
 PRIOR_WEIGHT = 2.0  # in recent observations: what a candidate's mean is shrunk with
 NEW_REQUEST_WEIGHT = 0.3  # what the observations of earlier requests count for in a new one
+GREEDY, SAMPLED = "greedy", "sampled"
 
 
 @dataclass(frozen=True)
@@ -46,16 +48,32 @@ class Candidate:
 
 
 @dataclass
+class AcceptanceStats:
+    """What the planner learns about the text: how much of each candidate the target accepts. Kept
+    per sampling regime, as greedy decoding accepts far more than sampling from the same draft."""
+
+    accepted: dict[Candidate, float] = field(default_factory=dict)  # running means of replayed lengths
+    seen: dict[Candidate, float] = field(default_factory=dict)  # recent observations, decaying
+    deepest: dict[Candidate, float] = field(default_factory=dict)  # running means of the deepest depth
+    greedy_hits: float = 1.0  # a weak prior on the draft's greedy chain acceptance rate
+    greedy_misses: float = 1.0
+    calibration: float = 1.0  # observed / predicted acceptance of trees from S(B)
+    survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
+    depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
+    steps: int = 0  # proposals chosen; a counter, not a list: a gateway runs for months
+
+
+def regime(sampling: SamplingParams) -> str:
+    return GREEDY if sampling.temperature == 0 else SAMPLED
+
+
+@dataclass
 class BudgetPlanner:
     target_curve: list[tuple[int, float]]
     draft_curve: list[tuple[int, float]]
     base: TreeParams  # its budget and depth are the largest considered
-    calibration: float = 1.0
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
-    survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
-    depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
-    steps: int = 0  # proposals chosen; a counter, not a list: a gateway runs for months
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -77,12 +95,10 @@ class BudgetPlanner:
         self.chains = [
             Candidate("chain", k, k) for k in range(1, min(base.budget, base.max_depth, MAX_CHAIN) + 1)
         ]
-        self.accepted: dict[Candidate, float] = {}  # running means of replayed accepted lengths
-        self.seen: dict[Candidate, float] = {}  # recent observations, decaying like the means
-        self.deepest: dict[Candidate, float] = {}  # running means of the deepest node's depth
         self.forwards: dict[Candidate, float] = {}  # running means of expansion forwards, where built
-        self.greedy_hits, self.greedy_misses = 1.0, 1.0  # a weak prior on the chain's acceptance rate
         self.forwards_scale = 1.0  # observed / modelled expansion forwards of trees
+        self._regimes = {GREEDY: AcceptanceStats()}
+        self._stats = self._regimes[GREEDY]  # the regime being served, switched under the lock
         self.probe = self._probe()
 
     def candidates(self) -> list[Candidate]:
@@ -120,7 +136,7 @@ class BudgetPlanner:
     def _modelled_forwards(self, c: Candidate) -> float:
         """One forward per level the search expands (nodes at the depth limit never are), or per full
         batch, whichever is more."""
-        deepest = self.deepest.get(c, min(self._depth(c.size), c.depth))
+        deepest = self._stats.deepest.get(c, min(self._depth(c.size), c.depth))
         levels = deepest if deepest < c.depth else c.depth - 1
         return max(levels, math.ceil(c.size / self.expand_batch))
 
@@ -139,8 +155,8 @@ class BudgetPlanner:
         its mean shrunk towards the best smaller candidate it contains: the largest of many noisy
         means is too high, and choosing by it would chase noise."""
         inside = self._observed_inside(c)
-        if c in self.accepted:
-            mean, seen = self.accepted[c], self.seen[c]
+        if c in self._stats.accepted:
+            mean, seen = self._stats.accepted[c], self._stats.seen[c]
             # A stale smaller mean must not lift this one.
             prior = min(max((v for _, v in inside), default=0.0), mean)
             return (seen * mean + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
@@ -149,34 +165,47 @@ class BudgetPlanner:
         # A tree holds every smaller or shallower one: start from the best seen below it, and add the
         # calibrated draft probability of the nodes it adds.
         known, known_size = max(((v, o.size) for o, v in inside), default=(0.0, 0))
-        extra = self.calibration * (self._survival(c.size) - self._survival(known_size))
+        extra = self._stats.calibration * (self._survival(c.size) - self._survival(known_size))
         return min(known + max(extra, 0.0), float(min(self._depth(c.size), c.depth)))
 
     def _observed_inside(self, c: Candidate) -> list[tuple[Candidate, float]]:
         """Observed candidates of the same kind that `c` contains, with their means."""
         return [
             (o, v)
-            for o, v in self.accepted.items()
+            for o, v in self._stats.accepted.items()
             if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth
         ]
 
     def _greedy_run(self, matched: int, length: int) -> float:
         """Expected accepted length of a greedy chain of `length` whose first `matched` tokens are
         known to be accepted: each further token is accepted with the greedy path's observed rate."""
-        rate = self.greedy_hits / (self.greedy_hits + self.greedy_misses)
+        rate = self._stats.greedy_hits / (self._stats.greedy_hits + self._stats.greedy_misses)
         return matched + sum(rate**i for i in range(1, length - matched + 1))
 
     def _survival(self, budget: int) -> float:
-        if self.survival is None:
+        if self._stats.survival is None:
             return 0.0
-        return float(self.survival[min(budget, len(self.survival) - 1)])
+        return float(self._stats.survival[min(budget, len(self._stats.survival) - 1)])
 
     def _depth(self, budget: int) -> int:
-        if self.depth is None:
+        if self._stats.depth is None:
             return min(budget, self.base.max_depth)
-        return int(self.depth[min(budget, len(self.depth) - 1)])
+        return int(self._stats.depth[min(budget, len(self._stats.depth) - 1)])
 
-    def table(self) -> list[dict[str, float | str]]:
+    def stats(self, regime: str = GREEDY) -> AcceptanceStats:
+        with self._lock:
+            return self._enter(regime)
+
+    def _enter(self, regime: str) -> AcceptanceStats:
+        self._stats = self._regimes.setdefault(regime, AcceptanceStats())
+        return self._stats
+
+    def table(self, regime: str = GREEDY) -> list[dict[str, float | str]]:
+        with self._lock:
+            self._enter(regime)
+            return self._table()
+
+    def _table(self) -> list[dict[str, float | str]]:
         rows: list[dict[str, float | str]] = []
         for c in self.candidates():
             seconds = self.step_seconds(c)
@@ -194,23 +223,25 @@ class BudgetPlanner:
             )
         return rows
 
-    def best(self) -> Candidate:
+    def best(self, regime: str = GREEDY) -> Candidate:
         with self._lock:
+            self._enter(regime)
             return self._best()
 
     def _best(self) -> Candidate:
-        if not self.accepted:
+        if not self._stats.accepted:
             return self.probe
         return max(self.candidates(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
 
-    def choose(self) -> TreeParams:
+    def choose(self, regime: str = GREEDY) -> TreeParams:
         """The best candidate by the model; every EXPLORE_EVERY steps one a notch larger, so the
         planner keeps learning about the shapes just beyond the one it has been choosing."""
         with self._lock:
+            self._enter(regime)
             best = self._best()
-            if self.steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
+            if self._stats.steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
                 best = self._explore(best)
-            self.steps += 1
+            self._stats.steps += 1
             return self.params(best)
 
     def _explore(self, best: Candidate) -> Candidate:
@@ -229,10 +260,12 @@ class BudgetPlanner:
         tokens: list[int],
         draft_seconds: float,
         target_seconds: float,
+        regime: str = GREEDY,
     ) -> None:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
         and its own token), from a step that was not cut short by a stop or a length limit."""
         with self._lock:
+            self._enter(regime)
             tree = drafted.tree
             n = tree.size - 1
             if tree.logprobs is None or n < 1:
@@ -240,8 +273,8 @@ class BudgetPlanner:
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
             path = tree.walk(tokens)  # the accepted nodes, root first
-            for c in self.seen:
-                self.seen[c] *= 1 - ACCEPT_EMA
+            for c in self._stats.seen:
+                self._stats.seen[c] *= 1 - ACCEPT_EMA
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
             self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
             self._replay_chain(tree, path)
@@ -297,7 +330,8 @@ class BudgetPlanner:
                 b = min(c.size, within.numel())
                 value = int((path_ranks <= b).sum())
                 self._record(c, value)
-                self.deepest[c] = _mean(self.deepest.get(c, math.nan), int(reach[b]), ACCEPT_EMA)
+                deepest = self._stats.deepest
+                deepest[c] = _mean(deepest.get(c, math.nan), int(reach[b]), ACCEPT_EMA)
 
     def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
@@ -306,8 +340,8 @@ class BudgetPlanner:
         matched = 0
         while matched < len(greedy) and matched + 1 < len(path) and greedy[matched] == path[matched + 1]:
             matched += 1
-        self.greedy_hits = (1 - ACCEPT_EMA) * self.greedy_hits + matched
-        self.greedy_misses = (1 - ACCEPT_EMA) * self.greedy_misses + (matched < len(greedy))
+        self._stats.greedy_hits = (1 - ACCEPT_EMA) * self._stats.greedy_hits + matched
+        self._stats.greedy_misses = (1 - ACCEPT_EMA) * self._stats.greedy_misses + (matched < len(greedy))
         for c in self.chains:
             if c.size <= len(greedy) or matched < len(greedy):
                 value = float(min(c.size, matched))
@@ -318,14 +352,16 @@ class BudgetPlanner:
     def _record(self, c: Candidate, accepted: float) -> None:
         """An exponentially weighted mean: the weight of a new value is one over the decayed count of
         observations, so a candidate not seen for a while (or since a new request began) adapts fast."""
-        self.seen[c] = self.seen.get(c, 0.0) + 1.0
-        self.accepted[c] = _mean(self.accepted.get(c, math.nan), accepted, 1.0 / self.seen[c])
+        s = self._stats
+        s.seen[c] = s.seen.get(c, 0.0) + 1.0
+        s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / s.seen[c])
 
-    def start(self) -> None:
+    def start(self, regime: str = GREEDY) -> None:
         """A new request: its text may differ from the last one's, so what was learned counts for less."""
         with self._lock:
-            for c in self.seen:
-                self.seen[c] *= NEW_REQUEST_WEIGHT
+            self._enter(regime)
+            for c in self._stats.seen:
+                self._stats.seen[c] *= NEW_REQUEST_WEIGHT
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int
@@ -336,13 +372,13 @@ class BudgetPlanner:
         depth = torch.cat((torch.zeros(1, dtype=torch.long), structure.depths[order].cummax(0).values))
         predicted = float(survival[-1])
         if predicted > 0:
-            self.calibration += EMA * (accepted / predicted - self.calibration)
-        if self.survival is not None and len(self.survival) > len(survival):
+            self._stats.calibration += EMA * (accepted / predicted - self._stats.calibration)
+        if self._stats.survival is not None and len(self._stats.survival) > len(survival):
             # Keep the tail learned from a larger tree, re-anchored at this tree's size.
-            tail = self.survival[len(survival) :] - self.survival[n] + survival[-1]
+            tail = self._stats.survival[len(survival) :] - self._stats.survival[n] + survival[-1]
             survival = torch.cat((survival, tail))
-            depth = torch.cat((depth, torch.maximum(self.depth[len(depth) :], depth[-1])))
-        self.survival, self.depth = survival, depth
+            depth = torch.cat((depth, torch.maximum(self._stats.depth[len(depth) :], depth[-1])))
+        self._stats.survival, self._stats.depth = survival, depth
 
 
 def tree_depths(budget: int, max_depth: int) -> list[int]:

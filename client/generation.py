@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from client.budget import BudgetPlanner
+from client.budget import BudgetPlanner, regime
 from client.faults import NodeFault, NodeUnavailable
 from common.node_info import NodeInfo, check_pair
 from common.sampling import SamplingParams
@@ -229,12 +229,13 @@ class Sequence:
     ) -> Iterator[VerifyResult]:
         """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
+        kind = regime(sampling)
         if planner is not None:
-            planner.start()
+            planner.start(kind)
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None
-            params = planner.choose() if planner is not None else tree
+            params = planner.choose(kind) if planner is not None else tree
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
@@ -254,7 +255,7 @@ class Sequence:
                 and drafted is not None
                 and not result.finish_reason
             ):
-                planner.observe(params, drafted, result.tokens, draft_s, target_s)
+                planner.observe(params, drafted, result.tokens, draft_s, target_s, kind)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

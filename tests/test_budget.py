@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import BudgetPlanner, Candidate
+from client.budget import GREEDY, SAMPLED, BudgetPlanner, Candidate
 from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -28,15 +28,17 @@ def confident_tree(n: int = 1025, p: float = 0.9) -> TokenTree:
     return TokenTree(torch.arange(n), parents, depth * torch.log(torch.tensor(p)))
 
 
-GREEDY_PATH = [1, 3, 7, 15, 31, 63, 127, 255]  # first child at every level: the draft's own chain
+DRAFT_PATH = [1, 3, 7, 15, 31, 63, 127, 255]  # first child at every level: the draft's own chain
 SIDE_PATH = [2, 6, 14, 30, 62, 126, 254, 510]  # last child at every level: only a wide tree has it
 NOT_A_CHILD = 10**6
 
 
-def observe(plan: BudgetPlanner, path: list[int], seconds: float, tree: TokenTree | None = None) -> None:
+def observe(
+    plan: BudgetPlanner, path: list[int], seconds: float, tree: TokenTree | None = None, regime: str = GREEDY
+) -> None:
     tree = tree or confident_tree()
     params = replace(BASE, budget=tree.size - 1)
-    plan.observe(params, DraftedTree(tree, 10), [*path, NOT_A_CHILD], 0.1, seconds)
+    plan.observe(params, DraftedTree(tree, 10), [*path, NOT_A_CHILD], 0.1, seconds, regime)
 
 
 def planner(target_curve, path=SIDE_PATH) -> BudgetPlanner:
@@ -64,21 +66,22 @@ def test_probe_is_bounded_by_step_cost():
 
 def test_replay_gives_each_smaller_tree_its_exact_accepted_length():
     plan = planner([(1, 1.0), (1025, 1.0)])
-    full = [plan.accepted[Candidate("tree", b, BASE.max_depth)] for b in (1, 2, 4, 8, 64, 256, 512, 1024)]
+    accepted = plan.stats().accepted
+    full = [accepted[Candidate("tree", b, BASE.max_depth)] for b in (1, 2, 4, 8, 64, 256, 512, 1024)]
     # SIDE_PATH's node at depth d ranks 2^(d+1) - 2: the tree of budget B holds it iff that is <= B.
     assert full == [0, 1, 1, 2, 5, 7, 8, 8]
     # Depth <= 2 holds nodes 1-6; the top 4 are 1-4, with SIDE_PATH's node 2 but not its node 6.
-    assert plan.accepted[Candidate("tree", 4, 2)] == 1
+    assert accepted[Candidate("tree", 4, 2)] == 1
     # Nodes of depth <= 4 are the top 30 of this tree: trees with that limit are replayed exactly too.
-    assert plan.accepted[Candidate("tree", 8, 3)] == 2 and plan.accepted[Candidate("tree", 16, 4)] == 3
-    assert Candidate("tree", 8, 2) not in plan.accepted  # a budget-8 tree of depth 2 is not inside this one
-    assert all(plan.accepted[c] == 0 for c in plan.chains)  # the greedy chain misses at once
+    assert accepted[Candidate("tree", 8, 3)] == 2 and accepted[Candidate("tree", 16, 4)] == 3
+    assert Candidate("tree", 8, 2) not in accepted  # a budget-8 tree of depth 2 is not inside this one
+    assert all(accepted[c] == 0 for c in plan.chains)  # the greedy chain misses at once
 
 
 def test_a_chain_wins_when_the_target_follows_the_draft_and_passes_cost_per_token():
     cpu = [(1, 0.05), (1025, 51.2)]
-    plan = planner(cpu, path=GREEDY_PATH)
-    assert plan.accepted[Candidate("chain", 8, 8)] == 8  # the greedy chain of 8 holds the whole path
+    plan = planner(cpu, path=DRAFT_PATH)
+    assert plan.stats().accepted[Candidate("chain", 8, 8)] == 8  # the greedy chain of 8 holds the whole path
     assert plan.choose() == TreeParams.chain(plan.best().size)
     assert planner(cpu, path=SIDE_PATH).best().kind == "tree"
 
@@ -88,18 +91,19 @@ def test_a_chain_longer_than_the_greedy_path_is_extended_with_its_acceptance_rat
     chain = TokenTree(torch.arange(5), torch.arange(-1, 4), -0.1 * torch.arange(5).float())
     for _ in range(50):
         plan.observe(TreeParams.chain(4), DraftedTree(chain, 3), [1, 2, 3, 4, NOT_A_CHILD], 0.1, 1.0)
-    chain = {c.size: plan.accepted[c] for c in plan.chains}
+    chain = {c.size: plan.stats().accepted[c] for c in plan.chains}
     assert chain[4] == pytest.approx(4)
     assert 4 < chain[8] <= 8 and chain[16] > chain[8]
 
 
 def test_calibration_follows_observed_acceptance():
     plan = planner([(1, 1.0), (1025, 1.0)])
-    before = plan.calibration
+    before = plan.stats().calibration
     for _ in range(60):
         observe(plan, [], 1.0)
-    assert plan.calibration < before * 0.1
-    assert max(plan.accepted[c] for c in plan.trees if c in plan.accepted) < 0.1
+    assert plan.stats().calibration < before * 0.1
+    accepted = plan.stats().accepted
+    assert max(accepted[c] for c in plan.trees if c in accepted) < 0.1
 
 
 def test_planner_needs_curves():
@@ -156,21 +160,21 @@ def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, s
     greedy = len(greedy_path(drafted.tree))
     checked = 0
     for c in plan.candidates():
-        exact = c.kind == "tree" or c.size <= greedy or plan.accepted[c] < greedy
-        if c in plan.accepted and exact:
-            assert step(plan.params(c))[1] == plan.accepted[c], c
+        exact = c.kind == "tree" or c.size <= greedy or plan.stats().accepted[c] < greedy
+        if c in plan.stats().accepted and exact:
+            assert step(plan.params(c))[1] == plan.stats().accepted[c], c
             checked += 1
     assert checked >= 20
 
 
 def test_a_new_request_discounts_what_earlier_ones_taught():
     flat = [(1, 1.0), (1025, 1.0)]
-    restarted, continued = planner(flat, path=GREEDY_PATH), planner(flat, path=GREEDY_PATH)
+    restarted, continued = planner(flat, path=DRAFT_PATH), planner(flat, path=DRAFT_PATH)
     restarted.start()
     for plan in (restarted, continued):
         observe(plan, [], 1.0)
     c = Candidate("tree", 256, BASE.max_depth)
-    assert restarted.accepted[c] < continued.accepted[c] < 8
+    assert restarted.stats().accepted[c] < continued.stats().accepted[c] < 8
 
 
 def test_exploration_builds_a_notch_larger_tree_holding_the_best():
@@ -182,3 +186,19 @@ def test_exploration_builds_a_notch_larger_tree_holding_the_best():
     assert picks[:-1] == [plan.params(best)] * (EXPLORE_EVERY - 1)
     assert explored.max_branch == BASE.max_branch and explored.budget >= 2 * best.size
     assert explored.max_depth == min(best.depth + 1, BASE.max_depth)
+
+
+def test_greedy_and_sampled_requests_learn_separately():
+    """Greedy decoding accepts far more of a tree than sampling: one regime must not steer the other."""
+    flat = [(1, 1.0), (1025, 1.0)]
+    plan = planner(flat, path=DRAFT_PATH)
+    plan.start(SAMPLED)
+    for _ in range(10):
+        observe(plan, [], 1.0, regime=SAMPLED)
+    c = Candidate("tree", 256, BASE.max_depth)
+    assert plan.stats(GREEDY).accepted[c] == 8 and plan.stats(SAMPLED).accepted[c] == 0
+    rows = {
+        kind: [r for r in plan.table(kind) if (r["size"], r["depth"]) == (c.size, c.depth)]
+        for kind in (GREEDY, SAMPLED)
+    }
+    assert rows[GREEDY][0]["expected_tokens"] > 8 and rows[SAMPLED][0]["expected_tokens"] < 2
