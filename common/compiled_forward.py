@@ -7,10 +7,11 @@ to a multiple of KV_ALIGN with masked columns and kept symbolic, so one graph se
 length and capacity. Passes larger than the largest bucket (a long prompt) run eagerly.
 
 Every bucket compiles at start-up (`warm_up`), before a node reports SERVING, never inside a
-request. Inductor's on-disk cache lives under the user's cache directory, so a restart re-traces but
-does not re-generate kernels
-(`TORCHINDUCTOR_CACHE_DIR` overrides it). On CUDA the graphs are also captured as CUDA graphs
-("reduce-overhead"), which removes the per-kernel launch cost that dominates a small draft's pass.
+request. Inductor's on-disk cache lives under the user's cache directory (`TORCHINDUCTOR_CACHE_DIR`
+overrides it), so a restart re-traces the model but does not generate and build the kernels again.
+
+On CUDA the same graphs compile to Triton kernels but are not captured as CUDA graphs: a capture
+needs the KV buffers it writes at fixed addresses, and each session here owns its own cache.
 """
 
 from __future__ import annotations
@@ -65,19 +66,13 @@ class CompiledForward:
         if not isinstance(model.model.layers, nn.ModuleList):
             raise ValueError("--compile does not combine with --offload: streamed layers are not traceable")
         self.buckets = parse_buckets(buckets)
-        self.cuda = model.device.type == "cuda"
         # Dynamo counts graphs per function, and every compiled model shares `layers_forward`.
         extra = 2 * len(self.buckets) + 2
         config = torch._dynamo.config
         config.recompile_limit += extra
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, config.recompile_limit)
         use_inductor_cache_dir()
-        self.fn = torch.compile(
-            model.layers_forward,
-            fullgraph=True,
-            dynamic=False,
-            mode="reduce-overhead" if self.cuda else None,
-        )
+        self.fn = torch.compile(model.layers_forward, fullgraph=True, dynamic=False)
 
     def bucket(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
@@ -102,10 +97,7 @@ class CompiledForward:
         torch._dynamo.mark_dynamic(bias, 1)
         torch._dynamo.mark_dynamic(cache.k, 2)
         torch._dynamo.mark_dynamic(cache.v, 2)
-        hidden = self.fn(tokens, positions, slots, bias, cache.k, cache.v)
-        if self.cuda:
-            hidden = hidden.clone()  # a CUDA graph's output buffer is overwritten by its next replay
-        return hidden[:t]
+        return self.fn(tokens, positions, slots, bias, cache.k, cache.v)[:t]
 
     def warm_up(self, model: Transformer, progress: bool = True) -> None:
         """Compile every bucket now, so no request ever waits for a compilation."""
@@ -114,8 +106,7 @@ class CompiledForward:
             positions = torch.arange(KV_ALIGN, KV_ALIGN + b)
             bias = torch.zeros(b, KV_ALIGN + b)
             tokens = torch.zeros(b, dtype=torch.long)
-            for _ in range(3 if self.cuda else 1):  # cudagraph trees record on the second or third call
-                model(tokens, positions, positions, bias, cache)
+            model(tokens, positions, positions, bias, cache)
 
 
 def compile_model(

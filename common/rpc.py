@@ -210,7 +210,7 @@ def add_compile_args(parser: Any) -> None:
     parser.add_argument(
         "--compile",
         action="store_true",
-        help="compile the forward pass per token-count bucket at start-up (CUDA graphs on a GPU); "
+        help="compile the forward pass per token-count bucket at start-up; "
         "off by default: on a CPU it measured no faster than the repacked eager pass (docs/forward.md)",
     )
     parser.add_argument(
