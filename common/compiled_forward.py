@@ -95,8 +95,8 @@ class CompiledForward:
         padded[:, :kv] = bias[rows]
         bias = padded
         torch._dynamo.mark_dynamic(bias, 1)
-        torch._dynamo.mark_dynamic(cache.k, 2)
-        torch._dynamo.mark_dynamic(cache.v, 2)
+        for layer in (*cache.k, *cache.v):
+            torch._dynamo.mark_dynamic(layer, 1)
         return self.fn(tokens, positions, slots, bias, cache.k, cache.v)[:t]
 
     def warm_up(self, model: Transformer, progress: bool = True) -> None:

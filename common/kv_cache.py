@@ -25,22 +25,24 @@ class KVCache:
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"KV cache capacity must be positive, got {capacity}")
-        shape = (num_layers, num_kv_heads, capacity + 1, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        # One tensor per layer, not one stacked tensor: a compiled graph then writes new slots in
+        # place, where a write through a view of a stacked input is done as a copy of the whole cache.
+        shape = (num_kv_heads, capacity + 1, head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.capacity = capacity
         self.scratch_slot = capacity
         self.length = 0
 
     @property
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size() * 2
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         """Copy slots `src` onto slots `dst` for every layer (sources are read before any write)."""
-        src, dst = src.to(self.k.device), dst.to(self.k.device)
-        self.k[:, :, dst] = self.k[:, :, src]
-        self.v[:, :, dst] = self.v[:, :, src]
+        src, dst = src.to(self.k[0].device), dst.to(self.k[0].device)
+        for layer in (*self.k, *self.v):
+            layer[:, dst] = layer[:, src]
 
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.capacity:

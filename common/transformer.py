@@ -151,8 +151,8 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q, cos, sin).transpose(0, 1)
         k = apply_rope(k, cos, sin).transpose(0, 1)
-        k_cache.index_copy_(1, slots, k.to(k_cache.dtype))
-        v_cache.index_copy_(1, slots, v.transpose(0, 1).to(v_cache.dtype))
+        k_cache[:, slots] = k.to(k_cache.dtype)  # index_put_: compiled graphs write it in place
+        v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)
         kv_len = bias.shape[-1]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -262,7 +262,7 @@ class Transformer(nn.Module):
         return self.layers_forward(tokens, positions, slots, bias, cache.k, cache.v)
 
     def layers_forward(
-        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: Tensor, v: Tensor
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: list[Tensor], v: list[Tensor]
     ) -> Tensor:
         """The pass itself, on plain tensors only, so that `torch.compile` can trace it whole."""
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -23,8 +23,12 @@ def recomputed(model, tokens: list[int]):
 
 def assert_cache_prefix_equal(cache, ref, length):
     assert cache.length == length
-    torch.testing.assert_close(cache.k[:, :, :length], ref.k[:, :, :length], atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(cache.v[:, :, :length], ref.v[:, :, :length], atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(
+        torch.stack(cache.k)[:, :, :length], torch.stack(ref.k)[:, :, :length], atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(
+        torch.stack(cache.v)[:, :, :length], torch.stack(ref.v)[:, :, :length], atol=1e-4, rtol=1e-4
+    )
 
 
 @pytest.mark.parametrize("draft", ["truncated", "self"])
