@@ -311,7 +311,7 @@ def build_parser() -> argparse.ArgumentParser:
     from common.config import add_config_option
     from common.logs import add_log_args
     from common.metrics import add_metrics_args
-    from common.rpc import add_insecure_arg, add_quantize_arg
+    from common.rpc import add_compile_args, add_insecure_arg, add_quantize_arg
     from common.security import add_client_args, add_server_args
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
@@ -364,6 +364,7 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--target-model", required=True)
     lo.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
     add_quantize_arg(lo, "--draft-quantize")
+    add_compile_args(lo)
     lo.add_argument("--target-port", type=int, default=50051)
     lo.add_argument("--draft-port", type=int, default=50052)
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")

@@ -61,10 +61,13 @@ def run_local(args: argparse.Namespace) -> int:
         args.node_tls_ca, args.node_tls_cert, args.node_tls_key, args.auth_token_file
     )
     budget = tree_from(args).budget
+    extra = security_args
+    if args.compile:
+        extra = [*extra, "--compile", "--compile-buckets", ",".join(map(str, args.compile_buckets))]
     commands = [
-        node_command("target", args.target_model, args.target_port, args.dtype, budget, security_args),
+        node_command("target", args.target_model, args.target_port, args.dtype, budget, extra),
         node_command(
-            "draft", args.draft_model, args.draft_port, args.dtype, budget, security_args, args.draft_quantize
+            "draft", args.draft_model, args.draft_port, args.dtype, budget, extra, args.draft_quantize
         ),
     ]
     nodes = [subprocess.Popen(cmd) for cmd in commands]

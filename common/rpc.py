@@ -205,7 +205,15 @@ def add_repack_arg(parser: Any) -> None:
 
 
 def add_compile_args(parser: Any) -> None:
+    import argparse
+
     from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+
+    def buckets(text: str) -> tuple[int, ...]:
+        try:
+            return parse_buckets(text)
+        except ValueError as e:  # argparse would replace the message with "invalid value"
+            raise argparse.ArgumentTypeError(str(e)) from e
 
     parser.add_argument(
         "--compile",
@@ -215,7 +223,7 @@ def add_compile_args(parser: Any) -> None:
     )
     parser.add_argument(
         "--compile-buckets",
-        type=parse_buckets,
+        type=buckets,
         default=DEFAULT_BUCKETS,
         metavar="N,N,...",
         help="with --compile: padded token counts, one graph each; larger passes run eagerly "
