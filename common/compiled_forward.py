@@ -2,9 +2,10 @@
 
 A pass of t tokens runs as the smallest bucket that holds it. The padding rows repeat the last real
 row (same token, position and mask row) and write their K/V to the cache's scratch slot, so they
-change nothing a real row sees, not even a per-pass activation scale. The attended length is padded
-to a multiple of KV_ALIGN with masked columns and kept symbolic, so one graph serves every cache
-length and capacity. Passes larger than the largest bucket (a long prompt) run eagerly.
+change nothing a real row sees, not even a per-pass activation scale. The attended length and the
+cache capacity stay symbolic, so one graph serves every context length; they are not padded, as
+CPU attention costs time for every column, masked or not. Passes larger than the largest bucket (a
+long prompt) run eagerly.
 
 Every bucket compiles at start-up (`warm_up`), before a node reports SERVING, never inside a
 request. Inductor's on-disk cache lives under the user's cache directory (`TORCHINDUCTOR_CACHE_DIR`
@@ -27,10 +28,9 @@ from tqdm import tqdm
 
 from common.kv_cache import KVCache
 from common.transformer import Transformer
-from common.tree import NEG_INF
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
-KV_ALIGN = 256
+WARM_UP_PREFIX = 64
 MAX_BUCKET = 4096
 
 
@@ -80,20 +80,17 @@ class CompiledForward:
     def __call__(
         self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache
     ) -> Tensor | None:
-        """Hidden states of the real rows, or None when the pass is larger than every bucket."""
+        """Hidden states of the real rows, or None when the pass is larger than every bucket, or
+        attends to a single slot (a symbolic length of 1 would be specialised and compiled anew)."""
         t = tokens.numel()
         b = self.bucket(t)
-        if b is None:
+        if b is None or bias.shape[1] < 2:
             return None
-        kv = bias.shape[1]
-        kv_padded = min(-(-kv // KV_ALIGN) * KV_ALIGN, cache.capacity)
         # Always fresh tensors made here: graphs guard on aliasing and on inference-mode tensors.
         rows = torch.arange(b, device=tokens.device).clamp_(max=t - 1)
         tokens, positions, slots = tokens[rows], positions[rows], slots[rows]
         slots[t:] = cache.scratch_slot
-        padded = bias.new_full((b, kv_padded), NEG_INF)
-        padded[:, :kv] = bias[rows]
-        bias = padded
+        bias = bias[rows]
         torch._dynamo.mark_dynamic(bias, 1)
         for layer in (*cache.k, *cache.v):
             torch._dynamo.mark_dynamic(layer, 1)
@@ -101,10 +98,10 @@ class CompiledForward:
 
     def warm_up(self, model: Transformer, progress: bool = True) -> None:
         """Compile every bucket now, so no request ever waits for a compilation."""
-        cache = model.new_cache(2 * KV_ALIGN)
+        cache = model.new_cache(WARM_UP_PREFIX + max(self.buckets))
         for b in tqdm(self.buckets, desc="compiling forward buckets", unit="bucket", disable=not progress):
-            positions = torch.arange(KV_ALIGN, KV_ALIGN + b)
-            bias = torch.zeros(b, KV_ALIGN + b)
+            positions = torch.arange(WARM_UP_PREFIX, WARM_UP_PREFIX + b)
+            bias = torch.zeros(b, WARM_UP_PREFIX + b)
             tokens = torch.zeros(b, dtype=torch.long)
             model(tokens, positions, positions, bias, cache)
 
