@@ -1,4 +1,4 @@
-"""Forwards compiled with `torch.compile`, one static-shape graph per token-count bucket.
+"""Forwards compiled with `torch.compile`, one graph per token-count bucket.
 
 A pass of t tokens runs as the smallest bucket that holds it. The padding rows repeat the last real
 row (same token, position and mask row) and write their K/V to the cache's scratch slot, so they
