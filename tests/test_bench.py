@@ -20,16 +20,21 @@ def test_shipped_prompt_set_is_large_and_mixed():
     assert [p["category"] for p in load_prompts(None, 3, None)] == ["code", "chat", "prose"]
 
 
-def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
-    out = tmp_path / "bench"
+def run_bench(model_dirs, out, *args: str) -> dict:
+    """`specexec bench` on the tiny pair in float32, as a user runs it; returns its results.json."""
     cmd = [sys.executable, "-m", "client.cli", "bench", "--draft-model", str(model_dirs["truncated"]),
-           "--target-model", str(model_dirs["target"]), "--dtype", "float32", "--limit", "2",
-           "--max-new-tokens", "6", "--budgets", "4", "8", "--chain", "2", "--grpc-budget", "4",
-           "--exactness", "1", "--sampled", "--target-cost-model", "bandwidth:25", "--out", str(out)]  # fmt: skip
+           "--target-model", str(model_dirs["target"]), "--dtype", "float32", "--max-new-tokens", "6",
+           "--out", str(out), *args]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
-    raw = json.loads((out / "results.json").read_text())
+    return json.loads((out / "results.json").read_text())
+
+
+def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
+    out = tmp_path / "bench"
+    raw = run_bench(model_dirs, out, "--limit", "2", "--budgets", "4", "8", "--chain", "2", "--grpc-budget", "4",
+                    "--exactness", "1", "--sampled", "--target-cost-model", "bandwidth:25")  # fmt: skip
     names = {r["contestant"] for r in raw["runs"]}
     assert names == {"autoregressive", "chain k=2", "specexec b=4", "specexec b=8", "specexec auto",
                      "hf generate", "hf assisted", "specexec b=4 via gRPC"}  # fmt: skip
@@ -41,15 +46,8 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
 
 
 def test_bench_compile_runs_compiled_twins_with_identical_tokens(model_dirs, tmp_path):
-    out = tmp_path / "bench"
-    cmd = [sys.executable, "-m", "client.cli", "bench", "--draft-model", str(model_dirs["truncated"]),
-           "--target-model", str(model_dirs["target"]), "--dtype", "float32", "--limit", "1",
-           "--max-new-tokens", "6", "--budgets", "4", "--chain", "2", "--no-auto", "--no-hf", "--no-grpc",
-           "--exactness", "0", "--compile", "--compile-buckets", "1,8", "--out", str(out)]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
-                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    assert run.returncode == 0, run.stderr[-3000:]
-    raw = json.loads((out / "results.json").read_text())
+    raw = run_bench(model_dirs, tmp_path / "bench", "--limit", "1", "--budgets", "4", "--chain", "2", "--no-auto",
+                    "--no-hf", "--no-grpc", "--exactness", "0", "--compile", "--compile-buckets", "1,8")  # fmt: skip
     names = {r["contestant"] for r in raw["runs"]}
     assert names == {"autoregressive", "autoregressive compiled", "chain k=2", "chain k=2 compiled",
                      "specexec b=4", "specexec b=4 compiled"}  # fmt: skip

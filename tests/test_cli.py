@@ -24,11 +24,21 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.parametrize("mode", ["specexec", "chain", "autoregressive"])
-def test_generate_json_matches_target_alone(model_dirs, loaded, mode):
+@pytest.mark.parametrize(
+    ("mode", "extra"),
+    [
+        ("specexec", []),
+        ("chain", []),
+        ("autoregressive", []),
+        ("specexec", ["--compile", "--compile-buckets", "1,16"]),
+    ],
+    ids=["specexec", "chain", "autoregressive", "specexec-compiled"],
+)
+def test_generate_json_matches_target_alone(model_dirs, loaded, mode, extra):
     prompt = "Hello, "
     out = run(
         "generate",
+        *extra,
         "--draft-model",
         str(model_dirs["truncated"]),
         "--target-model",
@@ -100,31 +110,6 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
     assert out.returncode == 2 and "/nonexistent does not exist" in out.stderr
     out = run("generate", "--target-model", "t", "--prompt", "x", "--compile-buckets", "0,4", check=False)
     assert out.returncode == 2 and "compile buckets must be in [1, 4096], got '0,4'" in out.stderr
-
-
-def test_compiled_generate_matches_target_alone(model_dirs, loaded):
-    prompt = "Hello, "
-    out = run(
-        "generate",
-        "--target-model",
-        str(model_dirs["target"]),
-        "--draft-model",
-        str(model_dirs["truncated"]),
-        "--prompt",
-        prompt,
-        "--max-new-tokens",
-        "12",
-        "--ignore-eos",
-        "--budget",
-        "8",
-        "--compile",
-        "--compile-buckets",
-        "1,16",
-        "--json",
-    )
-    ids = loaded["target"].tokenizer.encode(prompt)
-    want = reference_decode(model_dirs["target"], ids, SamplingParams(max_new_tokens=12, ignore_eos=True))
-    assert json.loads(out.stdout)["token_ids"] == want
 
 
 def test_chat_flag_renders_the_chat_template(model_dirs, loaded):
