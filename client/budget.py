@@ -357,11 +357,14 @@ class BudgetPlanner:
         s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / s.seen[c])
 
     def start(self, regime: str = GREEDY) -> None:
-        """A new request: its text may differ from the last one's, so what was learned counts for less."""
+        """A new request: its text may differ from the last one's, so what was learned counts for less,
+        and its first step explores, so estimates carried over from other text are replayed at once."""
         with self._lock:
-            self._enter(regime)
-            for c in self._stats.seen:
-                self._stats.seen[c] *= NEW_REQUEST_WEIGHT
+            stats = self._enter(regime)
+            for c in stats.seen:
+                stats.seen[c] *= NEW_REQUEST_WEIGHT
+            if stats.accepted:
+                stats.steps = EXPLORE_EVERY - 1
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int

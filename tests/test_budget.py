@@ -202,3 +202,13 @@ def test_greedy_and_sampled_requests_learn_separately():
         for kind in (GREEDY, SAMPLED)
     }
     assert rows[GREEDY][0]["expected_tokens"] > 8 and rows[SAMPLED][0]["expected_tokens"] < 2
+
+
+def test_a_new_request_starts_with_an_exploring_step():
+    """Its first step replays the shapes around the best at once, on the new request's own text."""
+    plan = planner([(1, 0.05), (1025, 51.2)])
+    plan.start()
+    best = plan.best()
+    first, second = plan.choose(), plan.choose()
+    assert first.budget >= 2 * best.size and first.max_depth == best.depth + 1
+    assert second == plan.params(plan.best())
