@@ -33,7 +33,7 @@ EXPLORE_EVERY = 16
 MAX_CHAIN = 16
 DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
 PRIOR_WEIGHT = 2.0  # in recent observations: what a candidate's mean is shrunk with
-NEW_REQUEST_WEIGHT = 0.3  # what the observations of earlier requests count for in a new one
+NEW_REQUEST_WEIGHT = 0.1  # what the observations of earlier requests count for in a new one
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -332,6 +332,25 @@ class BudgetPlanner:
                 self._record(c, value)
                 deepest = self._stats.deepest
                 deepest[c] = _mean(deepest.get(c, math.nan), int(reach[b]), ACCEPT_EMA)
+        if depth_limit < self.base.max_depth:
+            self._extrapolate_deeper(order, on_path, depth_limit)
+
+    def _extrapolate_deeper(self, order: torch.Tensor, on_path: torch.Tensor, limit: int) -> None:
+        """Trees deeper than this one's limit cannot be replayed, but left alone their means go stale,
+        and a mean learned on other text keeps the planner on shallow trees while every step is
+        accepted to the limit. So each gets what its top nodes within the limit accepted, and where
+        that path reached the limit, the greedy path's rate for the levels beyond: optimistic, which
+        makes the planner build the deeper tree and replay it exactly."""
+        rank = torch.empty(order.numel() + 1, dtype=torch.long)
+        rank[order] = torch.arange(1, order.numel() + 1)
+        path_ranks = rank[on_path]
+        for c in self.trees:
+            if c.depth <= limit:
+                continue
+            value = float((path_ranks <= min(c.size, order.numel())).sum())
+            if value >= limit:
+                value = self._greedy_run(limit, min(c.size, c.depth))
+            self._record(c, value)
 
     def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
@@ -363,6 +382,8 @@ class BudgetPlanner:
             stats = self._enter(regime)
             for c in stats.seen:
                 stats.seen[c] *= NEW_REQUEST_WEIGHT
+            stats.greedy_hits *= NEW_REQUEST_WEIGHT
+            stats.greedy_misses *= NEW_REQUEST_WEIGHT
             if stats.accepted:
                 stats.steps = EXPLORE_EVERY - 1
 

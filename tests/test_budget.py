@@ -212,3 +212,47 @@ def test_a_new_request_starts_with_an_exploring_step():
     first, second = plan.choose(), plan.choose()
     assert first.budget >= 2 * best.size and first.max_depth == best.depth + 1
     assert second == plan.params(plan.best())
+
+
+def _built(params: TreeParams, full: TokenTree) -> TokenTree:
+    """What the builder makes of `confident_tree` for these params: the draft's first-child chain, or
+    the top nodes within the depth limit (node ids rank the nodes, best first)."""
+    if params.is_chain:
+        ids = torch.tensor([0] + [2 ** (i + 1) - 1 for i in range(params.budget)])
+    else:
+        depth = torch.log2(torch.arange(1, full.size + 1).float()).floor()
+        ids = torch.nonzero(depth <= params.max_depth).squeeze(1)[: params.budget + 1]
+    slot = {int(i): j for j, i in enumerate(ids)}
+    parents = torch.tensor([-1] + [slot[(int(i) - 1) // 2] for i in ids[1:]])
+    assert full.logprobs is not None
+    return TokenTree(ids.clone(), parents, full.logprobs[ids].clone())
+
+
+def test_a_request_on_other_text_leaves_the_last_ones_shapes_within_a_few_steps():
+    """After prose (only a side branch's first token accepted), code (the draft's chain accepted as far
+    as it goes) must reach long proposals at once, and prose after code must drop them: a shallow
+    tree accepted to its limit says nothing against deeper ones, and an earlier request's means
+    must not outvote the new text's first steps."""
+    cpu = [(1, 0.09), (8, 0.1), (16, 0.115), (32, 0.17), (64, 0.27)]
+    plan = BudgetPlanner(
+        cpu, [(1, 0.018), (8, 0.027), (16, 0.031), (64, 0.07)], base=replace(BASE, budget=16, max_depth=16)
+    )
+    full = confident_tree(2**17 + 1)
+    code = [2 ** (i + 1) - 1 for i in range(17)]
+
+    def request(path: list[int], steps: int) -> list[int]:
+        plan.start()
+        accepted = []
+        for _ in range(steps):
+            params = plan.choose()
+            tree = _built(params, full)
+            plan.observe(
+                params, DraftedTree(tree, 4), [*path, NOT_A_CHILD], 0.1, plan.target_seconds(params.budget)
+            )
+            accepted.append(len(tree.walk([*path, NOT_A_CHILD])) - 1)
+        return accepted
+
+    assert request([2], 20)[-10:] == [1] * 10  # prose settles on a small tree
+    assert min(request(code, 12)[5:]) >= 10
+    prose = request([2], 12)
+    assert prose[4:] == [1] * 8
