@@ -261,9 +261,14 @@ class BudgetPlanner:
         draft_seconds: float,
         target_seconds: float,
         regime: str = GREEDY,
+        opening: bool = False,
     ) -> None:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
-        and its own token), from a step that was not cut short by a stop or a length limit."""
+        and its own token), from a step that was not cut short by a stop or a length limit.
+
+        An `opening` step (a request's first) teaches only the timing: it proposes the reply's first
+        tokens, which the draft guesses far worse than the rest (the bench's code prompts: none of
+        the first step accepted, against about 6 tokens a step after it, at budget 8)."""
         with self._lock:
             self._enter(regime)
             tree = drafted.tree
@@ -272,11 +277,13 @@ class BudgetPlanner:
                 return
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
+            self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
+            self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
+            if opening:
+                return
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self._stats.seen:
                 self._stats.seen[c] *= 1 - ACCEPT_EMA
-            self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
-            self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
             self._replay_chain(tree, path)
             if is_chain or params.max_branch != self.base.max_branch:
                 return
@@ -341,13 +348,13 @@ class BudgetPlanner:
         accepted to the limit. So each gets what its top nodes within the limit accepted, and where
         that path reached the limit, the greedy path's rate for the levels beyond: optimistic, which
         makes the planner build the deeper tree and replay it exactly."""
-        rank = torch.empty(order.numel() + 1, dtype=torch.long)
+        rank = torch.zeros(order.numel() + 1, dtype=torch.long)
         rank[order] = torch.arange(1, order.numel() + 1)
         path_ranks = rank[on_path]
         for c in self.trees:
-            if c.depth <= limit:
+            if c.depth <= limit or c.size > order.numel():
                 continue
-            value = float((path_ranks <= min(c.size, order.numel())).sum())
+            value = float((path_ranks <= c.size).sum())
             if value >= limit:
                 value = self._greedy_run(limit, min(c.size, c.depth))
             self._record(c, value)
@@ -377,7 +384,8 @@ class BudgetPlanner:
 
     def start(self, regime: str = GREEDY) -> None:
         """A new request: its text may differ from the last one's, so what was learned counts for less,
-        and its first step explores, so estimates carried over from other text are replayed at once."""
+        and its first step that teaches acceptance (the second; see `observe`) explores, so estimates
+        carried over from other text are replayed at once."""
         with self._lock:
             stats = self._enter(regime)
             for c in stats.seen:
@@ -385,7 +393,7 @@ class BudgetPlanner:
             stats.greedy_hits *= NEW_REQUEST_WEIGHT
             stats.greedy_misses *= NEW_REQUEST_WEIGHT
             if stats.accepted:
-                stats.steps = EXPLORE_EVERY - 1
+                stats.steps = EXPLORE_EVERY - 2
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int

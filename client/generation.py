@@ -255,7 +255,9 @@ class Sequence:
                 and drafted is not None
                 and not result.finish_reason
             ):
-                planner.observe(params, drafted, result.tokens, draft_s, target_s, kind)
+                planner.observe(
+                    params, drafted, result.tokens, draft_s, target_s, kind, opening=generated == 0
+                )
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

@@ -9,6 +9,7 @@ import torch
 
 from client.api import SpecExec
 from client.budget import GREEDY, SAMPLED, BudgetPlanner, Candidate
+from common.profiling import interpolate
 from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -204,14 +205,22 @@ def test_greedy_and_sampled_requests_learn_separately():
     assert rows[GREEDY][0]["expected_tokens"] > 8 and rows[SAMPLED][0]["expected_tokens"] < 2
 
 
-def test_a_new_request_starts_with_an_exploring_step():
-    """Its first step replays the shapes around the best at once, on the new request's own text."""
+def test_a_new_request_explores_on_its_first_step_that_teaches_acceptance():
+    """The opening step proposes the reply's first tokens, unlike the rest of the text: it teaches
+    timing only, and the step after it replays the shapes around the best on the request's own text."""
     plan = planner([(1, 0.05), (1025, 51.2)])
     plan.start()
-    best = plan.best()
-    first, second = plan.choose(), plan.choose()
-    assert first.budget >= 2 * best.size and first.max_depth == best.depth + 1
-    assert second == plan.params(plan.best())
+    best, before = plan.best(), dict(plan.stats().accepted)
+    opening = plan.choose()
+    assert opening == plan.params(best)
+    tree = confident_tree()
+    plan.observe(
+        replace(BASE, budget=tree.size - 1), DraftedTree(tree, 10), [NOT_A_CHILD], 0.1, 1.0, opening=True
+    )
+    assert plan.stats().accepted == before
+    explored, third = plan.choose(), plan.choose()
+    assert explored.budget >= 2 * best.size and explored.max_depth == best.depth + 1
+    assert third == plan.params(plan.best())
 
 
 def _built(params: TreeParams, full: TokenTree) -> TokenTree:
@@ -243,16 +252,16 @@ def test_a_request_on_other_text_leaves_the_last_ones_shapes_within_a_few_steps(
     def request(path: list[int], steps: int) -> list[int]:
         plan.start()
         accepted = []
-        for _ in range(steps):
+        for step in range(steps):
             params = plan.choose()
             tree = _built(params, full)
-            plan.observe(
-                params, DraftedTree(tree, 4), [*path, NOT_A_CHILD], 0.1, plan.target_seconds(params.budget)
-            )
-            accepted.append(len(tree.walk([*path, NOT_A_CHILD])) - 1)
+            tokens = [NOT_A_CHILD] if step == 0 else [*path, NOT_A_CHILD]  # the reply's first token: a miss
+            seconds = interpolate(cpu, params.budget + 1)
+            plan.observe(params, DraftedTree(tree, 4), tokens, 0.1, seconds, opening=step == 0)
+            accepted.append(len(tree.walk(tokens)) - 1)
         return accepted
 
     assert request([2], 20)[-10:] == [1] * 10  # prose settles on a small tree
-    assert min(request(code, 12)[5:]) >= 10
+    assert min(request(code, 12)[6:]) >= 8
     prose = request([2], 12)
     assert prose[4:] == [1] * 8
