@@ -198,14 +198,18 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
 
 
 def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc) -> list[Run]:
+    """Contestants take turns, prompt by prompt; the order rotates each time, so none always runs
+    first or last in a stretch of this machine's drifting speed."""
     runs: list[Run] = []
     total = len(prompts) * len(contestants) * len(settings)
+    turn = 0
     with tqdm(total=total, desc=desc, unit="run", file=sys.stderr) as bar:
         for i, p in enumerate(prompts):
             ids = encode(tokenizer, p["prompt"])
             for setting, extra in settings.items():
                 sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i, **extra)
-                for c in contestants:
+                shift, turn = turn % len(contestants), turn + 1
+                for c in contestants[shift:] + contestants[:shift]:
                     r = c.run(ids, sampling)
                     r.contestant, r.prompt, r.category, r.setting = c.name, i, p["category"], setting
                     runs.append(r)

@@ -266,21 +266,20 @@ class BudgetPlanner:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
         and its own token), from a step that was not cut short by a stop or a length limit.
 
-        An `opening` step (a request's first) teaches only the timing: it proposes the reply's first
-        tokens, which the draft guesses far worse than the rest (the bench's code prompts: none of
-        the first step accepted, against about 6 tokens a step after it, at budget 8)."""
+        An `opening` step (a request's first) teaches nothing. Its times include both models' pass
+        over the prompt, and it proposes the reply's first tokens, which the draft guesses far worse
+        than the rest (the bench's code prompts: none of the first step accepted, against about 6
+        tokens a step after it, at budget 8)."""
         with self._lock:
             self._enter(regime)
             tree = drafted.tree
             n = tree.size - 1
-            if tree.logprobs is None or n < 1:
+            if opening or tree.logprobs is None or n < 1:
                 return
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
             self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
-            if opening:
-                return
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self._stats.seen:
                 self._stats.seen[c] *= 1 - ACCEPT_EMA

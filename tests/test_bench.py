@@ -40,6 +40,8 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
                      "hf generate", "hf assisted", "specexec b=4 via gRPC"}  # fmt: skip
     assert raw["exactness"] and all(e["first_divergence"] is None for e in raw["exactness"])
     assert {r["setting"] for r in raw["runs"]} == {"greedy", "sampled"}
+    firsts = [r["contestant"] for i, r in enumerate(raw["runs"]) if i % len(names) == 0]
+    assert len(set(firsts)) == len(firsts) == 4  # the order rotates each (prompt, setting)
     assert raw["projection"] and all(p["projected_tok_s"] > 0 for p in raw["projection"])
     assert "token-identical to the target alone" in (out / "report.md").read_text()
     assert (out / "bench.png").stat().st_size > 10_000

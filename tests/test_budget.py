@@ -206,18 +206,20 @@ def test_greedy_and_sampled_requests_learn_separately():
 
 
 def test_a_new_request_explores_on_its_first_step_that_teaches_acceptance():
-    """The opening step proposes the reply's first tokens, unlike the rest of the text: it teaches
-    timing only, and the step after it replays the shapes around the best on the request's own text."""
+    """The opening step proposes the reply's first tokens, unlike the rest of the text, and its times
+    include the prompt's prefill: it teaches nothing, and the step after it replays the shapes around
+    the best on the request's own text."""
     plan = planner([(1, 0.05), (1025, 51.2)])
     plan.start()
     best, before = plan.best(), dict(plan.stats().accepted)
     opening = plan.choose()
     assert opening == plan.params(best)
     tree = confident_tree()
+    scales = plan.draft_scale, plan.target_scale
     plan.observe(
-        replace(BASE, budget=tree.size - 1), DraftedTree(tree, 10), [NOT_A_CHILD], 0.1, 1.0, opening=True
+        replace(BASE, budget=tree.size - 1), DraftedTree(tree, 10), [NOT_A_CHILD], 9.0, 9.0, opening=True
     )
-    assert plan.stats().accepted == before
+    assert plan.stats().accepted == before and (plan.draft_scale, plan.target_scale) == scales
     explored, third = plan.choose(), plan.choose()
     assert explored.budget >= 2 * best.size and explored.max_depth == best.depth + 1
     assert third == plan.params(plan.best())
