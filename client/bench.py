@@ -6,6 +6,7 @@ contestant alike. Writes raw measurements (JSON), a markdown report and plots to
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
 import socket
@@ -46,6 +47,7 @@ class Run:
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # draft nodes proposed, per step that had a draft
     chain_steps: int = 0
+    repeat: int = 0  # which pass over the prompt set
 
     @property
     def tokens_per_second(self) -> float:
@@ -197,14 +199,15 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
     return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
 
-def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc) -> list[Run]:
+def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc, repeats=1) -> list[Run]:
     """Contestants take turns, prompt by prompt; the order rotates each time, so none always runs
-    first or last in a stretch of this machine's drifting speed."""
+    first or last in a stretch of this machine's drifting speed. Repeats are whole passes over the
+    prompt set, so a prompt's runs are far apart in time."""
     runs: list[Run] = []
-    total = len(prompts) * len(contestants) * len(settings)
+    total = repeats * len(prompts) * len(contestants) * len(settings)
     turn = 0
     with tqdm(total=total, desc=desc, unit="run", file=sys.stderr) as bar:
-        for i, p in enumerate(prompts):
+        for repeat, (i, p) in itertools.product(range(repeats), enumerate(prompts)):
             ids = encode(tokenizer, p["prompt"])
             for setting, extra in settings.items():
                 sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i, **extra)
@@ -212,6 +215,7 @@ def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, d
                 for c in contestants[shift:] + contestants[:shift]:
                     r = c.run(ids, sampling)
                     r.contestant, r.prompt, r.category, r.setting = c.name, i, p["category"], setting
+                    r.repeat = repeat
                     runs.append(r)
                     bar.set_postfix_str(f"{c.name}: {r.tokens_per_second:.1f} tok/s")
                     bar.update()
@@ -423,7 +427,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         remote = connect(nodes.addrs["draft"], nodes.addrs["target"], tree=params)
         contestants.append(engine_contestant(f"specexec b={b} via gRPC", remote, family="grpc"))
     try:
-        runs = run_phase(prompts, contestants, tl.tokenizer, settings, args.max_new_tokens, args.seed, f"speed ({args.dtype})")
+        runs = run_phase(prompts, contestants, tl.tokenizer, settings, args.max_new_tokens, args.seed,
+                         f"speed ({args.dtype})", args.repeat)  # fmt: skip
     finally:
         node_rss = nodes.peak_rss_mb() if nodes else 0.0
         if nodes:
@@ -452,6 +457,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
 def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
@@ -473,6 +485,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant")
     b.add_argument("--grpc-budget", type=int, default=32)
     b.add_argument("--sampled", action="store_true", help="also run temperature 0.6, top-p 0.9")
+    b.add_argument("--repeat", type=positive_int, default=1,
+                   help="speed runs per prompt, in separate passes over the prompt set; medians are over all runs")
     b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
     b.add_argument("--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)")
     b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")

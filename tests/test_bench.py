@@ -55,3 +55,20 @@ def test_bench_compile_runs_compiled_twins_with_identical_tokens(model_dirs, tmp
                      "specexec b=4", "specexec b=4 compiled"}  # fmt: skip
     # float32: the compiled twins produce the target's tokens exactly, like everyone else
     assert raw["bf16_divergence"] and all(d["first_divergence"] is None for d in raw["bf16_divergence"])
+
+
+def test_bench_repeats_each_prompt_in_separate_passes(model_dirs, tmp_path):
+    raw = run_bench(model_dirs, tmp_path / "bench", "--limit", "2", "--budgets", "4", "--chain", "2", "--no-auto",
+                    "--no-hf", "--no-grpc", "--exactness", "0", "--repeat", "2")  # fmt: skip
+    passes = [(r["repeat"], r["prompt"]) for r in raw["runs"]]
+    assert passes == [(0, 0)] * 3 + [(0, 1)] * 3 + [(1, 0)] * 3 + [(1, 1)] * 3
+    rows = [r for r in raw["summary"] if r["category"] == "all" and r["contestant"] == "chain k=2"]
+    runs = [r for r in raw["runs"] if r["contestant"] == "chain k=2"]
+    assert rows[0]["tokens_per_step"] == sum(len(r["token_ids"]) for r in runs) / sum(r["target_steps"] for r in runs)
+
+
+def test_bench_refuses_a_repeat_below_one():
+    cmd = [sys.executable, "-m", "client.cli", "bench", "--repeat", "0"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert run.returncode == 2 and "--repeat: must be >= 1, got 0" in run.stderr
