@@ -219,7 +219,7 @@ def add_compile_args(parser: Any) -> None:
         "--compile",
         action="store_true",
         help="compile the forward pass per token-count bucket at start-up; "
-        "off by default: on a CPU it measured 0-6%% faster per pass, 2-9%% per generation, after "
+        "off by default: on a CPU it measured 0-6%% faster per pass, -2 to +10%% per generation, after "
         "minutes of compilation on a cold cache (docs/forward.md)",
     )
     parser.add_argument(
