@@ -34,6 +34,7 @@ MAX_CHAIN = 16
 DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
 PRIOR_WEIGHT = 2.0  # in recent observations: what a candidate's mean is shrunk with
 NEW_REQUEST_WEIGHT = 0.1  # what the observations of earlier requests count for in a new one
+OPENING_KEEP = 0.8  # opening steps, one a request, are averaged over about the last 5 requests
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -60,7 +61,9 @@ class AcceptanceStats:
     calibration: float = 1.0  # observed / predicted acceptance of trees from S(B)
     survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
     depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
-    steps: int = 0  # proposals chosen; a counter, not a list: a gateway runs for months
+    steps: int = 0  # proposals chosen, openings aside; a counter, not a list: a gateway runs for months
+    opening_hits: float = 1.0  # the greedy chain's acceptance on requests' opening steps, with a weak prior
+    opening_misses: float = 1.0
 
 
 def regime(sampling: SamplingParams) -> str:
@@ -233,16 +236,27 @@ class BudgetPlanner:
             return self.probe
         return max(self.candidates(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
 
-    def choose(self, regime: str = GREEDY) -> TreeParams:
+    def choose(self, regime: str = GREEDY, opening: bool = False) -> TreeParams:
         """The best candidate by the model; every EXPLORE_EVERY steps one a notch larger, so the
-        planner keeps learning about the shapes just beyond the one it has been choosing."""
+        planner keeps learning about the shapes just beyond the one it has been choosing.
+
+        A request's `opening` step gets the chain that its own statistics favour (see `observe`):
+        whatever the text, the draft guesses a reply's first tokens far worse than the rest."""
         with self._lock:
             self._enter(regime)
+            if opening:
+                return self.params(max(self.chains, key=self._opening_speed))
             best = self._best()
             if self._stats.steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
                 best = self._explore(best)
             self._stats.steps += 1
             return self.params(best)
+
+    def _opening_speed(self, c: Candidate) -> float:
+        """Expected tokens per second of a chain on an opening step."""
+        s = self._stats
+        rate = s.opening_hits / (s.opening_hits + s.opening_misses)
+        return (1 + sum(rate**i for i in range(1, c.size + 1))) / self.step_seconds(c)
 
     def _explore(self, best: Candidate) -> Candidate:
         """Twice the nodes and one level deeper: a tree that holds `best` and every candidate a notch
@@ -266,15 +280,18 @@ class BudgetPlanner:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
         and its own token), from a step that was not cut short by a stop or a length limit.
 
-        An `opening` step (a request's first) teaches nothing. Its times include both models' pass
-        over the prompt, and it proposes the reply's first tokens, which the draft guesses far worse
-        than the rest (the bench's code prompts: none of the first step accepted, against about 6
-        tokens a step after it, at budget 8)."""
+        An `opening` step (a request's first) teaches only how the greedy chain does on opening
+        steps. Its times include both models' pass over the prompt, and it proposes the reply's
+        first tokens, which the draft guesses far worse than the rest (the bench's code prompts:
+        none of the first step accepted, against about 6 tokens a step after it, at budget 8)."""
         with self._lock:
             self._enter(regime)
             tree = drafted.tree
             n = tree.size - 1
-            if opening or tree.logprobs is None or n < 1:
+            if tree.logprobs is None or n < 1:
+                return
+            if opening:
+                self._learn_opening(tree, tree.walk(tokens))
                 return
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
@@ -358,13 +375,18 @@ class BudgetPlanner:
                 value = self._greedy_run(limit, min(c.size, c.depth))
             self._record(c, value)
 
+    def _learn_opening(self, tree: TokenTree, path: list[int]) -> None:
+        greedy = greedy_path(tree)
+        matched = _matched(greedy, path)
+        s = self._stats
+        s.opening_hits = OPENING_KEEP * s.opening_hits + matched
+        s.opening_misses = OPENING_KEEP * s.opening_misses + (matched < len(greedy))
+
     def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
         prefix with the accepted path. Past the end of that path in this tree, the rate fills in."""
         greedy = greedy_path(tree)
-        matched = 0
-        while matched < len(greedy) and matched + 1 < len(path) and greedy[matched] == path[matched + 1]:
-            matched += 1
+        matched = _matched(greedy, path)
         self._stats.greedy_hits = (1 - ACCEPT_EMA) * self._stats.greedy_hits + matched
         self._stats.greedy_misses = (1 - ACCEPT_EMA) * self._stats.greedy_misses + (matched < len(greedy))
         for c in self.chains:
@@ -383,8 +405,8 @@ class BudgetPlanner:
 
     def start(self, regime: str = GREEDY) -> None:
         """A new request: its text may differ from the last one's, so what was learned counts for less,
-        and its first step that teaches acceptance (the second; see `observe`) explores, so estimates
-        carried over from other text are replayed at once."""
+        and its first step after the opening explores, so estimates carried over from other text are
+        replayed at once."""
         with self._lock:
             stats = self._enter(regime)
             for c in stats.seen:
@@ -392,7 +414,7 @@ class BudgetPlanner:
             stats.greedy_hits *= NEW_REQUEST_WEIGHT
             stats.greedy_misses *= NEW_REQUEST_WEIGHT
             if stats.accepted:
-                stats.steps = EXPLORE_EVERY - 2
+                stats.steps = EXPLORE_EVERY - 1
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int
@@ -427,6 +449,14 @@ def greedy_path(tree: TokenTree) -> list[int]:
             return path
         node = int(children[torch.argmax(tree.logprobs[children])])
         path.append(node)
+
+
+def _matched(greedy: list[int], path: list[int]) -> int:
+    """How many of the greedy chain's nodes the accepted path (root first) begins with."""
+    matched = 0
+    while matched < len(greedy) and matched + 1 < len(path) and greedy[matched] == path[matched + 1]:
+        matched += 1
+    return matched
 
 
 def free_batch(draft_curve: list[tuple[int, float]], slack: float = 1.25) -> int:

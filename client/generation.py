@@ -235,7 +235,7 @@ class Sequence:
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None
-            params = planner.choose(kind) if planner is not None else tree
+            params = planner.choose(kind, opening=generated == 0) if planner is not None else tree
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:

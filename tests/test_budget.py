@@ -205,15 +205,15 @@ def test_greedy_and_sampled_requests_learn_separately():
     assert rows[GREEDY][0]["expected_tokens"] > 8 and rows[SAMPLED][0]["expected_tokens"] < 2
 
 
-def test_a_new_request_explores_on_its_first_step_that_teaches_acceptance():
+def test_a_new_request_opens_on_a_chain_and_explores_on_its_next_step():
     """The opening step proposes the reply's first tokens, unlike the rest of the text, and its times
-    include the prompt's prefill: it teaches nothing, and the step after it replays the shapes around
-    the best on the request's own text."""
+    include the prompt's prefill: it teaches nothing about the text, and the step after it replays the
+    shapes around the best on the request's own text."""
     plan = planner([(1, 0.05), (1025, 51.2)])
     plan.start()
     best, before = plan.best(), dict(plan.stats().accepted)
-    opening = plan.choose()
-    assert opening == plan.params(best)
+    opening = plan.choose(opening=True)
+    assert opening.is_chain
     tree = confident_tree()
     scales = plan.draft_scale, plan.target_scale
     plan.observe(
@@ -223,6 +223,24 @@ def test_a_new_request_explores_on_its_first_step_that_teaches_acceptance():
     explored, third = plan.choose(), plan.choose()
     assert explored.budget >= 2 * best.size and explored.max_depth == best.depth + 1
     assert third == plan.params(plan.best())
+
+
+def test_the_opening_chain_follows_what_opening_steps_accepted():
+    """Replies that open on text the draft guesses (a fixed preamble) earn a long opening chain; ones
+    it never guesses the cheapest, whatever the rest of the text accepts."""
+    flat = [(1, 1.0), (1025, 1.01)]  # a proposal's length costs nothing but draft time
+    plan = planner(flat, path=DRAFT_PATH)
+    tree = confident_tree()
+    for path, longest in (([], 1), (DRAFT_PATH, 8), ([], 1)):
+        for _ in range(20):
+            plan.start()
+            plan.choose(opening=True)
+            plan.observe(
+                replace(BASE, budget=tree.size - 1), DraftedTree(tree, 10), [*path, NOT_A_CHILD], 1.0, 1.0,
+                opening=True,
+            )
+        chain = plan.choose(opening=True)
+        assert chain.is_chain and (chain.budget == 1 if longest == 1 else chain.budget >= longest)
 
 
 def _built(params: TreeParams, full: TokenTree) -> TokenTree:
