@@ -236,7 +236,11 @@ def test_the_opening_chain_follows_what_opening_steps_accepted():
             plan.start()
             plan.choose(opening=True)
             plan.observe(
-                replace(BASE, budget=tree.size - 1), DraftedTree(tree, 10), [*path, NOT_A_CHILD], 1.0, 1.0,
+                replace(BASE, budget=tree.size - 1),
+                DraftedTree(tree, 10),
+                [*path, NOT_A_CHILD],
+                1.0,
+                1.0,
                 opening=True,
             )
         chain = plan.choose(opening=True)
