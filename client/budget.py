@@ -32,7 +32,6 @@ ACCEPT_EMA = 0.1  # per-candidate accepted lengths: noisier, so averaged over ab
 EXPLORE_EVERY = 16
 MAX_CHAIN = 16
 DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
-PRIOR_WEIGHT = 2.0  # in recent observations: what a candidate's mean is shrunk with
 NEW_REQUEST_WEIGHT = 0.1  # what the observations of earlier requests count for in a new one
 OPENING_KEEP = 0.8  # opening steps, one a request, are averaged over about the last 5 requests
 GREEDY, SAMPLED = "greedy", "sampled"
@@ -154,20 +153,19 @@ class BudgetPlanner:
         return 1.0 + self._accepted(c)
 
     def _accepted(self, c: Candidate) -> float:
-        """A candidate seen in few recent steps (only replayable from the occasional larger tree) has
-        its mean shrunk towards the best smaller candidate it contains: the largest of many noisy
-        means is too high, and choosing by it would chase noise."""
-        inside = self._observed_inside(c)
+        """A candidate's running mean, once any step could replay it.
+
+        Means are not shrunk towards the smaller shapes a candidate contains: while the planner
+        builds chains, no tree is replayed, and shrinking their stale means would keep it on chains
+        (in `scripts/planner_sim.py` that cost 4% on prose). A mean lifted by noise is corrected
+        by the steps that build it."""
         if c in self._stats.accepted:
-            mean, seen = self._stats.accepted[c], self._stats.seen[c]
-            # A stale smaller mean must not lift this one.
-            prior = min(max((v for _, v in inside), default=0.0), mean)
-            return (seen * mean + PRIOR_WEIGHT * prior) / (seen + PRIOR_WEIGHT)
+            return self._stats.accepted[c]
         if c.kind == "chain":
             return self._greedy_run(0, c.size)
         # A tree holds every smaller or shallower one: start from the best seen below it, and add the
         # calibrated draft probability of the nodes it adds.
-        known, known_size = max(((v, o.size) for o, v in inside), default=(0.0, 0))
+        known, known_size = max(((v, o.size) for o, v in self._observed_inside(c)), default=(0.0, 0))
         extra = self._stats.calibration * (self._survival(c.size) - self._survival(known_size))
         return min(known + max(extra, 0.0), float(min(self._depth(c.size), c.depth)))
 

@@ -221,7 +221,7 @@ def test_a_new_request_opens_on_a_chain_and_explores_on_its_next_step():
     )
     assert plan.stats().accepted == before and (plan.draft_scale, plan.target_scale) == scales
     explored, third = plan.choose(), plan.choose()
-    assert explored.budget >= 2 * best.size and explored.max_depth == best.depth + 1
+    assert explored.budget >= 2 * best.size and explored.max_depth == min(best.depth + 1, BASE.max_depth)
     assert third == plan.params(plan.best())
 
 
@@ -277,7 +277,7 @@ def test_a_request_on_other_text_leaves_the_last_ones_shapes_within_a_few_steps(
         plan.start()
         accepted = []
         for step in range(steps):
-            params = plan.choose()
+            params = plan.choose(opening=step == 0)
             tree = _built(params, full)
             tokens = [NOT_A_CHILD] if step == 0 else [*path, NOT_A_CHILD]  # the reply's first token: a miss
             seconds = interpolate(cpu, params.budget + 1)
@@ -289,3 +289,18 @@ def test_a_request_on_other_text_leaves_the_last_ones_shapes_within_a_few_steps(
     assert min(request(code, 12)[6:]) >= 8
     prose = request([2], 12)
     assert prose[4:] == [1] * 8
+
+
+def test_what_a_tree_accepted_holds_while_the_planner_builds_chains():
+    """No tree is replayed from a chain step. A tree's mean must keep its value meanwhile, not drift
+    towards the smaller trees it holds: otherwise every chain step makes trees look worse, and the
+    planner stays on chains after the text has turned to where a branch pays."""
+    plan = planner([(1, 0.05), (1025, 51.2)])  # SIDE_PATH: a wide tree accepts, the chain never does
+    tree = Candidate("tree", 8, 3)  # the smallest that holds the side path's first 2 nodes
+    before = plan.expected_tokens(tree)
+    assert before > plan.expected_tokens(Candidate("tree", 4, 3))
+    full = confident_tree(2**10 + 1)
+    for _ in range(30):
+        params = TreeParams.chain(4)
+        plan.observe(params, DraftedTree(_built(params, full), 3), [*DRAFT_PATH, NOT_A_CHILD], 0.04, 0.05)
+    assert plan.expected_tokens(tree) == before
