@@ -99,6 +99,7 @@ class BudgetPlanner:
         ]
         self.forwards: dict[Candidate, float] = {}  # running means of expansion forwards, where built
         self.forwards_scale = 1.0  # observed / modelled expansion forwards of trees
+        self.size_scales: dict[int, float] = {}  # per size built: what target_scale misses for it
         self._regimes = {GREEDY: AcceptanceStats()}
         self._stats = self._regimes[GREEDY]  # the regime being served, switched under the lock
         self.probe = self._probe()
@@ -143,7 +144,13 @@ class BudgetPlanner:
         return max(levels, math.ceil(c.size / self.expand_batch))
 
     def target_seconds(self, size: int) -> float:
-        return self.target_scale * interpolate(self.target_curve, size + 1)
+        """The start-up curve times two learned factors: `target_scale`, shared by all sizes, follows
+        the machine's drift; a size's own factor follows what the curve misses for it. A verify step
+        is more than the forward the curve timed, and on this CPU it grew faster with the tree (a
+        16-node step cost 1.7x a one-token one, the curve said 1.4x): with one factor for all, the
+        sizes the planner builds most set it, and every other size looks off by their error."""
+        scale = self.target_scale * self.size_scales.get(size, 1.0)
+        return scale * interpolate(self.target_curve, size + 1)
 
     def step_seconds(self, c: Candidate) -> float:
         return self.draft_seconds(c) + self.target_seconds(c.size)
@@ -294,7 +301,9 @@ class BudgetPlanner:
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
-            self.target_scale *= _ema_ratio(target_seconds, self.target_seconds(n))
+            target_fit = _ema_ratio(target_seconds, self.target_seconds(n))
+            self.target_scale *= target_fit
+            self.size_scales[n] = self.size_scales.get(n, 1.0) * target_fit
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self._stats.seen:
                 self._stats.seen[c] *= 1 - ACCEPT_EMA

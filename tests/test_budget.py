@@ -304,3 +304,19 @@ def test_what_a_tree_accepted_holds_while_the_planner_builds_chains():
         params = TreeParams.chain(4)
         plan.observe(params, DraftedTree(_built(params, full), 3), [*DRAFT_PATH, NOT_A_CHILD], 0.04, 0.05)
     assert plan.expected_tokens(tree) == before
+
+
+def test_each_tree_size_learns_what_the_forward_curve_misses_for_it():
+    """Verify steps of 16 nodes that cost 1.5x what the curve says, and of 4 nodes that cost what it
+    says: the planner must price them apart, not blend both into one scale."""
+    curve = [(1, 0.1), (5, 0.1), (17, 0.14)]
+    plan = BudgetPlanner(curve, DRAFT, base=replace(BASE, budget=16, max_depth=16))
+    full = confident_tree()
+    for _ in range(40):
+        for size, slowdown in ((16, 1.5), (4, 1.0)):
+            params = replace(BASE, budget=size, max_depth=16)
+            tree = _built(params, full)
+            plan.observe(
+                params, DraftedTree(tree, 4), [NOT_A_CHILD], 0.01, slowdown * interpolate(curve, size + 1)
+            )
+    assert plan.target_seconds(16) / plan.target_seconds(4) == pytest.approx(1.5 * 0.14 / 0.1, rel=0.03)
