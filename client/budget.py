@@ -188,7 +188,7 @@ class BudgetPlanner:
         """Expected accepted length of a greedy chain of `length` whose first `matched` tokens are
         known to be accepted: each further token is accepted with the greedy path's observed rate."""
         rate = self._stats.greedy_hits / (self._stats.greedy_hits + self._stats.greedy_misses)
-        return matched + sum(rate**i for i in range(1, length - matched + 1))
+        return matched + _run_beyond(rate, length - matched)
 
     def _survival(self, budget: int) -> float:
         if self._stats.survival is None:
@@ -261,7 +261,7 @@ class BudgetPlanner:
         """Expected tokens per second of a chain on an opening step."""
         s = self._stats
         rate = s.opening_hits / (s.opening_hits + s.opening_misses)
-        return (1 + sum(rate**i for i in range(1, c.size + 1))) / self.step_seconds(c)
+        return (1 + _run_beyond(rate, c.size)) / self.step_seconds(c)
 
     def _explore(self, best: Candidate) -> Candidate:
         """Twice the nodes and one level deeper: a tree that holds `best` and every candidate a notch
@@ -456,6 +456,11 @@ def greedy_path(tree: TokenTree) -> list[int]:
             return path
         node = int(children[torch.argmax(tree.logprobs[children])])
         path.append(node)
+
+
+def _run_beyond(rate: float, length: int) -> float:
+    """Expected accepted length of `length` more chain tokens, each accepted with `rate`."""
+    return sum(rate**i for i in range(1, length + 1))
 
 
 def _matched(greedy: list[int], path: list[int]) -> int:
