@@ -49,8 +49,9 @@ class Candidate:
 
 @dataclass
 class AcceptanceStats:
-    """What the planner learns about the text: how much of each candidate the target accepts. Kept
-    per sampling regime, as greedy decoding accepts far more than sampling from the same draft."""
+    """What the planner learns about the text: how much of each candidate the target accepts. Each
+    request learns on its own copy (see `BudgetPlanner.start`), and the copies are kept per sampling
+    regime, as greedy decoding accepts far more than sampling from the same draft."""
 
     accepted: dict[Candidate, float] = field(default_factory=dict)  # running means of replayed lengths
     seen: dict[Candidate, float] = field(default_factory=dict)  # recent observations, decaying
@@ -61,8 +62,18 @@ class AcceptanceStats:
     survival: torch.Tensor | None = None  # S(B) for B = 0..len-1
     depth: torch.Tensor | None = None  # deepest node among the top B, for B = 0..len-1
     steps: int = 0  # proposals chosen, openings aside; a counter, not a list: a gateway runs for months
-    opening_hits: float = 1.0  # the greedy chain's acceptance on requests' opening steps, with a weak prior
-    opening_misses: float = 1.0
+
+    def copy(self) -> AcceptanceStats:
+        return replace(self, accepted=dict(self.accepted), seen=dict(self.seen), deepest=dict(self.deepest))
+
+
+@dataclass
+class OpeningStats:
+    """How far the draft's greedy chain got on requests' opening steps, one a request, with a weak
+    prior. Shared by a regime's requests, concurrent ones included: each request adds one step."""
+
+    hits: float = 1.0
+    misses: float = 1.0
 
 
 def regime(sampling: SamplingParams) -> str:
@@ -100,8 +111,10 @@ class BudgetPlanner:
         self.forwards: dict[Candidate, float] = {}  # running means of expansion forwards, where built
         self.forwards_scale = 1.0  # observed / modelled expansion forwards of trees
         self.size_scales: dict[int, float] = {}  # per size built: what target_scale misses for it
-        self._regimes = {GREEDY: AcceptanceStats()}
-        self._stats = self._regimes[GREEDY]  # the regime being served, switched under the lock
+        self._regimes = {GREEDY: AcceptanceStats()}  # per regime: the latest request's statistics
+        self._openings: dict[str, OpeningStats] = {}
+        self._stats = self._regimes[GREEDY]  # the request being served, switched under the lock
+        self._opening = OpeningStats()
         self.probe = self._probe()
 
     def candidates(self) -> list[Candidate]:
@@ -204,8 +217,10 @@ class BudgetPlanner:
         with self._lock:
             return self._enter(regime)
 
-    def _enter(self, regime: str) -> AcceptanceStats:
-        self._stats = self._regimes.setdefault(regime, AcceptanceStats())
+    def _enter(self, regime: str, request: AcceptanceStats | None = None) -> AcceptanceStats:
+        """Serve `request`'s statistics, or without one the regime's latest request's."""
+        self._stats = request if request is not None else self._regimes.setdefault(regime, AcceptanceStats())
+        self._opening = self._openings.setdefault(regime, OpeningStats())
         return self._stats
 
     def table(self, regime: str = GREEDY) -> list[dict[str, float | str]]:
@@ -241,14 +256,17 @@ class BudgetPlanner:
             return self.probe
         return max(self.candidates(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
 
-    def choose(self, regime: str = GREEDY, opening: bool = False) -> TreeParams:
+    def choose(
+        self, regime: str = GREEDY, opening: bool = False, request: AcceptanceStats | None = None
+    ) -> TreeParams:
         """The best candidate by the model; every EXPLORE_EVERY steps one a notch larger, so the
         planner keeps learning about the shapes just beyond the one it has been choosing.
 
         A request's `opening` step gets the chain that its own statistics favour (see `observe`):
-        whatever the text, the draft guesses a reply's first tokens far worse than the rest."""
+        whatever the text, the draft guesses a reply's first tokens far worse than the rest.
+        `request` is what `start` returned for the request being served."""
         with self._lock:
-            self._enter(regime)
+            self._enter(regime, request)
             if opening:
                 return self.params(max(self.chains, key=self._opening_speed))
             best = self._best()
@@ -259,8 +277,7 @@ class BudgetPlanner:
 
     def _opening_speed(self, c: Candidate) -> float:
         """Expected tokens per second of a chain on an opening step."""
-        s = self._stats
-        rate = s.opening_hits / (s.opening_hits + s.opening_misses)
+        rate = self._opening.hits / (self._opening.hits + self._opening.misses)
         return (1 + _run_beyond(rate, c.size)) / self.step_seconds(c)
 
     def _explore(self, best: Candidate) -> Candidate:
@@ -281,6 +298,7 @@ class BudgetPlanner:
         target_seconds: float,
         regime: str = GREEDY,
         opening: bool = False,
+        request: AcceptanceStats | None = None,
     ) -> None:
         """Learn from one step: `tokens` are what the target returned for `drafted` (accepted path
         and its own token), from a step that was not cut short by a stop or a length limit.
@@ -290,7 +308,7 @@ class BudgetPlanner:
         first tokens, which the draft guesses far worse than the rest (the bench's code prompts:
         none of the first step accepted, against about 6 tokens a step after it, at budget 8)."""
         with self._lock:
-            self._enter(regime)
+            self._enter(regime, request)
             tree = drafted.tree
             n = tree.size - 1
             if tree.logprobs is None or n < 1:
@@ -385,9 +403,9 @@ class BudgetPlanner:
     def _learn_opening(self, tree: TokenTree, path: list[int]) -> None:
         greedy = greedy_path(tree)
         matched = _matched(greedy, path)
-        s = self._stats
-        s.opening_hits = OPENING_KEEP * s.opening_hits + matched
-        s.opening_misses = OPENING_KEEP * s.opening_misses + (matched < len(greedy))
+        o = self._opening
+        o.hits = OPENING_KEEP * o.hits + matched
+        o.misses = OPENING_KEEP * o.misses + (matched < len(greedy))
 
     def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
@@ -410,18 +428,22 @@ class BudgetPlanner:
         s.seen[c] = s.seen.get(c, 0.0) + 1.0
         s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / s.seen[c])
 
-    def start(self, regime: str = GREEDY) -> None:
-        """A new request: its text may differ from the last one's, so what was learned counts for less,
-        and its first step after the opening explores, so estimates carried over from other text are
-        replayed at once."""
+    def start(self, regime: str = GREEDY) -> AcceptanceStats:
+        """A new request, whose statistics to pass to `choose` and `observe`: a copy of the latest
+        request's, so concurrent requests on a gateway each learn on their own text, and the next
+        request starts from what the latest one has learned. Its text may differ from the last
+        one's, so what was learned counts for less, and its first step after the opening explores,
+        so estimates carried over from other text are replayed at once."""
         with self._lock:
-            stats = self._enter(regime)
+            stats = self._enter(regime).copy()
             for c in stats.seen:
                 stats.seen[c] *= NEW_REQUEST_WEIGHT
             stats.greedy_hits *= NEW_REQUEST_WEIGHT
             stats.greedy_misses *= NEW_REQUEST_WEIGHT
             if stats.accepted:
                 stats.steps = EXPLORE_EVERY - 1
+            self._regimes[regime] = self._stats = stats
+            return stats
 
     def _learn_survival(
         self, tree: TokenTree, structure: TreeStructure, order: torch.Tensor, accepted: int

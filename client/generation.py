@@ -230,12 +230,11 @@ class Sequence:
         """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
         kind = regime(sampling)
-        if planner is not None:
-            planner.start(kind)
+        request = planner.start(kind) if planner is not None else None
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None
-            params = planner.choose(kind, opening=generated == 0) if planner is not None else tree
+            params = planner.choose(kind, generated == 0, request) if planner is not None else tree
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
@@ -256,7 +255,7 @@ class Sequence:
                 and not result.finish_reason
             ):
                 planner.observe(
-                    params, drafted, result.tokens, draft_s, target_s, kind, opening=generated == 0
+                    params, drafted, result.tokens, draft_s, target_s, kind, generated == 0, request
                 )
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens

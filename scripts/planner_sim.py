@@ -133,11 +133,10 @@ def decode(
     """One request, as `client.generation.Sequence.steps` runs it, with modelled times."""
     target_curve, draft_curve = curves
     tally, accepted = Tally(), 0
-    if planner is not None:
-        planner.start(GREEDY)
+    request = planner.start(GREEDY) if planner is not None else None
     while tally.tokens < len(text.tokens):
         opening = tally.tokens == 0
-        params = planner.choose(GREEDY, opening=opening) if planner is not None else shape
+        params = planner.choose(GREEDY, opening, request) if planner is not None else shape
         assert params is not None
         at = tally.tokens
         expander = TimedExpander(text, at, draft_curve, noise, statistics.mean(text.confidence))
@@ -152,7 +151,7 @@ def decode(
         target_s = interpolate(target_curve, tree.size) * (1 + 0.1 * noise.random())
         if planner is not None:
             drafted = DraftedTree(tree, built.draft_forwards)
-            planner.observe(params, drafted, returned, draft_s, target_s, GREEDY, opening=opening)
+            planner.observe(params, drafted, returned, draft_s, target_s, GREEDY, opening, request)
         tally.tokens += len(returned)
         tally.steps += 1
         tally.seconds += draft_s + target_s

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import GREEDY, SAMPLED, BudgetPlanner, Candidate
+from client.budget import GREEDY, SAMPLED, AcceptanceStats, BudgetPlanner, Candidate
 from common.profiling import interpolate
 from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
@@ -320,3 +320,31 @@ def test_each_tree_size_learns_what_the_forward_curve_misses_for_it():
                 params, DraftedTree(tree, 4), [NOT_A_CHILD], 0.01, slowdown * interpolate(curve, size + 1)
             )
     assert plan.target_seconds(16) / plan.target_seconds(4) == pytest.approx(1.5 * 0.14 / 0.1, rel=0.03)
+
+
+def test_concurrent_requests_each_learn_on_their_own_text():
+    """A gateway serves requests at once, their steps interleaved: a prose request's steps must not
+    drag a code request's proposals down, nor the code request's lift the prose one's."""
+    cpu = [(1, 0.09), (8, 0.1), (16, 0.115), (32, 0.17), (64, 0.27)]
+    plan = BudgetPlanner(
+        cpu, [(1, 0.018), (8, 0.027), (16, 0.031), (64, 0.07)], base=replace(BASE, budget=16, max_depth=16)
+    )
+    full = confident_tree(2**17 + 1)
+    code, prose = [2 ** (i + 1) - 1 for i in range(17)], [2]
+
+    def step(request: AcceptanceStats, path: list[int], opening: bool) -> int:
+        params = plan.choose(opening=opening, request=request)
+        tree = _built(params, full)
+        tokens = [NOT_A_CHILD] if opening else [*path, NOT_A_CHILD]
+        seconds = interpolate(cpu, params.budget + 1)
+        plan.observe(params, DraftedTree(tree, 4), tokens, 0.1, seconds, opening=opening, request=request)
+        return len(tree.walk(tokens)) - 1
+
+    for path in (code, prose):  # what earlier requests taught
+        request = plan.start()
+        for i in range(12):
+            step(request, path, i == 0)
+    on_code, on_prose = plan.start(), plan.start()
+    accepted = [(step(on_code, code, i == 0), step(on_prose, prose, i == 0)) for i in range(16)]
+    assert min(a for a, _ in accepted[6:]) >= 8
+    assert [b for _, b in accepted[-8:]] == [1] * 8
