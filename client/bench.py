@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import resource
 import socket
 import statistics
 import subprocess
@@ -25,6 +24,7 @@ from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
 from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.memory import peak_rss_bytes
 from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
@@ -152,12 +152,7 @@ class GrpcNodes:
             wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)
 
     def peak_rss_mb(self) -> float:
-        total = 0.0
-        for proc in self.procs:
-            for line in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
-                if line.startswith("VmHWM:"):
-                    total += int(line.split()[1]) / 1024
-        return total
+        return sum(peak_rss_bytes(proc.pid) for proc in self.procs) / 2**20
 
     def close(self) -> None:
         for proc in self.procs:
@@ -442,7 +437,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = tl.model.cfg  # an offloaded target streams its decoder layers every pass
         target_bytes = cfg.num_layers * cfg.layer_parameter_count * tl.model.dtype.itemsize
         projection = project(runs, contestants, target_bytes, bandwidth, args.per_token_ms)
-    meta["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    meta["peak_rss_mb"] = peak_rss_bytes() / 2**20
     meta["grpc_nodes_peak_rss_mb"] = node_rss
     raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, exactness=exact,
                bf16_divergence=divergence, projection=projection)  # fmt: skip

@@ -337,11 +337,11 @@ def describe_weights(args: Any) -> str:
 
 def memory_report(device: str) -> str:
     """Peak memory so far: what a user sizing a machine for this model needs to know."""
-    import resource
-
     import torch
 
-    report = f"peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB"
+    from common.memory import peak_rss_bytes
+
+    report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
     if device.startswith("cuda"):
         report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
     return report
