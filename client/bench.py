@@ -6,6 +6,7 @@ contestant alike. Writes raw measurements (JSON), a markdown report and plots to
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import socket
@@ -152,7 +153,11 @@ class GrpcNodes:
             wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)
 
     def peak_rss_mb(self) -> float:
-        return sum(peak_rss_bytes(proc.pid) for proc in self.procs) / 2**20
+        total = 0
+        for proc in self.procs:
+            with contextlib.suppress(ProcessLookupError):  # a node that died has no memory to report
+                total += peak_rss_bytes(proc.pid)
+        return total / 2**20
 
     def close(self) -> None:
         for proc in self.procs:
@@ -425,9 +430,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
         runs = run_phase(prompts, contestants, tl.tokenizer, settings, args.max_new_tokens, args.seed,
                          f"speed ({args.dtype})", args.repeat)  # fmt: skip
     finally:
-        node_rss = nodes.peak_rss_mb() if nodes else 0.0
+        node_rss = 0.0
         if nodes:
-            nodes.close()
+            try:
+                node_rss = nodes.peak_rss_mb()
+            finally:
+                nodes.close()
     families = {c.name: c.family for c in contestants}
     divergence = check_exactness([r for r in runs if r.setting == "greedy"], families)
     summary = summarize(runs, contestants)

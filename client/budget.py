@@ -316,6 +316,7 @@ class BudgetPlanner:
             if opening:
                 self._learn_opening(tree, tree.walk(tokens))
                 return
+            self._regimes[regime] = self._stats  # the next request starts from the one learning now
             is_chain = params.is_chain
             built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
@@ -429,9 +430,9 @@ class BudgetPlanner:
         s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / s.seen[c])
 
     def start(self, regime: str = GREEDY) -> AcceptanceStats:
-        """A new request, whose statistics to pass to `choose` and `observe`: a copy of the latest
-        request's, so concurrent requests on a gateway each learn on their own text, and the next
-        request starts from what the latest one has learned. Its text may differ from the last
+        """A new request, whose statistics to pass to `choose` and `observe`: a copy of those of the
+        request that learned last, so concurrent requests on a gateway each learn on their own text,
+        and the next request starts from the most recent text. Its text may differ from the last
         one's, so what was learned counts for less, and its first step after the opening explores,
         so estimates carried over from other text are replayed at once."""
         with self._lock:

@@ -348,3 +348,6 @@ def test_concurrent_requests_each_learn_on_their_own_text():
     accepted = [(step(on_code, code, i == 0), step(on_prose, prose, i == 0)) for i in range(16)]
     assert min(a for a, _ in accepted[6:]) >= 8
     assert [b for _, b in accepted[-8:]] == [1] * 8
+    assert plan.stats() is on_prose  # a new request starts from the text learned last
+    step(on_code, code, False)
+    assert plan.stats() is on_code
