@@ -160,9 +160,12 @@ class Sequence:
         return truncate_to, self.tokens[valid:]
 
     def _reopen(self, node: str) -> None:
-        """A fresh session holding every committed token: the node replays the history once."""
+        """A fresh session holding every committed token: the node replays the history once. The old
+        one is closed first: a step that only timed out left it alive on the node, holding a KV cache
+        and one of its session slots until the idle timeout."""
         backend = self.target if node == "target" else self.draft
         assert backend is not None
+        _close_quietly(backend, self.target_session if node == "target" else self.draft_session)
         session = backend.open_session(self.tokens)
         if node == "target":
             self.target_session = session
@@ -268,9 +271,16 @@ class Sequence:
     def close(self) -> None:
         """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the rest)."""
         for backend, session in ((self.target, self.target_session), (self.draft, self.draft_session)):
-            if backend is None:
-                continue
-            try:
-                backend.close_session(session)
-            except NodeFault as exc:
-                log.info("could not close session %s: %s", session, exc)
+            if backend is not None:
+                _close_quietly(backend, session)
+
+
+def _close_quietly(backend: TargetBackend | DraftBackend, session: str) -> None:
+    """Closing is cleanup: whatever it raises (the node is down, has restarted, refused) must not stop
+    the other node's session from being closed or a fresh one from being opened. Logged, not raised."""
+    if not session:
+        return
+    try:
+        backend.close_session(session)
+    except Exception as exc:
+        log.info("could not close %s session %s: %s", getattr(backend, "role", "node"), session, exc)
