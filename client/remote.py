@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import tempfile
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -176,7 +177,7 @@ class RemoteTarget(_RemoteNode):
             session_id=session_id,
             step_id=self._next_step(session_id),
             tree=tree_to_proto(tree),
-            sampling=sampling_to_proto(params),
+            sampling=sampling_to_proto(replace(params, stop=())),  # stop strings are the client's job
             max_tokens=max_tokens,
             append=append or [],
             truncate_to=truncate_to,

@@ -24,20 +24,16 @@ class TextAssembler:
         self.token_ids += tokens
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         hold = 0
-        for stop in self.stop:
-            at = text.find(stop, max(0, self.emitted - len(stop)))
-            if at >= 0:
-                text = text[:at]
-                self.stopped = True
+        found = [text.find(stop, max(0, self.emitted - len(stop))) for stop in self.stop]
+        if any(at >= 0 for at in found):
+            text = text[: min(at for at in found if at >= 0)]  # the earliest, whatever the list order
+            self.stopped = True
         self.text = text
         if not self.stopped:
             if text.endswith("\ufffd"):
                 hold = len(text) - len(text.rstrip("\ufffd"))
             for stop in self.stop:
-                for k in range(min(len(stop) - 1, len(text)), 0, -1):
-                    if text.endswith(stop[:k]):
-                        hold = max(hold, k)
-                        break
+                hold = max(hold, _partial_match(text, stop))
         settled = len(text) - hold
         new = text[self.emitted : settled] if settled > self.emitted else ""
         self.emitted = max(self.emitted, settled)
@@ -48,3 +44,15 @@ class TextAssembler:
         new = self.text[self.emitted :]
         self.emitted = len(self.text)
         return new
+
+
+def _partial_match(text: str, stop: str) -> int:
+    """Length of the longest proper prefix of `stop` that `text` ends with: only where the text's
+    tail has `stop`'s first character can one start."""
+    tail = text[max(0, len(text) - len(stop) + 1) :] if len(stop) > 1 else ""
+    at = tail.find(stop[0])
+    while at >= 0:
+        if stop.startswith(tail[at:]):
+            return len(tail) - at
+        at = tail.find(stop[0], at + 1)
+    return 0

@@ -15,6 +15,8 @@ import torch
 from torch import Tensor
 
 MAX_SEED = 2**64 - 1
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # per string: the client scans each one against the text's tail every step
 _MASK64 = 2**64 - 1
 _NUCLEUS_PROBE = 256
 
@@ -44,6 +46,11 @@ class SamplingParams:
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if any(len(s) > MAX_STOP_CHARS for s in self.stop):
+            longest = max(len(s) for s in self.stop)
+            raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
 
     @property
     def greedy(self) -> bool:

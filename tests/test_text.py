@@ -1,0 +1,72 @@
+"""Streamed text and stop strings: what is emitted is never taken back, and a stop string never shows."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from client.remote import RemoteTarget
+from client.text import TextAssembler, _partial_match
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from common.tree import TokenTree
+
+
+class CharTokenizer:
+    """One token per character."""
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return "".join(map(chr, ids))
+
+
+TEXT = st.text(alphabet="ab c", max_size=40)
+STOPS = st.lists(st.text(alphabet="ab c", min_size=1, max_size=6), max_size=3)
+
+
+@given(text=TEXT, stops=STOPS, cuts=st.lists(st.integers(1, 5), max_size=40))
+def test_streamed_pieces_are_the_text_up_to_the_first_stop(text: str, stops: list[str], cuts: list[int]):
+    assembler = TextAssembler(CharTokenizer(), tuple(stops))
+    ids, emitted, at = [ord(c) for c in text], "", 0
+    for n in [*cuts, len(ids)]:
+        if at >= len(ids) or assembler.stopped:
+            break
+        emitted += assembler.add(ids[at : at + n])
+        at += n
+        assert text.startswith(emitted)
+    emitted += assembler.flush()
+    ends = [text.find(s) for s in stops if s in text[:at]]
+    assert emitted == text[: min(ends, default=len(text))]
+    assert not any(s in emitted for s in stops)
+
+
+@given(text=TEXT, stop=st.text(alphabet="ab c", min_size=1, max_size=8))
+def test_the_held_back_tail_is_the_longest_start_of_a_stop_string(text: str, stop: str):
+    longest = max(
+        (k for k in range(1, min(len(stop) - 1, len(text)) + 1) if text.endswith(stop[:k])), default=0
+    )
+    assert _partial_match(text, stop) == longest
+
+
+def test_stop_strings_are_bounded():
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} strings, got {MAX_STOP_STRINGS + 1}"):
+        SamplingParams(stop=("x",) * (MAX_STOP_STRINGS + 1))
+    with pytest.raises(ValueError, match=f"at most {MAX_STOP_CHARS} characters, got {MAX_STOP_CHARS + 1}"):
+        SamplingParams(stop=("x" * (MAX_STOP_CHARS + 1),))
+
+
+def test_stop_strings_stay_on_the_client(monkeypatch: pytest.MonkeyPatch):
+    """The target never uses them: sending them with every step would only cost it parsing."""
+    sent: list[Any] = []
+
+    class Stub:
+        def Verify(self, request: pb.VerifyRequest, **_: Any) -> pb.VerifyResponse:
+            sent.append(request)
+            return pb.VerifyResponse(tokens=[1], accepted=0)
+
+    target = RemoteTarget("127.0.0.1:9")
+    target.stub = Stub()
+    target.verify("s", TokenTree.root_only(5), SamplingParams(stop=("END",), seed=3), max_tokens=4)
+    assert list(sent[0].sampling.stop) == [] and sent[0].sampling.seed == 3
