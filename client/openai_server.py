@@ -495,6 +495,8 @@ class _Handler(BaseHTTPRequestHandler):
             body = json.loads(raw)
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise bad(f"the request body is not valid JSON: {exc}") from exc
+        except RecursionError as exc:
+            raise bad("the request body is nested too deeply") from exc
         if not isinstance(body, dict):
             raise bad("the request body must be a JSON object")
         return body
@@ -517,7 +519,7 @@ class _Handler(BaseHTTPRequestHandler):
             self._streaming = True
             try:
                 for payload in app.events(job, chunks, first, rid):
-                    self._chunk(f"data: {json.dumps(payload, ensure_ascii=False)}\n\n")
+                    self._chunk(f"data: {_json_text(payload)}\n\n")
             except (BrokenPipeError, ConnectionResetError):
                 raise
             except Exception as exc:  # headers are gone: report in-band, as OpenAI does
@@ -530,13 +532,21 @@ class _Handler(BaseHTTPRequestHandler):
         finally:
             chunks.close()  # a client that went away frees both nodes' sessions now
 
+    def _unread_body(self) -> bool:
+        if self._consumed:
+            return False
+        length = (self.headers.get("Content-Length") or "0").strip()
+        return length != "0" or "Transfer-Encoding" in self.headers
+
     def _chunk(self, text: str) -> None:
-        data = text.encode()
+        data = text.encode("utf-8")
         self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
         self.wfile.flush()
 
     def _json(self, status: int, payload: dict[str, Any]) -> None:
-        data = json.dumps(payload, ensure_ascii=False).encode()
+        data = _json_text(payload).encode("utf-8")
+        if self._unread_body():
+            self.close_connection = True  # it would be taken for the next request on this connection
         self._status = status
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
@@ -551,8 +561,6 @@ class _Handler(BaseHTTPRequestHandler):
         if self._streaming:  # a response is under way: nothing more can be said on this connection
             self.close_connection = True
             return
-        if self.command == "POST" and not self._consumed:
-            self.close_connection = True  # an unread body would be taken for the next request
         if error.status >= 400:
             level = logging.WARNING if error.status >= 500 else logging.INFO
             event(log, "http_error", level, path=self.path.split("?", 1)[0], status=error.status,
@@ -561,6 +569,17 @@ class _Handler(BaseHTTPRequestHandler):
             self._json(error.status, error.body())
         except OSError:
             self.close_connection = True
+
+
+def _json_text(payload: dict[str, Any]) -> str:
+    """UTF-8 where it can be: a lone surrogate (JSON allows it in a request's strings, and an error
+    message may echo one) cannot be encoded, so that answer escapes everything instead."""
+    text = json.dumps(payload, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(payload)
+    return text
 
 
 class _HTTPServer(ThreadingHTTPServer):

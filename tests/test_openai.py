@@ -179,6 +179,32 @@ def test_errors_before_output_are_http_errors(client, server):
     assert raw(base + "/health") == (200, {"status": "ok"})
 
 
+def test_hostile_bodies_get_clear_answers(server):
+    base = server.url.removesuffix("/v1")
+    status, body = raw(base + "/v1/completions", b"[" * 100_000)
+    assert status == 400 and "nested too deeply" in body["error"]["message"]
+    status, body = raw(base + "/v1/completions", b'{"model": "\\ud800", "prompt": "x"}')
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_a_body_a_route_does_not_read_is_not_taken_for_the_next_request(server):
+    """Behind a proxy that reuses connections, it would run as some other user's request."""
+    import socket
+
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    smuggled = f"GET /v1/models HTTP/1.1\r\nHost: {host}\r\n\r\n".encode()
+    head = f"GET /health HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(smuggled)}\r\n\r\n".encode()
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(head + smuggled)
+        received = b""
+        try:
+            while chunk := sock.recv(65536):
+                received += chunk
+        except TimeoutError:
+            pass
+    assert received.count(b"HTTP/1.1 ") == 1 and b'"status": "ok"' in received
+
+
 def test_bearer_token(gen):
     srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="s3cret").start()
     try:
