@@ -35,20 +35,33 @@ class SessionTable(Generic[S]):
         self._clock = clock
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[S, float, str]] = {}
+        self._building: set[str] = set()  # ids reserved by sessions under construction
 
-    def add(self, session: S, owner: str = "", session_id: str | None = None) -> str:
+    def add(self, make: Callable[[], S], owner: str = "", session_id: str | None = None) -> str:
+        """The slot is reserved before `make` builds the session: a request the cap refuses must not
+        allocate a KV cache first, and concurrent opens must not all allocate one and then fail."""
         with self._lock:
             self._expire_locked()
-            if len(self._sessions) >= self.max_sessions:
+            taken = len(self._sessions) + len(self._building)
+            if taken >= self.max_sessions:
                 raise TooManySessions(
-                    f"{len(self._sessions)} sessions are open, the limit is {self.max_sessions}; "
+                    f"{taken} sessions are open, the limit is {self.max_sessions}; "
                     "close one or wait for idle ones to expire"
                 )
             sid = session_id or secrets.token_hex(8)
-            if sid in self._sessions:
+            if sid in self._sessions or sid in self._building:
                 raise ValueError(f"session id {sid!r} is already in use")
+            self._building.add(sid)
+        try:
+            session = make()
+        except BaseException:
+            with self._lock:
+                self._building.discard(sid)
+            raise
+        with self._lock:
+            self._building.discard(sid)
             self._sessions[sid] = (session, self._clock(), owner)
-            return sid
+        return sid
 
     def get(self, session_id: str, owner: str = "") -> S:
         """A session is only found by the owner that opened it: an id alone is not a capability."""

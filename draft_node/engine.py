@@ -18,8 +18,11 @@ class DraftEngine(NodeEngine[DraftSession]):
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
-        session = DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree)
-        return self.sessions.add(session, owner, session_id)
+        return self.sessions.add(
+            lambda: DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree),
+            owner,
+            session_id,
+        )
 
     def build_tree(
         self,

@@ -16,15 +16,18 @@ class TargetEngine(NodeEngine[TargetSession]):
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
-        session = TargetSession(
-            self.loaded.model,
-            prompt,
-            max_context=self.max_context,
-            max_tree=self.max_tree + 1,
-            max_depth=MAX_TREE_DEPTH,
-            eos_token_ids=self.loaded.eos_token_ids,
-        )
-        return self.sessions.add(session, owner, session_id)
+
+        def make() -> TargetSession:
+            return TargetSession(
+                self.loaded.model,
+                prompt,
+                max_context=self.max_context,
+                max_tree=self.max_tree + 1,
+                max_depth=MAX_TREE_DEPTH,
+                eos_token_ids=self.loaded.eos_token_ids,
+            )
+
+        return self.sessions.add(make, owner, session_id)
 
     def verify(
         self,

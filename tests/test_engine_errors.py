@@ -84,3 +84,30 @@ def test_generation_stops_at_the_context_limit(loaded):
     )
     assert len(out.token_ids) == 9
     assert out.finish_reason == "length"
+
+
+def test_a_session_the_cap_refuses_is_never_built():
+    """Building a session allocates its KV cache: a refused open must not, nor may concurrent opens
+    each build one and then fail."""
+    from common.sessions import SessionTable, TooManySessions
+
+    table: SessionTable[str] = SessionTable(max_sessions=2, idle_timeout=60)
+    built: list[str] = []
+
+    def make() -> str:
+        built.append("session")
+        with pytest.raises(TooManySessions, match="2 sessions are open, the limit is 2"):
+            table.add(lambda: built.append("refused") or "x")  # the first's slot is reserved meanwhile
+        return "session"
+
+    first = table.add(lambda: "first")
+    table.add(make)
+    assert built == ["session"] and len(table) == 2
+
+    def broken() -> str:
+        raise MemoryError("no room for the KV cache")
+
+    table.remove(first)
+    with pytest.raises(MemoryError):
+        table.add(broken)
+    assert table.add(lambda: "fits") and len(table) == 2  # the failed build gave its slot back
