@@ -129,9 +129,11 @@ class Sequence:
         self.target, self.draft = target, draft
         self.recovery = recovery or Recovery()
         self.tokens = list(prompt)
+        # A draft whose context is shorter than the target's drafts as far as it reaches.
+        self._draft_context = draft.info().max_context if draft is not None else 0
         self.target_session = target.open_session(prompt)
         try:
-            self.draft_session = draft.open_session(prompt) if draft else ""
+            self.draft_session = draft.open_session(prompt) if draft and self._draft_fits() else ""
         except BaseException:
             target.close_session(self.target_session)
             raise
@@ -174,8 +176,17 @@ class Sequence:
         self._valid[node] = self._length[node] = len(self.tokens)
 
     def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> DraftedTree | None:
-        """The draft's tree, or None while the draft is down (the step then runs on the target alone)."""
+        """The draft's tree, or None while the draft is down or the sequence is past its context (the
+        step then runs on the target alone)."""
         assert self.draft is not None
+        if not self._draft_fits():
+            return None
+        if not self.draft_session and self._draft_down_since is None:
+            try:  # the prompt was past the draft's context; a rewritten history (reset_to) fits
+                self._reopen("draft")
+            except NodeFault:
+                self._draft_down_since = time.monotonic()
+                return None
         if self._draft_down_since is not None:
             if time.monotonic() - self._draft_down_since < self.recovery.draft_retry_seconds:
                 return None
@@ -194,6 +205,9 @@ class Sequence:
             self._draft_down_since = time.monotonic()
             self.recovery.notify(f"{exc}; continuing with the target alone")
             return None
+
+    def _draft_fits(self) -> bool:
+        return len(self.tokens) <= self._draft_context
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, max_tokens: int) -> VerifyResult:
         deadline = time.monotonic() + self.recovery.target_retry_seconds

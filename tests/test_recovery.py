@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from client.api import SpecExec, collect
 from client.faults import NodeUnavailable
 from client.generation import Recovery
@@ -70,3 +72,18 @@ def test_a_node_that_refuses_to_close_does_not_keep_the_other_ones_session(loade
     target = Flaky(engine, refuse_close=True)
     SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=4)).generate(PROMPT, PARAMS)
     assert len(draft.sessions) == 0 and len(engine.sessions) == 1
+
+
+@pytest.mark.parametrize("prompt_length", [40, 100])
+def test_a_draft_with_a_shorter_context_drafts_as_far_as_it_reaches(loaded, model_dirs, prompt_length):
+    """Past the draft's context (from the start, or midway) the target goes on alone: same tokens."""
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=8)
+    draft = DraftEngine(loaded["truncated"], max_context=64, max_tree=8)
+    prompt = [(7 * i + 3) % 50 + 10 for i in range(prompt_length)]
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True)
+    out = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=4)).generate(
+        prompt, params
+    )
+    assert out.token_ids == reference_decode(model_dirs["target"], prompt, params)
+    assert (out.stats.target_steps < 48) == (prompt_length < 64) and out.stats.draft_failures == 0
+    assert len(draft.sessions) == 0 and len(target.sessions) == 0
