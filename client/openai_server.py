@@ -34,11 +34,12 @@ import json
 import logging
 import secrets
 import signal
+import socket
 import ssl
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
@@ -349,9 +350,20 @@ class OpenAIApp:
         )
         return {"id": rid, "object": kind, "created": created, "model": self.model_name}
 
-    def complete(self, job: Job, chunks: Iterator[Chunk], first: Chunk, rid: str) -> dict[str, Any]:
+    def complete(
+        self,
+        job: Job,
+        chunks: Iterator[Chunk],
+        first: Chunk,
+        rid: str,
+        client_gone: Callable[[], bool] = lambda: False,
+    ) -> dict[str, Any]:
+        """The whole answer. `client_gone` is asked after every step: a client that timed out and left
+        (and may be retrying) must not keep both nodes busy for the rest of its max_tokens."""
         texts, count, finish = [], 0, None
         for chunk in _chain(first, chunks):
+            if client_gone():
+                raise ConnectionResetError(f"the client of {rid} went away before its answer")
             texts.append(chunk.text)
             count += len(chunk.token_ids)
             finish = chunk.finish_reason or finish
@@ -508,7 +520,7 @@ class _Handler(BaseHTTPRequestHandler):
         job, chunks, first, rid = app.start(body, chat)
         try:
             if not job.stream:
-                return self._json(200, app.complete(job, chunks, first, rid))
+                return self._json(200, app.complete(job, chunks, first, rid, self._client_gone))
             self._status = 200
             self.send_response(200)
             self.send_header("Content-Type", "text/event-stream; charset=utf-8")
@@ -531,6 +543,17 @@ class _Handler(BaseHTTPRequestHandler):
             self.wfile.flush()
         finally:
             chunks.close()  # a client that went away frees both nodes' sessions now
+
+    def _client_gone(self) -> bool:
+        """Whether the peer has closed its end: a peek at the TCP stream (under TLS too) reads end of
+        file. Bytes it sent meanwhile (a pipelined request, a TLS alert) are not a goodbye."""
+        try:
+            with socket.fromfd(self.connection.fileno(), socket.AF_INET, socket.SOCK_STREAM) as raw:
+                return raw.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:  # reset by the peer, or the socket is already closed
+            return True
 
     def _unread_body(self) -> bool:
         if self._consumed:
@@ -591,8 +614,6 @@ class _HTTPServer(ThreadingHTTPServer):
     ):
         self.app, self.token, self.tls = app, token, tls
         if ":" in address[0]:
-            import socket
-
             self.address_family = socket.AF_INET6
         super().__init__(address, _Handler)
 

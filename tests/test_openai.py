@@ -274,3 +274,32 @@ def test_a_client_that_goes_away_frees_the_sessions(client, gen):
         time.sleep(0.05)
     assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
     assert finished() == before  # stopped, not run to its end
+
+
+def test_a_client_that_leaves_before_a_whole_answer_frees_the_sessions(server, gen):
+    """Not streamed: nothing is written until the end, so the server must look for the goodbye."""
+    import socket
+    import time
+
+    from prometheus_client import REGISTRY
+
+    def finished() -> float:
+        return REGISTRY.get_sample_value("specexec:request_success_total", {"finished_reason": "length"}) or 0
+
+    before = finished()
+    host, port = server.url.removeprefix("http://").removesuffix("/v1").split(":")
+    body = json.dumps(
+        dict(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True)
+    ).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
+    with socket.create_connection((host, int(port)), timeout=5) as sock:
+        sock.sendall(head.encode() + body)
+        deadline = time.monotonic() + 10
+        while not len(gen.target.sessions) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(gen.target.sessions) == 1
+    deadline = time.monotonic() + 10
+    while (len(gen.target.sessions) or len(gen.draft.sessions)) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+    assert finished() == before  # stopped, not run to its end
