@@ -13,7 +13,7 @@ from client.generation import GenerationStats
 from common.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import rpc_method, status_for
+from common.rpc import abort_for, rpc_method
 from common.tree import TreeParams
 from common.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
 
@@ -56,11 +56,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tree = tree_params_from_proto(request.tree, default=self.base.tree or TreeParams())
             generator = self.make_generator(mode, tree)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
+            prompt_ids = generator.encode(prompt)
             stream = track_generation(
-                generator.stream(prompt, sampling),
+                generator.stream(prompt_ids, sampling),
                 request_id=rid,
                 endpoint="grpc",
-                prompt_tokens=len(generator.encode(prompt)),
+                prompt_tokens=len(prompt_ids),
                 prompt=prompt,
             )
             for chunk in stream:
@@ -78,4 +79,4 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                 final = pb.GenerateFinal(finish_reason=chunk.finish_reason, stats=stats_to_proto(chunk.stats))
                 yield pb.GenerateResponse(request_id=rid, final=final)
         except Exception as exc:
-            context.abort(status_for(exc), str(exc))
+            abort_for(context, exc, "Generate")

@@ -69,12 +69,17 @@ def rpc_method(fn: F) -> F:
         try:
             return fn(self, request, context)
         except Exception as exc:
-            code = status_for(exc)
-            if code == grpc.StatusCode.INTERNAL:
-                log.exception("internal error in %s", fn.__name__)
-            context.abort(code, str(exc) or type(exc).__name__)
+            abort_for(context, exc, fn.__name__)
 
     return wrapper  # type: ignore[return-value]
+
+
+def abort_for(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+    """End the call with the status `exc` maps to; what maps to INTERNAL is a bug, so it is logged."""
+    code = status_for(exc)
+    if code == grpc.StatusCode.INTERNAL:
+        log.exception("internal error in %s", method)
+    context.abort(code, str(exc) or type(exc).__name__)
 
 
 class Server:
