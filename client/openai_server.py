@@ -539,8 +539,7 @@ class _Handler(BaseHTTPRequestHandler):
                 log.warning("generation %s failed mid-stream: %s", rid, error.message)
                 self._chunk(f"data: {json.dumps(error.body())}\n\n")
             self._chunk("data: [DONE]\n\n")
-            self.wfile.write(b"0\r\n\r\n")
-            self.wfile.flush()
+            self._write(b"0\r\n\r\n")
         finally:
             chunks.close()  # a client that went away frees both nodes' sessions now
 
@@ -563,8 +562,16 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _chunk(self, text: str) -> None:
         data = text.encode("utf-8")
-        self.wfile.write(b"%x\r\n%s\r\n" % (len(data), data))
-        self.wfile.flush()
+        self._write(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def _write(self, data: bytes) -> None:
+        """A streamed write that fails (a reset, a TLS EOF, a timed-out socket) means the client left:
+        one exception for all of them, so none is taken for a generation error and answered in-band."""
+        try:
+            self.wfile.write(data)
+            self.wfile.flush()
+        except OSError as exc:
+            raise ConnectionResetError(f"the client went away: {exc}") from exc
 
     def _json(self, status: int, payload: dict[str, Any]) -> None:
         data = _json_text(payload).encode("utf-8")

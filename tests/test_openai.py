@@ -4,6 +4,7 @@ tiny models (in-process engines): same text as the Python API for the same param
 from __future__ import annotations
 
 import json
+import logging
 import urllib.error
 import urllib.request
 
@@ -245,6 +246,43 @@ def test_https_with_the_servers_tls_flags(gen, tmp_path):
             assert json.loads(response.read())["data"][0]["id"] == MODEL
         with pytest.raises(urllib.error.URLError):  # a client that does not trust the CA
             urllib.request.urlopen(srv.url + "/models", timeout=30, context=ssl.create_default_context())
+    finally:
+        srv.stop()
+
+
+def test_a_tls_client_that_leaves_mid_stream_is_not_a_generation_error(gen, tmp_path, caplog):
+    """Under TLS the failed write is an SSL error or a timeout, not a reset: it must still read as the
+    client leaving, not be logged and answered as a failed generation."""
+    import argparse
+    import socket
+    import ssl
+    import time
+
+    from client.openai_server import tls_context
+    from common.certs import generate
+
+    issued = generate(tmp_path / "pki", ["localhost"])
+    cert, key = issued.servers["localhost"]
+    args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_client_ca=None)
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, tls=tls_context(args)).start()
+    host, port = srv.url.removeprefix("https://").removesuffix("/v1").split(":")
+    body = json.dumps(
+        dict(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True, stream=True)
+    ).encode()
+    head = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+    trust = ssl.create_default_context(cafile=str(issued.ca))
+    try:
+        with caplog.at_level(logging.WARNING, logger="specexec.openai"):
+            raw = socket.create_connection((host, int(port)), timeout=30)
+            with trust.wrap_socket(raw, server_hostname="localhost") as sock:
+                sock.sendall(head.encode() + body)
+                assert b"data: " in sock.recv(65536) or b"data: " in sock.recv(65536)
+                sock.shutdown(socket.SHUT_RDWR)  # gone, without a TLS goodbye
+            deadline = time.monotonic() + 10
+            while (len(gen.target.sessions) or len(gen.draft.sessions)) and time.monotonic() < deadline:
+                time.sleep(0.05)
+        assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+        assert not [r for r in caplog.records if "mid-stream" in r.getMessage()]
     finally:
         srv.stop()
 
