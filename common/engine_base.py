@@ -61,6 +61,8 @@ class NodeEngine(Generic[S]):
             self.forward_curve = tuple(curve)
 
     def check_prompt(self, prompt: list[int]) -> None:
+        if len(prompt) > self.max_context:  # before scanning every id of a prompt that cannot fit
+            raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {self.max_context}")
         check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
 
     def close_session(self, session_id: str, owner: str = "") -> bool:
