@@ -181,22 +181,19 @@ class Sequence:
         assert self.draft is not None
         if not self._draft_fits():
             return None
-        if not self.draft_session and self._draft_down_since is None:
-            try:  # the prompt was past the draft's context; a rewritten history (reset_to) fits
-                self._reopen("draft")
-            except NodeFault:
-                self._draft_down_since = time.monotonic()
-                return None
-        if self._draft_down_since is not None:
-            if time.monotonic() - self._draft_down_since < self.recovery.draft_retry_seconds:
+        down = self._draft_down_since
+        # No session: the draft was down, or the prompt was past its context and now fits (reset_to).
+        if down is not None or not self.draft_session:
+            if down is not None and time.monotonic() - down < self.recovery.draft_retry_seconds:
                 return None
             try:
                 self._reopen("draft")
             except NodeFault:
                 self._draft_down_since = time.monotonic()
                 return None
-            self._draft_down_since = None
-            self.recovery.notify("draft node is back: speculative decoding resumes")
+            if down is not None:
+                self._draft_down_since = None
+                self.recovery.notify("draft node is back: speculative decoding resumes")
         try:
             truncate_to, append = self._sync("draft")
             return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
