@@ -15,7 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -177,6 +177,13 @@ def build_contestants(args: argparse.Namespace, target, draft, tokenizer, draft_
     for b in args.budgets:
         params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
         out.append(engine_contestant(f"specexec b={b}", SpecExec(target, draft, tokenizer, tree=params), budget=b))
+    for p in args.min_probs:
+        for k in args.chain:
+            shape = TreeParams.chain(k, p)
+            out.append(engine_contestant(f"chain k={k} p={p:g}", SpecExec(target, draft, tokenizer, mode="chain", tree=shape)))
+        for b in args.budgets:
+            shape = replace(tree, budget=b, min_prob=p)
+            out.append(engine_contestant(f"specexec b={b} p={p:g}", SpecExec(target, draft, tokenizer, tree=shape)))
     if args.auto:
         params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
                             expand_batch=tree.expand_batch)  # fmt: skip
@@ -480,6 +487,8 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
     b.add_argument("--chain", type=int, nargs="+", default=[2, 4, 8])
+    b.add_argument("--min-probs", type=float, nargs="+", default=[],
+                   help="also run every chain and budget expanding only nodes at least this probable")
     b.add_argument("--max-depth", type=int, default=16)
     b.add_argument("--max-branch", type=int, default=8)
     b.add_argument("--expand-batch", type=int, default=16)

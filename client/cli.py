@@ -39,6 +39,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-depth", type=int, default=16)
     g.add_argument("--max-branch", type=int, default=8)
     g.add_argument("--expand-batch", type=int, default=16)
+    g.add_argument(
+        "--min-prob",
+        type=float,
+        default=0.0,
+        help="expand only nodes whose cumulative draft probability is at least this, so a step's tree "
+        "follows the draft's confidence (fixed budgets; --budget auto chooses its own)",
+    )
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
@@ -66,7 +73,11 @@ def tree_from(args: argparse.Namespace) -> TreeParams:
         except ValueError:
             raise ValueError(f"--budget must be a number or 'auto', got {args.budget!r}") from None
     return TreeParams(
-        budget=budget, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
+        budget=budget,
+        max_depth=args.max_depth,
+        max_branch=args.max_branch,
+        expand_batch=args.expand_batch,
+        min_prob=args.min_prob,
     )
 
 

@@ -55,7 +55,7 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
-    budgets: list[int] = field(default_factory=list)
+    budgets: list[int] = field(default_factory=list)  # nodes drafted per step: a floor or a small tree stops short
     chain_steps: int = 0  # steps whose draft proposal was a plain chain
     draft_failures: int = 0
 
@@ -88,7 +88,7 @@ def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "autoregressive":
         return None
-    return TreeParams.chain(params.budget) if mode == "chain" else params
+    return TreeParams.chain(params.budget, params.min_prob) if mode == "chain" else params
 
 
 @dataclass(frozen=True)
@@ -252,7 +252,7 @@ class Sequence:
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
-                    stats.budgets.append(params.budget)
+                    stats.budgets.append(drafted.tree.size - 1)
                     stats.chain_steps += params.is_chain
             verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
             mid = time.perf_counter()

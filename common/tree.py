@@ -23,8 +23,11 @@ class TreeParams:
     max_depth: int = 16
     max_branch: int = 8
     expand_batch: int = 16
+    min_prob: float = 0.0  # nodes whose cumulative draft probability is below it are left out
 
     def __post_init__(self) -> None:
+        if not 0.0 <= self.min_prob < 1.0:
+            raise ValueError(f"min_prob must be in [0, 1), got {self.min_prob}")
         for name, value, limit in (
             ("budget", self.budget, MAX_BUDGET),
             ("max_depth", self.max_depth, MAX_TREE_DEPTH),
@@ -39,9 +42,9 @@ class TreeParams:
         return self.max_branch == 1
 
     @staticmethod
-    def chain(length: int) -> TreeParams:
+    def chain(length: int, min_prob: float = 0.0) -> TreeParams:
         """Classic speculative decoding: the draft's greedy chain of `length` tokens."""
-        return TreeParams(budget=length, max_depth=length, max_branch=1, expand_batch=1)
+        return TreeParams(budget=length, max_depth=length, max_branch=1, expand_batch=1, min_prob=min_prob)
 
 
 class TreeError(ValueError):

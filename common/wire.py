@@ -76,7 +76,11 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
 
 def tree_params_to_proto(p: TreeParams) -> pb.TreeParams:
     return pb.TreeParams(
-        budget=p.budget, max_depth=p.max_depth, max_branch=p.max_branch, expand_batch=p.expand_batch
+        budget=p.budget,
+        max_depth=p.max_depth,
+        max_branch=p.max_branch,
+        expand_batch=p.expand_batch,
+        min_prob=p.min_prob,
     )
 
 
@@ -87,6 +91,7 @@ def tree_params_from_proto(msg: pb.TreeParams, default: TreeParams | None = None
         max_depth=msg.max_depth if msg.HasField("max_depth") else base.max_depth,
         max_branch=msg.max_branch if msg.HasField("max_branch") else base.max_branch,
         expand_batch=msg.expand_batch if msg.HasField("expand_batch") else base.expand_batch,
+        min_prob=msg.min_prob if msg.HasField("min_prob") else base.min_prob,
     )
 
 

@@ -7,12 +7,16 @@ into place instead of recomputed, so the prefix is never run twice.
 
 from __future__ import annotations
 
+from collections import OrderedDict
+
 import torch
 from torch import Tensor
 
 from common.transformer import Transformer
 from common.tree import TreeParams, attention_bias
 from draft_node.tree_builder import BuiltTree, TreeBuilder
+
+MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switches among a few
 
 
 class DraftSession:
@@ -26,7 +30,7 @@ class DraftSession:
         self.committed: list[int] = list(prompt)
         self.cache = model.new_cache(max_context + 2 * max_tree + 1)
         self.max_tree = max_tree
-        self._builders: dict[TreeParams, TreeBuilder] = {}
+        self._builders: OrderedDict[TreeParams, TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
         self.step = 0
 
@@ -64,9 +68,10 @@ class DraftSession:
 
     def build_tree(self, params: TreeParams) -> BuiltTree:
         root_logprobs = self._catch_up()
-        builder = self._builders.get(params)
-        if builder is None:
-            builder = self._builders[params] = TreeBuilder(params)
+        builder = self._builders.pop(params, None) or TreeBuilder(params)
+        self._builders[params] = builder
+        if len(self._builders) > MAX_BUILDERS:
+            self._builders.popitem(last=False)
         self._last = builder.build(self.committed[-1], root_logprobs, self)
         return self._last
 

@@ -2,6 +2,9 @@
 
 The result is exactly the `budget` most probable nodes reachable when every node may have its
 `max_branch` most likely children and depth is capped at `max_depth` (ties go to the older node).
+With a `min_prob` floor, only nodes at least that probable (cumulatively) may have children: the
+draft stops where its confidence runs out, so one step's tree is a long chain through text it is
+sure of and a short bush where it is not, and no forward is spent on a node whose children are dropped.
 Why that holds: a child never scores above its parent, so the kept set stays closed under ancestors;
 a pruned node only ever loses to nodes that stay; and the search ends only when every kept node
 that could still have a kept child has been expanded.
@@ -13,6 +16,7 @@ KV slots when the node arrays are compacted. Node `i` (i >= 1) of the working ar
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -61,6 +65,7 @@ class TreeBuilder:
         self.expanded = torch.zeros(c, dtype=torch.bool)
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
+        self.floor = math.log(p.min_prob) if p.min_prob > 0 else -math.inf
 
     def build(self, root_token: int, root_logprobs: Tensor, expander: Expander) -> BuiltTree:
         p = self.params
@@ -95,6 +100,7 @@ class TreeBuilder:
         """The best unexpanded nodes that could still have a child in the final tree."""
         p, n = self.params, self.used
         open_ = self.alive[:n] & ~self.expanded[:n] & (self.depths[:n] < p.max_depth)
+        open_ &= self.scores[:n] >= self.floor
         kept = int(self.alive[:n].sum()) - 1
         if kept >= p.budget:
             # A child scores at most its parent and loses ties to older nodes, so a node no

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import hashlib
+import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -45,11 +47,16 @@ class ToyExpander:
 
 
 def brute_force(params: TreeParams) -> dict[tuple[int, ...], float]:
+    """The top `budget` nodes among the children of nodes whose cumulative probability is at least
+    `min_prob` (the root always is)."""
     nodes: dict[tuple[int, ...], float] = {}
     frontier = [((), 0.0)]
+    floor = math.log(params.min_prob) if params.min_prob else -math.inf
     for _ in range(params.max_depth):
         nxt = []
         for path, score in frontier:
+            if score < floor:
+                continue
             lp = toy_logprobs((0, *path))
             top = lp.topk(min(params.max_branch, VOCAB))
             for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
@@ -89,6 +96,30 @@ def test_tree_is_exactly_the_best_reachable_nodes(budget, branch, depth, expand_
             assert expander.slots[int(built.slots[i])] == int(built.tree.tokens[i])
 
 
+@pytest.mark.parametrize("min_prob", [0.05, 0.2, 0.5, 0.9])
+@pytest.mark.parametrize(("budget", "branch"), [(1, 1), (6, 1), (8, 3), (60, 4)])
+def test_a_confidence_floor_expands_only_nodes_that_probable(min_prob, budget, branch):
+    params = TreeParams(budget=budget, max_depth=8, max_branch=branch, expand_batch=4, min_prob=min_prob)
+    ours, expander, built = built_paths(params)
+    expected = brute_force(params)
+    assert set(ours) == set(expected)
+    floor = math.log(min_prob)
+    scores = built.tree.logprobs
+    assert bool((scores[built.expanded] >= floor).all())  # no forward is spent on a node under it
+    # Each node's parent cleared the floor, so only leaves are under it; the search stops by itself.
+    parents = built.tree.parents[1:]
+    assert bool((scores[parents] >= floor).all())
+    unbounded = built_paths(replace(params, min_prob=0.0))[1]
+    assert len(expander.forwards) <= len(unbounded.forwards)
+
+
+def test_a_confident_chain_runs_to_its_length_and_an_unsure_one_stops():
+    sure, _, built = built_paths(TreeParams.chain(5, min_prob=1e-9))
+    assert len(sure) == 5 and built.draft_forwards == 4
+    unsure, _, built = built_paths(TreeParams.chain(5, min_prob=0.999))
+    assert len(unsure) == 1 and built.draft_forwards == 0  # the root's best child, from the root's pass
+
+
 def test_compaction_is_exercised():
     moves = 0
     for budget in (5, 20, 60):
@@ -110,7 +141,16 @@ def test_chain_params_give_the_greedy_chain():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("budget", 0), ("max_depth", 0), ("max_branch", 0), ("expand_batch", 0), ("budget", 10**6)],
+    [
+        ("budget", 0),
+        ("max_depth", 0),
+        ("max_branch", 0),
+        ("expand_batch", 0),
+        ("budget", 10**6),
+        ("min_prob", 1.0),
+        ("min_prob", -0.1),
+        ("min_prob", float("nan")),
+    ],
 )
 def test_bad_tree_params_are_refused(field, value):
     with pytest.raises(ValueError, match=field):
