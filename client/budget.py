@@ -9,6 +9,11 @@ with SpecExec's own criterion: the summed draft probability S(B) of its B most p
 times a running calibration of observed over predicted acceptance. A chain longer than the greedy
 path in the tree is extended with the greedy path's per-token acceptance rate.
 
+Candidates also differ in their confidence floor (`TreeParams.min_prob`): a floored tree stops
+where the draft is unsure, so its size changes from step to step with the text. A tree built with
+floor p replays every candidate with a floor of p or more, its size included; a floored candidate
+is chosen only once replayed, and exploration lowers the floor a notch to refresh the ones below.
+
 The step time is the draft's catch-up pass plus its expansion forwards, and one target pass over
 size + 1 tokens, read off the forward-time curves the nodes measured at start-up and scaled by
 running observed/modelled ratios. Large trees win where a target pass costs the same for 1 and
@@ -30,10 +35,11 @@ from common.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
 EMA = 0.2  # time scales and calibration
 ACCEPT_EMA = 0.1  # per-candidate accepted lengths: noisier, so averaged over about 10 steps
 EXPLORE_EVERY = 16
+MIN_SEEN = 2.0  # one replay moves a stale mean at most half way: a single lucky step is not a trend
 MAX_CHAIN = 16
-DEPTHS = (2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128)  # depth limits tried below the base's
 NEW_REQUEST_WEIGHT = 0.1  # what the observations of earlier requests count for in a new one
 OPENING_KEEP = 0.8  # opening steps, one a request, are averaged over about the last 5 requests
+MIN_PROBS = (0.3, 0.6)  # confidence floors tried besides none
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -42,9 +48,11 @@ class Candidate:
     kind: str  # "tree" or "chain"
     size: int  # budget, or chain length
     depth: int  # depth limit; a chain's is its length
+    min_prob: float = 0.0  # only nodes this probable are expanded: the step's tree follows confidence
 
     def __str__(self) -> str:
-        return f"chain k={self.size}" if self.kind == "chain" else f"tree b={self.size} d={self.depth}"
+        shape = f"chain k={self.size}" if self.kind == "chain" else f"tree b={self.size} d={self.depth}"
+        return shape + (f" p={self.min_prob:g}" if self.min_prob else "")
 
 
 @dataclass
@@ -55,7 +63,8 @@ class AcceptanceStats:
 
     accepted: dict[Candidate, float] = field(default_factory=dict)  # running means of replayed lengths
     seen: dict[Candidate, float] = field(default_factory=dict)  # recent observations, decaying
-    deepest: dict[Candidate, float] = field(default_factory=dict)  # running means of the deepest depth
+    levels: dict[Candidate, float] = field(default_factory=dict)  # running means of levels expanded
+    sizes: dict[Candidate, float] = field(default_factory=dict)  # running means of nodes proposed
     greedy_hits: float = 1.0  # a weak prior on the draft's greedy chain acceptance rate
     greedy_misses: float = 1.0
     calibration: float = 1.0  # observed / predicted acceptance of trees from S(B)
@@ -64,7 +73,13 @@ class AcceptanceStats:
     steps: int = 0  # proposals chosen, openings aside; a counter, not a list: a gateway runs for months
 
     def copy(self) -> AcceptanceStats:
-        return replace(self, accepted=dict(self.accepted), seen=dict(self.seen), deepest=dict(self.deepest))
+        return replace(
+            self,
+            accepted=dict(self.accepted),
+            seen=dict(self.seen),
+            levels=dict(self.levels),
+            sizes=dict(self.sizes),
+        )
 
 
 @dataclass
@@ -96,18 +111,15 @@ class BudgetPlanner:
             )
         self.expand_batch = free_batch(self.draft_curve)
         base = self.base
+        sizes = profile_sizes(base.budget)
         self.trees = (
-            [
-                Candidate("tree", b, d)
-                for b in profile_sizes(base.budget)
-                for d in tree_depths(b, base.max_depth)
-            ]
+            [Candidate("tree", b, base.max_depth, p) for p in (0.0, *MIN_PROBS) for b in sizes]
             if base.max_branch > 1
             else []
         )
-        self.chains = [
-            Candidate("chain", k, k) for k in range(1, min(base.budget, base.max_depth, MAX_CHAIN) + 1)
-        ]
+        longest = min(base.budget, base.max_depth, MAX_CHAIN)
+        self.chains = [Candidate("chain", k, k) for k in range(1, longest + 1)]
+        self.chains += [Candidate("chain", k, k, p) for p in MIN_PROBS for k in (4, 8, 16) if k <= longest]
         self.forwards: dict[Candidate, float] = {}  # running means of expansion forwards, where built
         self.forwards_scale = 1.0  # observed / modelled expansion forwards of trees
         self.size_scales: dict[int, float] = {}  # per size built: what target_scale misses for it
@@ -122,14 +134,16 @@ class BudgetPlanner:
 
     def params(self, c: Candidate) -> TreeParams:
         if c.kind == "chain":
-            return TreeParams.chain(c.size)
-        return replace(self.base, budget=c.size, max_depth=c.depth, expand_batch=self.expand_batch)
+            return TreeParams.chain(c.size, c.min_prob)
+        return replace(
+            self.base, budget=c.size, max_depth=c.depth, expand_batch=self.expand_batch, min_prob=c.min_prob
+        )
 
     def _probe(self) -> Candidate:
         """The first tree is built large enough to learn from, but no larger than 4 cheap steps cost."""
         if not self.trees:
             return self.chains[-1]
-        full = [c for c in self.trees if c.depth == self.base.max_depth]
+        full = [c for c in self.trees if c.depth == self.base.max_depth and not c.min_prob]
         one = self.step_seconds(full[0])
         return max(
             (c for c in full if self.step_seconds(c) <= 4 * one), key=lambda c: c.size, default=full[0]
@@ -143,7 +157,9 @@ class BudgetPlanner:
         tree look as much dearer as the small ones the planner has been choosing."""
         one = interpolate(self.draft_curve, 1)
         if c.kind == "chain":
-            return self.draft_scale * one * (1 + (c.size - 1 if forwards is None else forwards))
+            if forwards is None:
+                forwards = self._size(c) - 1
+            return self.draft_scale * one * (1 + forwards)
         if forwards is None:
             forwards = self.forwards.get(c, self.forwards_scale * self._modelled_forwards(c))
         batch = min(self.expand_batch, c.size)
@@ -152,9 +168,12 @@ class BudgetPlanner:
     def _modelled_forwards(self, c: Candidate) -> float:
         """One forward per level the search expands (nodes at the depth limit never are), or per full
         batch, whichever is more."""
-        deepest = self._stats.deepest.get(c, min(self._depth(c.size), c.depth))
-        levels = deepest if deepest < c.depth else c.depth - 1
-        return max(levels, math.ceil(c.size / self.expand_batch))
+        levels = self._stats.levels.get(c, min(self._depth(c.size), c.depth - 1))
+        return max(levels, math.ceil(self._size(c) / self.expand_batch))
+
+    def _size(self, c: Candidate) -> float:
+        """Nodes a step proposes: the budget, or fewer where the draft's confidence ran out first."""
+        return self._stats.sizes.get(c, float(c.size))
 
     def target_seconds(self, size: int) -> float:
         """The start-up curve times two learned factors: `target_scale`, shared by all sizes, follows
@@ -166,7 +185,15 @@ class BudgetPlanner:
         return scale * interpolate(self.target_curve, size + 1)
 
     def step_seconds(self, c: Candidate) -> float:
-        return self.draft_seconds(c) + self.target_seconds(c.size)
+        return self.draft_seconds(c) + self._verify_seconds(c)
+
+    def _verify_seconds(self, c: Candidate) -> float:
+        """A candidate with a confidence floor proposes a different number of nodes each step."""
+        size = self._size(c)
+        low = math.floor(size)
+        if low == size:
+            return self.target_seconds(low)
+        return (low + 1 - size) * self.target_seconds(low) + (size - low) * self.target_seconds(low + 1)
 
     def expected_tokens(self, c: Candidate) -> float:
         """The target's own token, plus the candidate's expected accepted length."""
@@ -194,7 +221,7 @@ class BudgetPlanner:
         return [
             (o, v)
             for o, v in self._stats.accepted.items()
-            if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth
+            if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth and not o.min_prob
         ]
 
     def _greedy_run(self, matched: int, length: int) -> float:
@@ -230,7 +257,7 @@ class BudgetPlanner:
 
     def _table(self) -> list[dict[str, float | str]]:
         rows: list[dict[str, float | str]] = []
-        for c in self.candidates():
+        for c in self._choosable():
             seconds = self.step_seconds(c)
             tokens = self.expected_tokens(c)
             rows.append(
@@ -239,7 +266,8 @@ class BudgetPlanner:
                     size=c.size,
                     depth=c.depth,
                     draft_s=self.draft_seconds(c),
-                    target_s=self.target_seconds(c.size),
+                    min_prob=c.min_prob,
+                    target_s=self._verify_seconds(c),
                     expected_tokens=tokens,
                     tokens_per_s=tokens / seconds,
                 )
@@ -254,7 +282,11 @@ class BudgetPlanner:
     def _best(self) -> Candidate:
         if not self._stats.accepted:
             return self.probe
-        return max(self.candidates(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
+        return max(self._choosable(), key=lambda c: self.expected_tokens(c) / self.step_seconds(c))
+
+    def _choosable(self) -> list[Candidate]:
+        """A confidence floor changes what a tree holds in ways S(B) cannot say: replayed ones only."""
+        return [c for c in self.candidates() if not c.min_prob or c in self._stats.accepted]
 
     def choose(
         self, regime: str = GREEDY, opening: bool = False, request: AcceptanceStats | None = None
@@ -268,7 +300,8 @@ class BudgetPlanner:
         with self._lock:
             self._enter(regime, request)
             if opening:
-                return self.params(max(self.chains, key=self._opening_speed))
+                plain = [c for c in self.chains if not c.min_prob]
+                return self.params(max(plain, key=self._opening_speed))
             best = self._best()
             if self._stats.steps % EXPLORE_EVERY == EXPLORE_EVERY - 1:
                 best = self._explore(best)
@@ -281,13 +314,15 @@ class BudgetPlanner:
         return (1 + _run_beyond(rate, c.size)) / self.step_seconds(c)
 
     def _explore(self, best: Candidate) -> Candidate:
-        """Twice the nodes and one level deeper: a tree that holds `best` and every candidate a notch
-        beyond it, so one step's replay refreshes all of them. Cheap next to a blind jump to the
+        """Twice the nodes and a floor a notch lower: a tree that holds `best` and every candidate a
+        notch beyond it, so one step's replay refreshes all of them. Cheap next to a blind jump to the
         largest tree, which on a CPU costs several ordinary steps."""
         if not self.trees:
             return self.chains[min(best.size, len(self.chains) - 1)]
         size = min(2 ** math.ceil(math.log2(2 * best.size)), self.base.budget)
-        return Candidate("tree", size, min(best.depth + 1, self.base.max_depth))
+        floors = (0.0, *MIN_PROBS)
+        lower = floors[max(floors.index(best.min_prob) - 1, 0)] if best.min_prob in floors else 0.0
+        return Candidate("tree", size, self.base.max_depth, lower)
 
     def observe(
         self,
@@ -318,7 +353,9 @@ class BudgetPlanner:
                 return
             self._regimes[regime] = self._stats  # the next request starts from the one learning now
             is_chain = params.is_chain
-            built = Candidate("chain" if is_chain else "tree", params.budget, params.max_depth)
+            built = Candidate(
+                "chain" if is_chain else "tree", params.budget, params.max_depth, params.min_prob
+            )
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_seconds(built, drafted.draft_forwards))
             target_fit = _ema_ratio(target_seconds, self.target_seconds(n))
             self.target_scale *= target_fit
@@ -326,20 +363,19 @@ class BudgetPlanner:
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self._stats.seen:
                 self._stats.seen[c] *= 1 - ACCEPT_EMA
-            self._replay_chain(tree, path)
-            if is_chain or params.max_branch != self.base.max_branch:
+            self._replay_chain(tree, path, params.min_prob)
+            if is_chain or (params.max_branch, params.max_depth) != (
+                self.base.max_branch,
+                self.base.max_depth,
+            ):
                 return
             self.forwards[built] = _mean(self.forwards.get(built, math.nan), drafted.draft_forwards, EMA)
             modelled = self.forwards_scale * self._modelled_forwards(built)
             self.forwards_scale *= _ema_ratio(drafted.draft_forwards, modelled)
             structure = TreeStructure.from_parents(tree.parents)
-            # A depth limit the search never reached did not shape the tree: it stands for any limit.
-            limit = (
-                params.max_depth if int(structure.depths.max()) >= params.max_depth else self.base.max_depth
-            )
             order = torch.argsort(tree.logprobs[1:], descending=True, stable=True) + 1  # best node first
-            self._replay_trees(tree, structure, order, path, complete=n == params.budget, depth_limit=limit)
-            if limit == self.base.max_depth:
+            self._replay_trees(tree, structure, order, path, n == params.budget, params.min_prob)
+            if not params.min_prob:
                 self._learn_survival(tree, structure, order, accepted=len(path) - 1)
 
     def _replay_trees(
@@ -349,57 +385,42 @@ class BudgetPlanner:
         order: torch.Tensor,
         path: list[int],
         complete: bool,
-        depth_limit: int,
+        min_prob: float,
     ) -> None:
-        """The tree of budget b and depth limit d is the top b nodes of depth <= d. This tree holds
-        them all when it was built with that limit, when it holds every node its search could reach
-        (`complete` False), when the b-th best of them still beats the worst node it kept, or when
-        its own top b nodes are no deeper than d."""
+        """The tree of budget b and floor p is the top b nodes whose parent is at least p probable. This
+        tree, built with a floor no higher than p, holds them all when it was built with floor p, when
+        it holds every node its search could reach (`complete` False), when the b-th best of them
+        still beats the worst node it kept, or when its own top b nodes all meet the floor anyway."""
         assert tree.logprobs is not None
         scores, depths = tree.logprobs, structure.depths
         worst = float(scores[order[-1]]) if complete else -math.inf
         on_path = torch.tensor(path[1:], dtype=torch.long)
-        reach_all = torch.cat((torch.zeros(1, dtype=torch.long), depths[order].cummax(0).values))
-        for d in sorted({c.depth for c in self.trees if c.depth <= depth_limit}):
-            within = order[depths[order] <= d]
+        parent_scores = scores[tree.parents.clamp(min=0)]
+        opens = depths < self.base.max_depth
+        for p in sorted({c.min_prob for c in self.trees if c.min_prob >= min_prob}):
+            floor = math.log(p) if p else -math.inf
+            eligible = parent_scores >= floor
+            within = order[eligible[order]]
             rank = torch.full((tree.size,), tree.size + 1, dtype=torch.long)
             rank[within] = torch.arange(1, within.numel() + 1)
             path_ranks = rank[on_path]
-            reach = torch.cat((torch.zeros(1, dtype=torch.long), depths[within].cummax(0).values))
+            # Levels the search expands: the deepest node it keeps that may have children.
+            opened = torch.where((scores[within] >= floor) & opens[within], depths[within], 0)
+            levels = torch.cat((torch.zeros(1, dtype=torch.long), opened.cummax(0).values))
+            outside = torch.cat((torch.zeros(1, dtype=torch.long), (~eligible[order]).cumsum(0)))
             for c in self.trees:
-                if c.depth != d:
+                if c.min_prob != p:
                     continue
                 held = c.size <= within.numel() and (
-                    d == depth_limit
-                    or float(scores[within[c.size - 1]]) > worst
-                    or int(reach_all[c.size]) <= d  # the top c.size nodes are all this shallow anyway
+                    p == min_prob or float(scores[within[c.size - 1]]) > worst or int(outside[c.size]) == 0
                 )
                 if not (held or worst == -math.inf):
                     continue
                 b = min(c.size, within.numel())
-                value = int((path_ranks <= b).sum())
-                self._record(c, value)
-                deepest = self._stats.deepest
-                deepest[c] = _mean(deepest.get(c, math.nan), int(reach[b]), ACCEPT_EMA)
-        if depth_limit < self.base.max_depth:
-            self._extrapolate_deeper(order, on_path, depth_limit)
-
-    def _extrapolate_deeper(self, order: torch.Tensor, on_path: torch.Tensor, limit: int) -> None:
-        """Trees deeper than this one's limit cannot be replayed, but left alone their means go stale,
-        and a mean learned on other text keeps the planner on shallow trees while every step is
-        accepted to the limit. So each gets what its top nodes within the limit accepted, and where
-        that path reached the limit, the greedy path's rate for the levels beyond: optimistic, which
-        makes the planner build the deeper tree and replay it exactly."""
-        rank = torch.zeros(order.numel() + 1, dtype=torch.long)
-        rank[order] = torch.arange(1, order.numel() + 1)
-        path_ranks = rank[on_path]
-        for c in self.trees:
-            if c.depth <= limit or c.size > order.numel():
-                continue
-            value = float((path_ranks <= c.size).sum())
-            if value >= limit:
-                value = self._greedy_run(limit, min(c.size, c.depth))
-            self._record(c, value)
+                self._record(c, int((path_ranks <= b).sum()))
+                stats = self._stats
+                stats.levels[c] = _mean(stats.levels.get(c, math.nan), int(levels[b]), ACCEPT_EMA)
+                stats.sizes[c] = _mean(stats.sizes.get(c, math.nan), b, ACCEPT_EMA)
 
     def _learn_opening(self, tree: TokenTree, path: list[int]) -> None:
         greedy = greedy_path(tree)
@@ -408,18 +429,28 @@ class BudgetPlanner:
         o.hits = OPENING_KEEP * o.hits + matched
         o.misses = OPENING_KEEP * o.misses + (matched < len(greedy))
 
-    def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
+    def _replay_chain(self, tree: TokenTree, path: list[int], min_prob: float) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
-        prefix with the accepted path. Past the end of that path in this tree, the rate fills in."""
+        prefix with the accepted path. A chain with a floor p stops after its first node less than p
+        probable; the tree shows where, if it was built with a floor no higher. Past the end of the
+        greedy path in this tree, the rate fills in."""
+        assert tree.logprobs is not None
         greedy = greedy_path(tree)
         matched = _matched(greedy, path)
         self._stats.greedy_hits = (1 - ACCEPT_EMA) * self._stats.greedy_hits + matched
         self._stats.greedy_misses = (1 - ACCEPT_EMA) * self._stats.greedy_misses + (matched < len(greedy))
+        scores = tree.logprobs[torch.tensor(greedy, dtype=torch.long)]
         for c in self.chains:
-            if c.size <= len(greedy) or matched < len(greedy):
-                value = float(min(c.size, matched))
+            length = c.size
+            if c.min_prob:
+                below = (scores < math.log(c.min_prob)).nonzero()
+                if below.numel():  # else, where the tree ended first, the chain is taken to run its length
+                    length = min(c.size, int(below[0]) + 1)
+                self._stats.sizes[c] = _mean(self._stats.sizes.get(c, math.nan), length, ACCEPT_EMA)
+            if length <= len(greedy) or matched < len(greedy):
+                value = float(min(length, matched))
             else:
-                value = self._greedy_run(matched, c.size)
+                value = self._greedy_run(matched, length)
             self._record(c, value)
 
     def _record(self, c: Candidate, accepted: float) -> None:
@@ -427,7 +458,7 @@ class BudgetPlanner:
         observations, so a candidate not seen for a while (or since a new request began) adapts fast."""
         s = self._stats
         s.seen[c] = s.seen.get(c, 0.0) + 1.0
-        s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / s.seen[c])
+        s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / max(s.seen[c], MIN_SEEN))
 
     def start(self, regime: str = GREEDY) -> AcceptanceStats:
         """A new request, whose statistics to pass to `choose` and `observe`: a copy of those of the
@@ -462,11 +493,6 @@ class BudgetPlanner:
             survival = torch.cat((survival, tail))
             depth = torch.cat((depth, torch.maximum(self._stats.depth[len(depth) :], depth[-1])))
         self._stats.survival, self._stats.depth = survival, depth
-
-
-def tree_depths(budget: int, max_depth: int) -> list[int]:
-    """Depth limits worth trying for a budget: shallow trees need fewer draft forwards."""
-    return [d for d in DEPTHS if d < min(budget, max_depth)] + [max_depth]
 
 
 def greedy_path(tree: TokenTree) -> list[int]:

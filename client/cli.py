@@ -269,18 +269,19 @@ def cmd_profile(args: argparse.Namespace) -> int:
     )
     rows = sorted(gen.planner.table(), key=lambda r: -float(r["tokens_per_s"]))
     print(f"best {min(12, len(rows))} of {len(rows)} candidates:")
-    print("| shape | size | depth | draft s | target s | expected tokens/step | expected tok/s |")
+    print("| shape | size | floor | draft s | target s | expected tokens/step | expected tok/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows[:12]:
         print(
-            f"| {r['shape']} | {r['size']} | {r['depth']} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
+            f"| {r['shape']} | {r['size']} | {r['min_prob']:g} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
             f"| {r['expected_tokens']:.2f} | {r['tokens_per_s']:.2f} |"
         )
     best = gen.planner.best()
+    floor = f" --min-prob {best.min_prob:g}" if best.min_prob else ""
     if best.kind == "chain":
-        print(f"choice: --mode chain --budget {best.size}")
+        print(f"choice: --mode chain --budget {best.size}{floor}")
     else:
-        print(f"choice: --budget {best.size} --max-depth {best.depth}")
+        print(f"choice: --budget {best.size} --max-depth {best.depth}{floor}")
     return 0
 
 

@@ -13,7 +13,9 @@ The world:
   is never guessed: the bench's code prompts accept nothing on their opening step.
 - trees are grown by the real `TreeBuilder`. Nodes off the target's path get random confidences.
   The draft's expansion batches are timed on its forward-time curve and the tree on the target's
-  (`docs/forward.json`, this CPU), each with up to 10% noise.
+  (`docs/forward.json`, this CPU), each with up to 10% noise. Its catch-up pass runs the target's
+  token, and the last accepted node where the draft never expanded it (the draft keeps the KV of
+  the nodes it expanded).
 - requests alternate code and prose, as a gateway's traffic might; auto's planner carries over.
 
     .venv/bin/python scripts/planner_sim.py              # the table
@@ -132,7 +134,7 @@ def decode(
 ) -> Tally:
     """One request, as `client.generation.Sequence.steps` runs it, with modelled times."""
     target_curve, draft_curve = curves
-    tally, accepted = Tally(), 0
+    tally, pending = Tally(), 1
     request = planner.start(GREEDY) if planner is not None else None
     while tally.tokens < len(text.tokens):
         opening = tally.tokens == 0
@@ -140,12 +142,14 @@ def decode(
         assert params is not None
         at = tally.tokens
         expander = TimedExpander(text, at, draft_curve, noise, statistics.mean(text.confidence))
-        catch_up = interpolate(draft_curve, accepted + 1) * (1 + 0.1 * noise.random())
+        catch_up = interpolate(draft_curve, pending) * (1 + 0.1 * noise.random())
         built = TreeBuilder(params).build(MISS, distribution(text.confidence[at]), expander)
         tree = built.tree
         rest = text.tokens[at:]
         path = tree.walk(rest)
         accepted = len(path) - 1
+        # The draft keeps the KV of the accepted nodes it expanded; the rest and the target's token wait.
+        pending = 1 + int(not built.expanded[path[-1]])
         returned = rest[: accepted + 1]
         draft_s = catch_up + expander.seconds
         target_s = interpolate(target_curve, tree.size) * (1 + 0.1 * noise.random())
@@ -174,6 +178,8 @@ CONTESTANTS: dict[str, TreeParams | None] = {
     "auto": None,
     **{f"b={b}": TreeParams(b, 16, 8, 16) for b in (4, 8, 16)},
     **{f"chain k={k}": TreeParams.chain(k) for k in (2, 4, 8)},
+    **{f"b={b} p=0.6": TreeParams(b, 16, 8, 16, min_prob=0.6) for b in (4, 8)},
+    "chain k=8 p=0.6": TreeParams.chain(8, min_prob=0.6),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -71,12 +72,14 @@ def test_replay_gives_each_smaller_tree_its_exact_accepted_length():
     full = [accepted[Candidate("tree", b, BASE.max_depth)] for b in (1, 2, 4, 8, 64, 256, 512, 1024)]
     # SIDE_PATH's node at depth d ranks 2^(d+1) - 2: the tree of budget B holds it iff that is <= B.
     assert full == [0, 1, 1, 2, 5, 7, 8, 8]
-    # Depth <= 2 holds nodes 1-6; the top 4 are 1-4, with SIDE_PATH's node 2 but not its node 6.
-    assert accepted[Candidate("tree", 4, 2)] == 1
-    # Nodes of depth <= 4 are the top 30 of this tree: trees with that limit are replayed exactly too.
-    assert accepted[Candidate("tree", 8, 3)] == 2 and accepted[Candidate("tree", 16, 4)] == 3
-    assert Candidate("tree", 8, 2) not in accepted  # a budget-8 tree of depth 2 is not inside this one
-    assert all(accepted[c] == 0 for c in plan.chains)  # the greedy chain misses at once
+    # A node at depth d is 0.9^d probable: floor 0.6 lets nodes to depth 4 have children, so the
+    # nodes of a floored tree are the top 62 (depth <= 5) and its top 32 are this tree's.
+    assert accepted[Candidate("tree", 32, BASE.max_depth, 0.6)] == 4
+    # 64 nodes at floor 0.6 would be those 62, but this tree, cut to its budget, may have dropped
+    # children of theirs a wider search keeps: not replayed.
+    assert Candidate("tree", 64, BASE.max_depth, 0.6) not in accepted
+    assert all(accepted[c] == 0 for c in plan.chains if c in accepted)  # the greedy chain misses at once
+    assert Candidate("chain", 16, 16, 0.6) in accepted  # it stops after depth 5: held by this tree
 
 
 def test_a_chain_wins_when_the_target_follows_the_draft_and_passes_cost_per_token():
@@ -92,7 +95,7 @@ def test_a_chain_longer_than_the_greedy_path_is_extended_with_its_acceptance_rat
     chain = TokenTree(torch.arange(5), torch.arange(-1, 4), -0.1 * torch.arange(5).float())
     for _ in range(50):
         plan.observe(TreeParams.chain(4), DraftedTree(chain, 3), [1, 2, 3, 4, NOT_A_CHILD], 0.1, 1.0)
-    chain = {c.size: plan.stats().accepted[c] for c in plan.chains}
+    chain = {c.size: plan.stats().accepted[c] for c in plan.chains if not c.min_prob}
     assert chain[4] == pytest.approx(4)
     assert 4 < chain[8] <= 8 and chain[16] > chain[8]
 
@@ -135,14 +138,15 @@ def test_expansion_batch_comes_from_the_draft_curve():
     assert plan.choose().expand_batch == 64
 
 
+@pytest.mark.parametrize("min_prob", [0.0, 0.3])
 @pytest.mark.parametrize("seed", range(4))
-def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, seed):
+def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, seed, min_prob):
     """The planner's claim, checked: one verified 64-node tree tells how many tokens every smaller
     tree and every chain it contains would have had accepted, had it been built instead."""
     from client.budget import greedy_path
     from common.sampling import SamplingParams
 
-    base = TreeParams(budget=64, max_depth=8, max_branch=4, expand_batch=8)
+    base = TreeParams(budget=64, max_depth=8, max_branch=4, expand_batch=8, min_prob=min_prob)
     sampling = SamplingParams(temperature=1.0, seed=seed, max_new_tokens=32, ignore_eos=True)
     target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
     draft = DraftEngine(loaded["self"], max_context=256, max_tree=64)  # accepts 2 to 8 per step here
@@ -160,12 +164,17 @@ def test_replayed_lengths_equal_what_each_smaller_shape_really_accepts(loaded, s
     plan.observe(base, drafted, tokens, 0.1, 1.0)
     greedy = len(greedy_path(drafted.tree))
     checked = 0
+    stats = plan.stats()
     for c in plan.candidates():
-        exact = c.kind == "tree" or c.size <= greedy or plan.stats().accepted[c] < greedy
-        if c in plan.stats().accepted and exact:
-            assert step(plan.params(c))[1] == plan.stats().accepted[c], c
+        if c not in stats.accepted or c.min_prob < min_prob:
+            continue
+        if c.kind == "tree" or c.size <= greedy or stats.accepted[c] < greedy:
+            built, accepted, _ = step(plan.params(c))
+            assert accepted == stats.accepted[c], c
+            if c in stats.sizes:  # a confidence floor: the step's size was replayed too
+                assert built.tree.size - 1 == stats.sizes[c], c
             checked += 1
-    assert checked >= 20
+    assert checked >= (10 if min_prob else 20)
 
 
 def test_a_new_request_discounts_what_earlier_ones_taught():
@@ -250,14 +259,17 @@ def test_the_opening_chain_follows_what_opening_steps_accepted():
 def _built(params: TreeParams, full: TokenTree) -> TokenTree:
     """What the builder makes of `confident_tree` for these params: the draft's first-child chain, or
     the top nodes within the depth limit (node ids rank the nodes, best first)."""
+    assert full.logprobs is not None
+    floor = math.log(params.min_prob) if params.min_prob else -math.inf
+    depth = torch.log2(torch.arange(1, full.size + 1).float()).floor()
+    parent_ok = torch.cat((torch.tensor([True]), full.logprobs[(torch.arange(1, full.size) - 1) // 2] >= floor))
     if params.is_chain:
-        ids = torch.tensor([0] + [2 ** (i + 1) - 1 for i in range(params.budget)])
+        first = torch.tensor([0] + [2 ** (i + 1) - 1 for i in range(params.budget)])
+        ids = first[: int(parent_ok[first].long().cumprod(0).sum())]
     else:
-        depth = torch.log2(torch.arange(1, full.size + 1).float()).floor()
-        ids = torch.nonzero(depth <= params.max_depth).squeeze(1)[: params.budget + 1]
+        ids = torch.nonzero((depth <= params.max_depth) & parent_ok).squeeze(1)[: params.budget + 1]
     slot = {int(i): j for j, i in enumerate(ids)}
     parents = torch.tensor([-1] + [slot[(int(i) - 1) // 2] for i in ids[1:]])
-    assert full.logprobs is not None
     return TokenTree(ids.clone(), parents, full.logprobs[ids].clone())
 
 
@@ -351,3 +363,21 @@ def test_concurrent_requests_each_learn_on_their_own_text():
     assert plan.stats() is on_prose  # a new request starts from the text learned last
     step(on_code, code, False)
     assert plan.stats() is on_code
+
+
+def test_a_confidence_floor_is_chosen_only_once_replayed_and_where_it_pays():
+    """A floored shape's size and acceptance come from replays only. Where the draft is sure on some
+    steps (and right) and unsure on others (and wrong), no fixed length fits both: a floor proposes
+    long where the draft is sure and spends no forward where it is not."""
+    cpu = [(1, 0.09), (8, 0.1), (16, 0.115), (32, 0.17), (64, 0.27)]
+    draft = [(1, 0.018), (8, 0.027), (16, 0.031), (64, 0.07)]
+    plan = BudgetPlanner(cpu, draft, base=replace(BASE, budget=16, max_depth=16))
+    assert all(not row["min_prob"] for row in plan.table())
+    sure, unsure = confident_tree(2**17 + 1, p=0.97), confident_tree(2**17 + 1, p=0.4)
+    chain = [2 ** (i + 1) - 1 for i in range(12)]  # the draft's own chain, accepted 12 deep
+    for step in range(60):
+        params = plan.choose()
+        full, path = (sure, chain) if step % 2 else (unsure, [])
+        plan.observe(params, DraftedTree(_built(params, full), 4), [*path, NOT_A_CHILD], 0.1, 0.1)
+    assert any(row["min_prob"] for row in plan.table())
+    assert plan.best().min_prob > 0

@@ -31,8 +31,10 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
         ("chain", []),
         ("autoregressive", []),
         ("specexec", ["--compile", "--compile-buckets", "1,16"]),
+        ("specexec", ["--min-prob", "0.3"]),
+        ("chain", ["--min-prob", "0.5"]),
     ],
-    ids=["specexec", "chain", "autoregressive", "specexec-compiled"],
+    ids=["specexec", "chain", "autoregressive", "specexec-compiled", "specexec-floor", "chain-floor"],
 )
 def test_generate_json_matches_target_alone(model_dirs, loaded, mode, extra):
     prompt = "Hello, "
@@ -87,6 +89,24 @@ def test_generate_streams_text_and_reports_stats(model_dirs):
         "8",
     )
     assert "tokens per target step" in out.stderr
+
+
+def test_profile_prints_both_curves_the_planner_table_and_its_choice(model_dirs):
+    out = run(
+        "profile",
+        "--draft-model",
+        str(model_dirs["truncated"]),
+        "--target-model",
+        str(model_dirs["target"]),
+        "--max-new-tokens",
+        "24",
+        "--max-budget",
+        "16",
+    )
+    assert "target forward pass: 1 tok" in out.stdout and "draft forward pass: 1 tok" in out.stdout
+    assert "| shape | size | floor |" in out.stdout
+    choice = out.stdout.strip().splitlines()[-1]
+    assert choice.startswith("choice: --"), choice
 
 
 def test_bad_arguments_exit_with_a_clear_message(model_dirs):
