@@ -455,7 +455,8 @@ class BudgetPlanner:
 
     def _record(self, c: Candidate, accepted: float) -> None:
         """An exponentially weighted mean: the weight of a new value is one over the decayed count of
-        observations, so a candidate not seen for a while (or since a new request began) adapts fast."""
+        observations, so a candidate not seen for a while (or since a new request began) adapts fast,
+        though never more than half way on one value (`MIN_SEEN`)."""
         s = self._stats
         s.seen[c] = s.seen.get(c, 0.0) + 1.0
         s.accepted[c] = _mean(s.accepted.get(c, math.nan), accepted, 1.0 / max(s.seen[c], MIN_SEEN))
