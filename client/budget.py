@@ -143,7 +143,7 @@ class BudgetPlanner:
         """The first tree is built large enough to learn from, but no larger than 4 cheap steps cost."""
         if not self.trees:
             return self.chains[-1]
-        full = [c for c in self.trees if c.depth == self.base.max_depth and not c.min_prob]
+        full = [c for c in self.trees if not c.min_prob]
         one = self.step_seconds(full[0])
         return max(
             (c for c in full if self.step_seconds(c) <= 4 * one), key=lambda c: c.size, default=full[0]
@@ -210,18 +210,18 @@ class BudgetPlanner:
             return self._stats.accepted[c]
         if c.kind == "chain":
             return self._greedy_run(0, c.size)
-        # A tree holds every smaller or shallower one: start from the best seen below it, and add the
-        # calibrated draft probability of the nodes it adds.
+        # A tree holds every smaller one: start from the best seen below it, and add the calibrated
+        # draft probability of the nodes it adds.
         known, known_size = max(((v, o.size) for o, v in self._observed_inside(c)), default=(0.0, 0))
         extra = self._stats.calibration * (self._survival(c.size) - self._survival(known_size))
         return min(known + max(extra, 0.0), float(min(self._depth(c.size), c.depth)))
 
     def _observed_inside(self, c: Candidate) -> list[tuple[Candidate, float]]:
-        """Observed candidates of the same kind that `c` contains, with their means."""
+        """Observed unfloored trees that tree `c` contains, with their means."""
         return [
             (o, v)
             for o, v in self._stats.accepted.items()
-            if o != c and o.kind == c.kind and o.size <= c.size and o.depth <= c.depth and not o.min_prob
+            if o != c and o.kind == "tree" and not o.min_prob and o.size <= c.size
         ]
 
     def _greedy_run(self, matched: int, length: int) -> float:
@@ -363,7 +363,7 @@ class BudgetPlanner:
             path = tree.walk(tokens)  # the accepted nodes, root first
             for c in self._stats.seen:
                 self._stats.seen[c] *= 1 - ACCEPT_EMA
-            self._replay_chain(tree, path, params.min_prob)
+            self._replay_chain(tree, path)
             if is_chain or (params.max_branch, params.max_depth) != (
                 self.base.max_branch,
                 self.base.max_depth,
@@ -429,11 +429,11 @@ class BudgetPlanner:
         o.hits = OPENING_KEEP * o.hits + matched
         o.misses = OPENING_KEEP * o.misses + (matched < len(greedy))
 
-    def _replay_chain(self, tree: TokenTree, path: list[int], min_prob: float) -> None:
+    def _replay_chain(self, tree: TokenTree, path: list[int]) -> None:
         """The draft's greedy chain is the path of top children; it would have accepted its common
         prefix with the accepted path. A chain with a floor p stops after its first node less than p
-        probable; the tree shows where, if it was built with a floor no higher. Past the end of the
-        greedy path in this tree, the rate fills in."""
+        probable, where the tree shows one. Past the end of the greedy path in this tree, the rate
+        fills in."""
         assert tree.logprobs is not None
         greedy = greedy_path(tree)
         matched = _matched(greedy, path)

@@ -258,7 +258,8 @@ def test_the_opening_chain_follows_what_opening_steps_accepted():
 
 def _built(params: TreeParams, full: TokenTree) -> TokenTree:
     """What the builder makes of `confident_tree` for these params: the draft's first-child chain, or
-    the top nodes within the depth limit (node ids rank the nodes, best first)."""
+    the top nodes within the depth limit (node ids rank the nodes, best first), in both cases only
+    below nodes that clear the floor."""
     assert full.logprobs is not None
     floor = math.log(params.min_prob) if params.min_prob else -math.inf
     depth = torch.log2(torch.arange(1, full.size + 1).float()).floor()

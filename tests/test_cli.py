@@ -24,6 +24,11 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     )
 
 
+def pair_args(model_dirs) -> list[str]:
+    """The in-process model pair: a draft sharing the target's tokenizer."""
+    return ["--draft-model", str(model_dirs["truncated"]), "--target-model", str(model_dirs["target"])]
+
+
 @pytest.mark.parametrize(
     ("mode", "extra"),
     [
@@ -41,10 +46,7 @@ def test_generate_json_matches_target_alone(model_dirs, loaded, mode, extra):
     out = run(
         "generate",
         *extra,
-        "--draft-model",
-        str(model_dirs["truncated"]),
-        "--target-model",
-        str(model_dirs["target"]),
+        *pair_args(model_dirs),
         "--prompt",
         prompt,
         "--max-new-tokens",
@@ -79,10 +81,7 @@ def test_generate_json_matches_target_alone(model_dirs, loaded, mode, extra):
 def test_generate_streams_text_and_reports_stats(model_dirs):
     out = run(
         "generate",
-        "--draft-model",
-        str(model_dirs["truncated"]),
-        "--target-model",
-        str(model_dirs["target"]),
+        *pair_args(model_dirs),
         "--prompt",
         "Hi",
         "--max-new-tokens",
@@ -94,10 +93,7 @@ def test_generate_streams_text_and_reports_stats(model_dirs):
 def test_profile_prints_both_curves_the_planner_table_and_its_choice(model_dirs):
     out = run(
         "profile",
-        "--draft-model",
-        str(model_dirs["truncated"]),
-        "--target-model",
-        str(model_dirs["target"]),
+        *pair_args(model_dirs),
         "--max-new-tokens",
         "24",
         "--max-budget",
