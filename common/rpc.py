@@ -25,12 +25,19 @@ from common.tree import TreeTooLarge
 
 log = logging.getLogger("specexec.rpc")
 
-# Explicit on both sides: a tokenizer file can exceed gRPC's 4 MiB default, and a tree of the
-# maximum wire size (65,536 nodes) takes 768 KiB.
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024
+# Only a node's answer to GetTokenizer is large (a tokenizer file can exceed gRPC's 4 MiB default).
+# Requests stay under 4 MiB: a tree of the maximum wire size (65,536 nodes) takes 768 KiB, a prompt
+# of 131,072 token ids at most 640 KiB. A server reading 64 MiB requests would let any client make
+# it buffer that much per call.
+MAX_RESPONSE_BYTES = 64 * 1024 * 1024
+MAX_REQUEST_BYTES = 4 * 1024 * 1024
+SERVER_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+    ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
+]
 CHANNEL_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_REQUEST_BYTES),
+    ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
 ]
 SERVER_VERSION = "0.1.0"
 
@@ -96,7 +103,7 @@ class Server:
     ) -> None:
         self.server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=max_workers),
-            options=CHANNEL_OPTIONS,
+            options=SERVER_OPTIONS,
             interceptors=[RpcMetrics(), *(interceptors or [])],  # metrics first: refusals count too
         )
         self.health = health.HealthServicer()

@@ -25,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from common.pb.specexec.v1 import specexec_pb2 as pb  # noqa: E402
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc  # noqa: E402
-from common.rpc import CHANNEL_OPTIONS  # noqa: E402
+from common.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
 from common.tree import TokenTree, attention_bias  # noqa: E402
 from common.wire import tree_from_proto, tree_to_proto  # noqa: E402
 
@@ -70,7 +70,7 @@ def main() -> None:
     p.add_argument("--forward-max", type=int, default=1024, help="largest tree to time a forward for")
     args = p.parse_args()
 
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4), options=SERVER_OPTIONS)
     pb_grpc.add_TargetServiceServicer_to_server(DecodeOnlyTarget(), server)
     port = server.add_insecure_port("127.0.0.1:0")
     server.start()

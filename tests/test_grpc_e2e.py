@@ -21,6 +21,7 @@ from client.remote import connect, open_channel
 from common.node_info import TokenizerMismatch
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+from common.rpc import MAX_REQUEST_BYTES
 from common.sampling import SamplingParams
 from common.tiny_models import make_tiny_model
 from common.tree import TreeParams
@@ -215,6 +216,18 @@ def test_health_and_reflection(nodes, role, service):
         )
         services = {s.name for r in responses for s in r.list_services_response.service}
     assert {full, "grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"} <= services
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_a_request_over_the_message_limit_is_refused_and_the_node_serves_on(nodes, role):
+    prompt = [2**28] * (MAX_REQUEST_BYTES // 5 + 1)  # five bytes each on the wire
+    stub = pb_grpc.TargetServiceStub if role == "target" else pb_grpc.DraftServiceStub
+    unlimited = [("grpc.max_send_message_length", -1)]
+    with grpc.insecure_channel(nodes[role], options=unlimited) as channel:
+        with pytest.raises(grpc.RpcError) as err:
+            stub(channel).OpenSession(pb.OpenSessionRequest(prompt=prompt), timeout=30)
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert stub(channel).Info(pb.InfoRequest(), timeout=10).role == role
 
 
 def test_connect_refuses_a_tokenizer_mismatch(nodes):
