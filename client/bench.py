@@ -92,7 +92,9 @@ def encode(tokenizer: Any, prompt: str) -> list[int]:
     return list(tokenizer.encode(prompt))
 
 
-def engine_contestant(name: str, gen: SpecExec, budget: int | None = None, family: str = "engine") -> Contestant:
+def engine_contestant(
+    name: str, gen: SpecExec, budget: int | None = None, family: str = "engine"
+) -> Contestant:
     def run(ids: list[int], sampling: SamplingParams) -> Run:
         out = gen.generate(ids, sampling)
         s = out.stats
@@ -110,7 +112,9 @@ def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> lis
 
     def make(name: str, assistant: Any) -> Contestant:
         def run(ids: list[int], sampling: SamplingParams) -> Run:
-            kwargs: dict[str, Any] = dict(max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens)
+            kwargs: dict[str, Any] = dict(
+                max_new_tokens=sampling.max_new_tokens, min_new_tokens=sampling.max_new_tokens
+            )
             if sampling.greedy:
                 kwargs["do_sample"] = False
             else:
@@ -139,14 +143,18 @@ def free_port() -> int:
 class GrpcNodes:
     """A draft and a target node as separate processes on loopback, for the network-path contestant."""
 
-    def __init__(self, draft: str, target: str, dtype: str, max_tree: int, draft_quantize: str = "none") -> None:
+    def __init__(
+        self, draft: str, target: str, dtype: str, max_tree: int, draft_quantize: str = "none"
+    ) -> None:
         from client.local import node_command
         from client.remote import wait_until_serving
 
         ports = {role: free_port() for role in ("target", "draft")}
         self.addrs = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
         self.procs = [
-            subprocess.Popen(node_command(role, model, ports[role], dtype, max_tree, ["--no-profile"], quantize))
+            subprocess.Popen(
+                node_command(role, model, ports[role], dtype, max_tree, ["--no-profile"], quantize)
+            )
             for role, model, quantize in (("target", target, "none"), ("draft", draft, draft_quantize))
         ]
         for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
@@ -169,25 +177,47 @@ class GrpcNodes:
                 proc.kill()
 
 
-def build_contestants(args: argparse.Namespace, target, draft, tokenizer, draft_dir, target_dir) -> list[Contestant]:
-    tree = TreeParams(budget=1, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
+def build_contestants(
+    args: argparse.Namespace, target, draft, tokenizer, draft_dir, target_dir
+) -> list[Contestant]:
+    tree = TreeParams(
+        budget=1, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
+    )
     out = [engine_contestant("autoregressive", SpecExec(target, None, tokenizer, mode="autoregressive"))]
     for k in args.chain:
-        out.append(engine_contestant(f"chain k={k}", SpecExec(target, draft, tokenizer, mode="chain", tree=TreeParams.chain(k))))
+        out.append(
+            engine_contestant(
+                f"chain k={k}", SpecExec(target, draft, tokenizer, mode="chain", tree=TreeParams.chain(k))
+            )
+        )
     for b in args.budgets:
-        params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
-        out.append(engine_contestant(f"specexec b={b}", SpecExec(target, draft, tokenizer, tree=params), budget=b))
+        params = TreeParams(
+            budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
+        )
+        out.append(
+            engine_contestant(f"specexec b={b}", SpecExec(target, draft, tokenizer, tree=params), budget=b)
+        )
     for p in args.min_probs:
         for k in args.chain:
             shape = TreeParams.chain(k, p)
-            out.append(engine_contestant(f"chain k={k} p={p:g}", SpecExec(target, draft, tokenizer, mode="chain", tree=shape)))
+            out.append(
+                engine_contestant(
+                    f"chain k={k} p={p:g}", SpecExec(target, draft, tokenizer, mode="chain", tree=shape)
+                )
+            )
         for b in args.budgets:
             shape = replace(tree, budget=b, min_prob=p)
-            out.append(engine_contestant(f"specexec b={b} p={p:g}", SpecExec(target, draft, tokenizer, tree=shape)))
+            out.append(
+                engine_contestant(f"specexec b={b} p={p:g}", SpecExec(target, draft, tokenizer, tree=shape))
+            )
     if args.auto:
         params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
                             expand_batch=tree.expand_batch)  # fmt: skip
-        out.append(engine_contestant("specexec auto", SpecExec(target, draft, tokenizer, tree=params, auto_budget=True)))
+        out.append(
+            engine_contestant(
+                "specexec auto", SpecExec(target, draft, tokenizer, tree=params, auto_budget=True)
+            )
+        )
     return out
 
 
@@ -217,7 +247,9 @@ def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, d
         for repeat, (i, p) in itertools.product(range(repeats), enumerate(prompts)):
             ids = encode(tokenizer, p["prompt"])
             for setting, extra in settings.items():
-                sampling = SamplingParams(max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i, **extra)
+                sampling = SamplingParams(
+                    max_new_tokens=max_new_tokens, ignore_eos=True, seed=seed + i, **extra
+                )
                 shift, turn = turn % len(contestants), turn + 1
                 for c in contestants[shift:] + contestants[:shift]:
                     r = c.run(ids, sampling)
@@ -301,7 +333,9 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
     return rows
 
 
-def write_report(out: Path, meta: dict, summary: list[dict], exact: list[dict], projection: list[dict]) -> str:
+def write_report(
+    out: Path, meta: dict, summary: list[dict], exact: list[dict], projection: list[dict]
+) -> str:
     lines = [f"# Benchmark: {meta['target']} <- {meta['draft']}", "",
              f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens, {meta['dtype']}, "
              f"{meta['threads']} threads, draft linears {meta.get('draft_quantize', 'none')}, "
@@ -328,7 +362,10 @@ def write_report(out: Path, meta: dict, summary: list[dict], exact: list[dict], 
         lines.append(f"all {len(exact)} engine runs token-identical to the target alone")
     else:
         lines.append(f"{len(bad)} of {len(exact)} runs diverge (first position shown):")
-        lines += [f"- {e['contestant']}, prompt {e['prompt']}, {e['setting']}: token {e['first_divergence']}" for e in bad]
+        lines += [
+            f"- {e['contestant']}, prompt {e['prompt']}, {e['setting']}: token {e['first_divergence']}"
+            for e in bad
+        ]
     if projection:
         lines += ["", f"## Projection: offloaded target ({meta['projection']})", "",
                   "Measured draft time and acceptance, replayed against a modelled target pass; not a measurement.", "",
@@ -351,21 +388,31 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
         rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all" and r["budget"]),
                       key=lambda r: r["budget"])  # fmt: skip
         if rows:
-            axes[0].plot([r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], "o-", label=setting)
+            axes[0].plot(
+                [r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], "o-", label=setting
+            )
             axes[1].plot([r["budget"] for r in rows], [r["tok_s_median"] for r in rows], "o-", label=setting)
         for r in summary:
             if r["setting"] == setting and r["category"] == "all" and r["contestant"] == "autoregressive":
-                axes[1].axhline(r["tok_s_median"], linestyle="--", color="grey", label=f"target alone ({setting})")
+                axes[1].axhline(
+                    r["tok_s_median"], linestyle="--", color="grey", label=f"target alone ({setting})"
+                )
     if projection:
         rows = sorted((p for p in projection if p["budget"]), key=lambda p: p["budget"])
-        axes[1].plot([p["budget"] for p in rows], [p["projected_tok_s"] for p in rows], "s:", label="projected offload")
+        axes[1].plot(
+            [p["budget"] for p in rows], [p["projected_tok_s"] for p in rows], "s:", label="projected offload"
+        )
     for ax, title in ((axes[0], "tokens per target pass"), (axes[1], "tokens per second")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tree nodes)")
         ax.set_title(title)
         ax.legend()
         ax.grid(alpha=0.3)
-    rows = [r for r in summary if r["category"] == "all" and r["draft_share"] is not None and r["setting"] == "greedy"]
+    rows = [
+        r
+        for r in summary
+        if r["category"] == "all" and r["draft_share"] is not None and r["setting"] == "greedy"
+    ]
     names = [r["contestant"] for r in rows]
     bottom = [0.0] * len(rows)
     for key, label in (("draft_share", "draft"), ("target_share", "target"), ("other_share", "other")):
@@ -409,7 +456,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
         exact = check_exactness(runs, {c.name: c.family for c in contestants})
         del target, draft, t32, d32, contestants
     tl = load_model(target_dir, dtype=args.dtype)
-    dl = load_model(draft_dir, dtype=draft_dtype(args.dtype, args.draft_quantize), quantize=args.draft_quantize)
+    dl = load_model(
+        draft_dir, dtype=draft_dtype(args.dtype, args.draft_quantize), quantize=args.draft_quantize
+    )
     target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
     if args.compile:
         from common.compiled_forward import compile_model
@@ -430,7 +479,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
         nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree, args.draft_quantize)
         b = args.grpc_budget
-        params = TreeParams(budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch)
+        params = TreeParams(
+            budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
+        )
         remote = connect(nodes.addrs["draft"], nodes.addrs["target"], tree=params)
         contestants.append(engine_contestant(f"specexec b={b} via gRPC", remote, family="grpc"))
     try:
@@ -462,7 +513,9 @@ def cmd_bench(args: argparse.Namespace) -> int:
     print(report)
     failures = [e for e in exact if e["first_divergence"] is not None]
     if failures:
-        print(f"EXACTNESS FAILURE: {len(failures)} float32 runs differ from the target alone", file=sys.stderr)
+        print(
+            f"EXACTNESS FAILURE: {len(failures)} float32 runs differ from the target alone", file=sys.stderr
+        )
         return 1
     return 0
 
@@ -479,31 +532,53 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
-    b.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, default="none",
-                   help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype")
-    b.add_argument("--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)")
+    b.add_argument(
+        "--draft-quantize",
+        choices=QUANTIZE_CHOICES,
+        default="none",
+        help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype",
+    )
+    b.add_argument(
+        "--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)"
+    )
     b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")
     b.add_argument("--limit", type=int, help="use the first N prompts (categories kept balanced)")
     b.add_argument("--max-new-tokens", type=int, default=128)
     b.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
     b.add_argument("--chain", type=int, nargs="+", default=[2, 4, 8])
-    b.add_argument("--min-probs", type=float, nargs="+", default=[],
-                   help="also run every chain and budget expanding only nodes at least this probable")
+    b.add_argument(
+        "--min-probs",
+        type=float,
+        nargs="+",
+        default=[],
+        help="also run every chain and budget expanding only nodes at least this probable",
+    )
     b.add_argument("--max-depth", type=int, default=16)
     b.add_argument("--max-branch", type=int, default=8)
     b.add_argument("--expand-batch", type=int, default=16)
     b.add_argument("--no-auto", dest="auto", action="store_false", help="skip the --budget auto contestant")
     b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the Hugging Face contestants")
-    b.add_argument("--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant")
+    b.add_argument(
+        "--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant"
+    )
     b.add_argument("--grpc-budget", type=int, default=32)
     b.add_argument("--sampled", action="store_true", help="also run temperature 0.6, top-p 0.9")
-    b.add_argument("--repeat", type=positive_int, default=1,
-                   help="speed runs per prompt, in separate passes over the prompt set; medians are over all runs")
+    b.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="speed runs per prompt, in separate passes over the prompt set; medians are over all runs",
+    )
     b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
-    b.add_argument("--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)")
+    b.add_argument(
+        "--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)"
+    )
     b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")
-    b.add_argument("--compile", action="store_true",
-                   help="also run every engine contestant with both models compiled (see --compile-buckets)")
+    b.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run every engine contestant with both models compiled (see --compile-buckets)",
+    )
     b.add_argument("--compile-buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="N,N,...")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())

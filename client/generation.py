@@ -55,7 +55,9 @@ class GenerationStats:
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
     accepted_per_step: list[int] = field(default_factory=list)
-    budgets: list[int] = field(default_factory=list)  # nodes drafted per step: a floor or a small tree stops short
+    budgets: list[int] = field(
+        default_factory=list
+    )  # nodes drafted per step: a floor or a small tree stops short
     chain_steps: int = 0  # steps whose draft proposal was a plain chain
     draft_failures: int = 0
 

@@ -65,7 +65,11 @@ def _call(
         code, details = exc.code(), exc.details()
         # This client never cancels its own calls: CANCELLED means the node cut the call short,
         # as a server does to in-flight calls when it shuts down.
-        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED):
+        if code in (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.CANCELLED,
+        ):
             hint = ""
             if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
                 hint = f" ({(security or ClientSecurity()).hint()})"

@@ -64,7 +64,9 @@ def test_bench_repeats_each_prompt_in_separate_passes(model_dirs, tmp_path):
     assert passes == [(0, 0)] * 3 + [(0, 1)] * 3 + [(1, 0)] * 3 + [(1, 1)] * 3
     rows = [r for r in raw["summary"] if r["category"] == "all" and r["contestant"] == "chain k=2"]
     runs = [r for r in raw["runs"] if r["contestant"] == "chain k=2"]
-    assert rows[0]["tokens_per_step"] == sum(len(r["token_ids"]) for r in runs) / sum(r["target_steps"] for r in runs)
+    assert rows[0]["tokens_per_step"] == sum(len(r["token_ids"]) for r in runs) / sum(
+        r["target_steps"] for r in runs
+    )
 
 
 def test_bench_refuses_a_repeat_below_one():

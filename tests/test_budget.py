@@ -263,7 +263,9 @@ def _built(params: TreeParams, full: TokenTree) -> TokenTree:
     assert full.logprobs is not None
     floor = math.log(params.min_prob) if params.min_prob else -math.inf
     depth = torch.log2(torch.arange(1, full.size + 1).float()).floor()
-    parent_ok = torch.cat((torch.tensor([True]), full.logprobs[(torch.arange(1, full.size) - 1) // 2] >= floor))
+    parent_ok = torch.cat(
+        (torch.tensor([True]), full.logprobs[(torch.arange(1, full.size) - 1) // 2] >= floor)
+    )
     if params.is_chain:
         first = torch.tensor([0] + [2 ** (i + 1) - 1 for i in range(params.budget)])
         ids = first[: int(parent_ok[first].long().cumprod(0).sum())]

@@ -21,7 +21,6 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32]
 PARAMS = SamplingParams(temperature=0.9, top_p=0.95, seed=21, max_new_tokens=60, ignore_eos=True)
 
 
-
 def start(role: str, model: Path, addr: str) -> subprocess.Popen:
     cmd = [sys.executable, "-m", f"{role}_node", "--model", str(model), "--listen", addr, "--no-profile",
            "--max-tree", "32"]  # fmt: skip

@@ -82,7 +82,6 @@ def test_sigterm_stops_the_node_cleanly_mid_generation(model_dirs, tmp_path):
     assert "shutting down" in proc.output()
 
 
-
 def test_expired_sessions_release_their_caches(loaded):
     """No reference to an expired session's KV cache survives: the memory is the allocator's again."""
     import gc

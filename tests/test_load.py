@@ -21,7 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 CLIENTS = 8
 
 
-
 @pytest.fixture(scope="module")
 def nodes(model_dirs):
     addrs, procs = {}, []

@@ -106,7 +106,7 @@ def in_ns(ns: str, *cmd: str, **kwargs) -> subprocess.Popen:
 
 
 def wait_ready(ns: str, addr: str) -> None:
-    probe = ("import sys; from client.remote import wait_until_serving; wait_until_serving(sys.argv[1], 120)")
+    probe = "import sys; from client.remote import wait_until_serving; wait_until_serving(sys.argv[1], 120)"
     assert in_ns(ns, sys.executable, "-c", probe, addr).wait(timeout=150) == 0
 
 
@@ -126,7 +126,9 @@ def test_output_is_identical_across_link_latencies(hosts, model_dirs, tmp_path):
         from common.sampling import SamplingParams
 
         expected = reference_decode(
-            model_dirs["target"], PROMPT, SamplingParams(temperature=0.8, seed=4, max_new_tokens=32, ignore_eos=True)
+            model_dirs["target"],
+            PROMPT,
+            SamplingParams(temperature=0.8, seed=4, max_new_tokens=32, ignore_eos=True),
         )
         report = []
         use_netem = netem_available(ns["draft"], veth[0]) and netem_available(ns["target"], veth[1])

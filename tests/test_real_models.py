@@ -33,7 +33,6 @@ def real_pair() -> dict[str, Path]:
         raise
 
 
-
 @pytest.fixture(scope="module")
 def nodes(real_pair):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}

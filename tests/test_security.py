@@ -42,7 +42,6 @@ BUDGET = 16
 GREEDY = dict(max_new_tokens=12, ignore_eos=True)
 
 
-
 @pytest.fixture(scope="module")
 def env(tmp_path_factory) -> Iterator[dict[str, str]]:
     home = str(tmp_path_factory.mktemp("specexec_home"))
