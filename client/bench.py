@@ -61,6 +61,7 @@ class Contestant:
     family: str  # "engine" (our verifier: exactness applies), "hf", or "grpc"
     run: Callable[[list[int], SamplingParams], Run]
     budget: int | None = None  # specexec budget, for the budget sweeps
+    min_prob: float = 0.0  # the sweep's confidence floor: one line per floor in the plots
 
 
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None) -> list[dict[str, str]]:
@@ -93,7 +94,7 @@ def encode(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def engine_contestant(
-    name: str, gen: SpecExec, budget: int | None = None, family: str = "engine"
+    name: str, gen: SpecExec, budget: int | None = None, family: str = "engine", min_prob: float = 0.0
 ) -> Contestant:
     def run(ids: list[int], sampling: SamplingParams) -> Run:
         out = gen.generate(ids, sampling)
@@ -101,7 +102,7 @@ def engine_contestant(
         return Run(name, -1, "", "", out.token_ids, s.wall_seconds, s.target_steps, s.draft_seconds,
                    s.target_seconds, list(s.accepted_per_step), list(s.budgets), s.chain_steps)  # fmt: skip
 
-    return Contestant(name, family, run, budget)
+    return Contestant(name, family, run, budget, min_prob)
 
 
 def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> list[Contestant]:
@@ -208,7 +209,12 @@ def build_contestants(
         for b in args.budgets:
             shape = replace(tree, budget=b, min_prob=p)
             out.append(
-                engine_contestant(f"specexec b={b} p={p:g}", SpecExec(target, draft, tokenizer, tree=shape))
+                engine_contestant(
+                    f"specexec b={b} p={p:g}",
+                    SpecExec(target, draft, tokenizer, tree=shape),
+                    budget=b,
+                    min_prob=p,
+                )
             )
     if args.auto:
         params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
@@ -231,7 +237,9 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
                 model.compiled = handle if on else None
             return c.run(ids, sampling)
 
-        return Contestant(c.name + (" compiled" if on else ""), c.family, run, None if on else c.budget)
+        return Contestant(
+            c.name + (" compiled" if on else ""), c.family, run, None if on else c.budget, c.min_prob
+        )
 
     return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
@@ -298,7 +306,8 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 drafted = [b for r in sel for b in r.budgets]
                 q = statistics.quantiles(tps, n=10, method="inclusive") if len(tps) >= 2 else [tps[0]] * 9
                 rows.append(dict(
-                    contestant=c.name, family=c.family, budget=c.budget, setting=setting, category=category,
+                    contestant=c.name, family=c.family, budget=c.budget, min_prob=c.min_prob, setting=setting,
+                    category=category,
                     tok_s_median=statistics.median(tps), tok_s_p10=q[0], tok_s_p90=q[-1],
                     tokens_per_step=tokens / steps if steps else None,
                     draft_share=draft / wall if steps else None, target_share=target / wall if steps else None,
@@ -328,7 +337,7 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
         passes = [pass_seconds(b + 1) for r in sel for b in r.budgets]
         passes += [pass_seconds(1)] * (steps - len(passes))  # steps the target ran alone
         seconds = sum(r.draft_seconds for r in sel) + sum(passes)
-        rows.append(dict(contestant=c.name, budget=c.budget, tokens_per_step=tokens / steps,
+        rows.append(dict(contestant=c.name, budget=c.budget, min_prob=c.min_prob, tokens_per_step=tokens / steps,
                          projected_tok_s=tokens / seconds, pass_seconds=sum(passes) / steps))  # fmt: skip
     return rows
 
@@ -384,29 +393,33 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    floors = sorted({r.get("min_prob", 0.0) for r in summary if r["budget"]})
     for setting in sorted({r["setting"] for r in summary}):
-        rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all" and r["budget"]),
-                      key=lambda r: r["budget"])  # fmt: skip
-        if rows:
+        for p in floors:
+            rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all"
+                           and r["budget"] and r.get("min_prob", 0.0) == p), key=lambda r: r["budget"])  # fmt: skip
+            label = setting + (f", floor {p:g}" if p else "")
+            style = "o-" if not p else "^--"
             axes[0].plot(
-                [r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], "o-", label=setting
+                [r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], style, label=label
             )
-            axes[1].plot([r["budget"] for r in rows], [r["tok_s_median"] for r in rows], "o-", label=setting)
+            axes[1].plot([r["budget"] for r in rows], [r["tok_s_median"] for r in rows], style, label=label)
         for r in summary:
             if r["setting"] == setting and r["category"] == "all" and r["contestant"] == "autoregressive":
                 axes[1].axhline(
                     r["tok_s_median"], linestyle="--", color="grey", label=f"target alone ({setting})"
                 )
-    if projection:
-        rows = sorted((p for p in projection if p["budget"]), key=lambda p: p["budget"])
-        axes[1].plot(
-            [p["budget"] for p in rows], [p["projected_tok_s"] for p in rows], "s:", label="projected offload"
-        )
+    for p in floors:
+        rows = sorted((r for r in projection if r["budget"] and r.get("min_prob", 0.0) == p),
+                      key=lambda r: r["budget"])  # fmt: skip
+        if rows:
+            label = "projected offload" + (f", floor {p:g}" if p else "")
+            axes[1].plot([r["budget"] for r in rows], [r["projected_tok_s"] for r in rows], "s:", label=label)
     for ax, title in ((axes[0], "tokens per target pass"), (axes[1], "tokens per second")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("budget (tree nodes)")
         ax.set_title(title)
-        ax.legend()
+        ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
     rows = [
         r
@@ -420,7 +433,7 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
         axes[2].barh(names, vals, left=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     axes[2].set_title("time per step (greedy)")
-    axes[2].legend()
+    axes[2].legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
     plt.close(fig)
