@@ -5,6 +5,11 @@ binding, the slot reuse and the prefetch of the next pass's first layers."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -12,6 +17,7 @@ from common.loading import load_model
 from target_node.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
+ROOT = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", *(["cuda"] if torch.cuda.is_available() else [])]
 
 
@@ -86,3 +92,17 @@ def test_target_command_accepts_offload_flags():
     )
     assert plan_from_args(args) == OffloadPlan(resident_layers=3, prefetch_layers=4)
     assert plan_from_args(build_parser().parse_args(["target", "--model", "m"])) is None
+
+
+def test_offload_timing_script_runs_and_reports_every_layout(tmp_path):
+    out = tmp_path / "offload.json"
+    cmd = [sys.executable, str(ROOT / "scripts/bench_offload.py"), "--shape", "tiny", "--device", "cpu",
+           "--ks", "1", "8", "--resident-layers", "0", "2", "--repeats", "1", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert [r["resident_layers"] for r in result["rows"]] == [0, 2]
+    assert all(set(r["seconds"]) == {"1", "8"} and min(r["seconds"].values()) > 0 for r in result["rows"])
+    all_streamed, half = (r["streamed_gb"] for r in result["rows"])  # the tiny model has 4 layers
+    assert half == pytest.approx(all_streamed / 2) and half > 0
+    assert "| resident layers |" in run.stdout
