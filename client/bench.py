@@ -398,6 +398,8 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
         for p in floors:
             rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all"
                            and r["budget"] and r.get("min_prob", 0.0) == p), key=lambda r: r["budget"])  # fmt: skip
+            if not rows:
+                continue
             label = setting + (f", floor {p:g}" if p else "")
             style = "o-" if not p else "^--"
             axes[0].plot(
