@@ -59,7 +59,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq)
     model = model.to_empty(device="cpu").to(dtype)
-    model.inv_freq.copy_(inv_freq)
+    model.inv_freq = inv_freq  # float32, as loading keeps it: `.to(dtype)` cast the buffer too
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0.0, 0.02)
