@@ -3,20 +3,20 @@
 Real checkpoints cannot reach the lent GPU machines (no network, 64 MiB of carried files), and a
 pass's time does not depend on the weights' values, so the model is built in code with random
 weights in a real model's shape. For each layout (every layer streamed, or the first N resident)
-it times one pass over k tree tokens after a 64-token prefix, beside the floor the host-to-device
-copy sets (streamed bytes / measured pinned-copy bandwidth), and reports peak GPU memory and peak
-RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
+it times one pass over a k-node tree after a 64-token prefix with the LM head on every node (the
+timer of the nodes' start-up profile, `common.profiling.time_tree_forward`), beside the floor the
+host-to-device copy sets (streamed bytes / measured pinned-copy bandwidth), and reports peak GPU
+memory and peak RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
 where a GPU is).
 
     python3 scripts/bench_offload.py --shape qwen2.5-14b --out offload.json       # on a GPU
-    .venv/bin/python scripts/bench_offload.py --shape tiny --device cpu --ks 1 8  # a dry run here
+    .venv/bin/python scripts/bench_offload.py --shape tiny --device cpu --ks 1 8 --resident-layers 0 2  # a dry run here
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -27,11 +27,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from common.memory import peak_rss_bytes  # noqa: E402
+from common.profiling import time_tree_forward  # noqa: E402
 from common.transformer import ModelConfig, Transformer  # noqa: E402
-from common.tree import attention_bias  # noqa: E402
 from target_node.offload import offload  # noqa: E402
-
-PREFIX = 64
 
 
 def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool) -> ModelConfig:
@@ -81,42 +79,8 @@ def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     return 5 * nbytes / (time.perf_counter() - start)
 
 
-def time_passes(model: Transformer, ks: list[int], repeats: int, device: torch.device) -> dict[int, float]:
-    """Median seconds of one pass over k tokens (a causal block standing in for a tree) after the prefix."""
-    cache = model.new_cache(PREFIX + max(ks))
-    gen = torch.Generator().manual_seed(0)
-    prefix = torch.randint(0, model.cfg.vocab_size, (PREFIX,), generator=gen)
-    causal = torch.ones(PREFIX, PREFIX, dtype=torch.bool).tril()
-    model(prefix, torch.arange(PREFIX), torch.arange(PREFIX), attention_bias(causal, 0), cache)
-    out = {}
-    for k in ks:
-        tokens = torch.randint(0, model.cfg.vocab_size, (k,), generator=gen)
-        visible = torch.ones(k, k, dtype=torch.bool).tril()
-        args = (
-            tokens,
-            PREFIX + torch.arange(k),
-            PREFIX + torch.arange(k),
-            attention_bias(visible, PREFIX),
-            cache,
-        )
-        times = []
-        for _ in range(repeats + 1):  # the first is a warm-up
-            sync(device)
-            start = time.perf_counter()
-            model.logits(model(*args))
-            sync(device)
-            times.append(time.perf_counter() - start)
-        out[k] = statistics.median(times[1:])
-    return out
-
-
 def copy_text(gb_s: float | None) -> str:
     return "not measured (no GPU)" if gb_s is None else f"{gb_s:.1f} GB/s"
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def main() -> None:
@@ -127,7 +91,7 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
     ap.add_argument("--resident-layers", type=int, nargs="+", default=[0, 8], help="layouts to time")
     ap.add_argument("--prefetch-layers", type=int, default=2)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--seconds", type=float, default=1.0, help="timing budget per size (minimum kept)")
     ap.add_argument("--out", type=Path, help="write the measurements as JSON here")
     args = ap.parse_args()
     device, dtype, cfg = torch.device(args.device), getattr(torch, args.dtype), SHAPES[args.shape]
@@ -139,7 +103,7 @@ def main() -> None:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
         model = offload(random_model(cfg, dtype), device, resident_layers=resident, ring=args.prefetch_layers)
-        times = time_passes(model, args.ks, args.repeats, device)
+        times = {k: time_tree_forward(model, k, k, budget_seconds=args.seconds) for k in args.ks}
         streamed = (cfg.num_layers - resident) * layer_bytes
         rows.append(dict(
             resident_layers=resident, streamed_gb=streamed / 1e9, floor_s=streamed / bandwidth if bandwidth else None,
