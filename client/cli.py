@@ -46,6 +46,13 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         help="expand only nodes whose cumulative draft probability is at least this, so a step's tree "
         "follows the draft's confidence (fixed budgets; --budget auto chooses its own)",
     )
+    g.add_argument(
+        "--min-node-prob",
+        type=float,
+        default=0.0,
+        help="propose only nodes whose cumulative draft probability is at least this, so the target's "
+        "pass is not spent on long shots (fixed budgets; --budget auto chooses its own)",
+    )
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
@@ -78,6 +85,7 @@ def tree_from(args: argparse.Namespace) -> TreeParams:
         max_branch=args.max_branch,
         expand_batch=args.expand_batch,
         min_prob=args.min_prob,
+        min_node_prob=args.min_node_prob,
     )
 
 
@@ -255,7 +263,8 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    """Print both forward-time curves, then let a short generation calibrate the planner and print its table."""
+    """Print both forward-time curves, then let a short generation calibrate the planner and print what
+    it would propose next, with the numbers behind it."""
     args.budget = "auto"
     gen = generator_from(args)
     if gen.planner is None:
@@ -267,21 +276,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
         f"{out.stats.tokens_per_step:.2f} tokens/step"
     )
-    rows = sorted(gen.planner.table(), key=lambda r: -float(r["tokens_per_s"]))
-    print(f"best {min(12, len(rows))} of {len(rows)} candidates:")
-    print("| shape | size | floor | draft s | target s | expected tokens/step | expected tok/s |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows[:12]:
-        print(
-            f"| {r['shape']} | {r['size']} | {r['min_prob']:g} | {r['draft_s']:.3f} | {r['target_s']:.3f} "
-            f"| {r['expected_tokens']:.2f} | {r['tokens_per_s']:.2f} |"
-        )
-    best = gen.planner.best()
-    floor = f" --min-prob {best.min_prob:g}" if best.min_prob else ""
-    if best.kind == "chain":
-        print(f"choice: --mode chain --budget {best.size}{floor}")
-    else:
-        print(f"choice: --budget {best.size} --max-depth {best.depth}{floor}")
+    t = gen.planner.thresholds()
+    print(
+        f"running rate {t.rate:.2f} tok/s, calibration {t.calibration:.2f} (accepted / draft probability), "
+        f"draft level {t.level_seconds * 1e3:.1f} ms, target {t.slope_seconds * 1e3:.2f} ms per tree token"
+    )
+    p = t.params
+    print(f"choice: --budget {p.budget} --min-prob {p.min_prob:g} --min-node-prob {p.min_node_prob:g}")
     return 0
 
 

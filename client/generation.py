@@ -90,7 +90,9 @@ def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     if mode == "autoregressive":
         return None
-    return TreeParams.chain(params.budget, params.min_prob) if mode == "chain" else params
+    return (
+        TreeParams.chain(params.budget, params.min_prob, params.min_node_prob) if mode == "chain" else params
+    )
 
 
 @dataclass(frozen=True)
@@ -246,11 +248,10 @@ class Sequence:
         """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
         kind = regime(sampling)
-        request = planner.start(kind) if planner is not None else None
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None
-            params = planner.choose(kind, generated == 0, request) if planner is not None else tree
+            params = planner.choose(kind) if planner is not None else tree
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
@@ -264,15 +265,8 @@ class Sequence:
             stats.target_seconds += target_s
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
-            if (
-                planner is not None
-                and params is not None
-                and drafted is not None
-                and not result.finish_reason
-            ):
-                planner.observe(
-                    params, drafted, result.tokens, draft_s, target_s, kind, generated == 0, request
-                )
+            if planner is not None and drafted is not None and generated > 0 and not result.finish_reason:
+                planner.observe(drafted, result.tokens, draft_s, target_s, kind)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

@@ -7,7 +7,7 @@ Masks are never shipped: they are derived here from `parents`, so a peer cannot 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -23,11 +23,13 @@ class TreeParams:
     max_depth: int = 16
     max_branch: int = 8
     expand_batch: int = 16
-    min_prob: float = 0.0  # nodes whose cumulative draft probability is below it are left out
+    min_prob: float = 0.0  # only nodes at least this probable (cumulative draft probability) are expanded
+    min_node_prob: float = 0.0  # only nodes at least this probable are proposed at all
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.min_prob < 1.0:
-            raise ValueError(f"min_prob must be in [0, 1), got {self.min_prob}")
+        for name, value in (("min_prob", self.min_prob), ("min_node_prob", self.min_node_prob)):
+            if not 0.0 <= value < 1.0:
+                raise ValueError(f"{name} must be in [0, 1), got {value}")
         for name, value, limit in (
             ("budget", self.budget, MAX_BUDGET),
             ("max_depth", self.max_depth, MAX_TREE_DEPTH),
@@ -38,13 +40,25 @@ class TreeParams:
                 raise ValueError(f"{name} must be in [1, {limit}], got {value}")
 
     @property
+    def shape(self) -> TreeParams:
+        """These limits without the floors: what a `TreeBuilder`'s working arrays depend on."""
+        return replace(self, min_prob=0.0, min_node_prob=0.0)
+
+    @property
     def is_chain(self) -> bool:
         return self.max_branch == 1
 
     @staticmethod
-    def chain(length: int, min_prob: float = 0.0) -> TreeParams:
+    def chain(length: int, min_prob: float = 0.0, min_node_prob: float = 0.0) -> TreeParams:
         """Classic speculative decoding: the draft's greedy chain of `length` tokens."""
-        return TreeParams(budget=length, max_depth=length, max_branch=1, expand_batch=1, min_prob=min_prob)
+        return TreeParams(
+            budget=length,
+            max_depth=length,
+            max_branch=1,
+            expand_batch=1,
+            min_prob=min_prob,
+            min_node_prob=min_node_prob,
+        )
 
 
 class TreeError(ValueError):

@@ -81,6 +81,7 @@ def tree_params_to_proto(p: TreeParams) -> pb.TreeParams:
         max_branch=p.max_branch,
         expand_batch=p.expand_batch,
         min_prob=p.min_prob,
+        min_node_prob=p.min_node_prob,
     )
 
 
@@ -92,6 +93,7 @@ def tree_params_from_proto(msg: pb.TreeParams, default: TreeParams | None = None
         max_branch=msg.max_branch if msg.HasField("max_branch") else base.max_branch,
         expand_batch=msg.expand_batch if msg.HasField("expand_batch") else base.expand_batch,
         min_prob=msg.min_prob if msg.HasField("min_prob") else base.min_prob,
+        min_node_prob=msg.min_node_prob if msg.HasField("min_node_prob") else base.min_node_prob,
     )
 
 

@@ -68,11 +68,12 @@ class DraftSession:
 
     def build_tree(self, params: TreeParams) -> BuiltTree:
         root_logprobs = self._catch_up()
-        builder = self._builders.pop(params, None) or TreeBuilder(params)
-        self._builders[params] = builder
+        shape = params.shape  # `--budget auto` moves the floors every step; the arrays fit any floors
+        builder = self._builders.pop(shape, None) or TreeBuilder(shape)
+        self._builders[shape] = builder
         if len(self._builders) > MAX_BUILDERS:
             self._builders.popitem(last=False)
-        self._last = builder.build(self.committed[-1], root_logprobs, self)
+        self._last = builder.build(self.committed[-1], root_logprobs, self, params)
         return self._last
 
     def _catch_up(self) -> Tensor:

@@ -5,6 +5,8 @@ The result is exactly the `budget` most probable nodes reachable when every node
 With a `min_prob` floor, only nodes at least that probable (cumulatively) may have children: the
 draft stops where its confidence runs out, so one step's tree is a long chain through text it is
 sure of and a short bush where it is not, and no forward is spent on a node whose children are dropped.
+With a `min_node_prob` floor, nodes less probable than it are never proposed: on a target whose pass
+grows with the tree, a node that unlikely costs more of the pass than it can bring back.
 Why that holds: a child never scores above its parent, so the kept set stays closed under ancestors;
 a pruned node only ever loses to nodes that stay; and the search ends only when every kept node
 that could still have a kept child has been expanded.
@@ -65,9 +67,20 @@ class TreeBuilder:
         self.expanded = torch.zeros(c, dtype=torch.bool)
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
-        self.floor = math.log(p.min_prob) if p.min_prob > 0 else -math.inf
+        self._set_floors(params)
 
-    def build(self, root_token: int, root_logprobs: Tensor, expander: Expander) -> BuiltTree:
+    def _set_floors(self, params: TreeParams) -> None:
+        self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
+        self.node_floor = math.log(params.min_node_prob) if params.min_node_prob > 0 else -math.inf
+
+    def build(
+        self, root_token: int, root_logprobs: Tensor, expander: Expander, params: TreeParams | None = None
+    ) -> BuiltTree:
+        """`params`, if given, must have this builder's shape; its floors apply to this tree only."""
+        if params is not None:
+            if params.shape != self.params.shape:
+                raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
+            self._set_floors(params)
         p = self.params
         self._reset(root_token)
         self._add_children(torch.zeros(1, dtype=torch.long), root_logprobs[None])
@@ -120,7 +133,7 @@ class TreeBuilder:
         child_scores = (self.scores[nodes, None] + child_lp).flatten()
         child_parent = nodes[:, None].expand(-1, k).flatten()
         child_tok = child_tok.flatten()
-        finite = torch.isfinite(child_scores)
+        finite = torch.isfinite(child_scores) & (child_scores >= self.node_floor)
         child_scores, child_parent, child_tok = child_scores[finite], child_parent[finite], child_tok[finite]
 
         old = self.alive[1:n].nonzero().squeeze(1) + 1

@@ -135,10 +135,9 @@ def decode(
     """One request, as `client.generation.Sequence.steps` runs it, with modelled times."""
     target_curve, draft_curve = curves
     tally, pending = Tally(), 1
-    request = planner.start(GREEDY) if planner is not None else None
     while tally.tokens < len(text.tokens):
         opening = tally.tokens == 0
-        params = planner.choose(GREEDY, opening, request) if planner is not None else shape
+        params = planner.choose(GREEDY) if planner is not None else shape
         assert params is not None
         at = tally.tokens
         expander = TimedExpander(text, at, draft_curve, noise, statistics.mean(text.confidence))
@@ -153,9 +152,8 @@ def decode(
         returned = rest[: accepted + 1]
         draft_s = catch_up + expander.seconds
         target_s = interpolate(target_curve, tree.size) * (1 + 0.1 * noise.random())
-        if planner is not None:
-            drafted = DraftedTree(tree, built.draft_forwards)
-            planner.observe(params, drafted, returned, draft_s, target_s, GREEDY, opening, request)
+        if planner is not None and not opening:
+            planner.observe(DraftedTree(tree, built.draft_forwards), returned, draft_s, target_s, GREEDY)
         tally.tokens += len(returned)
         tally.steps += 1
         tally.seconds += draft_s + target_s
@@ -180,6 +178,7 @@ CONTESTANTS: dict[str, TreeParams | None] = {
     **{f"chain k={k}": TreeParams.chain(k) for k in (2, 4, 8)},
     **{f"b={b} p=0.6": TreeParams(b, 16, 8, 16, min_prob=0.6) for b in (4, 8)},
     "chain k=8 p=0.6": TreeParams.chain(8, min_prob=0.6),
+    "b=16 p=0.6 q=0.05": TreeParams(16, 16, 8, 16, min_prob=0.6, min_node_prob=0.05),
 }
 
 

@@ -38,8 +38,17 @@ def pair_args(model_dirs) -> list[str]:
         ("specexec", ["--compile", "--compile-buckets", "1,16"]),
         ("specexec", ["--min-prob", "0.3"]),
         ("chain", ["--min-prob", "0.5"]),
+        ("specexec", ["--min-prob", "0.2", "--min-node-prob", "0.05"]),
     ],
-    ids=["specexec", "chain", "autoregressive", "specexec-compiled", "specexec-floor", "chain-floor"],
+    ids=[
+        "specexec",
+        "chain",
+        "autoregressive",
+        "specexec-compiled",
+        "specexec-floor",
+        "chain-floor",
+        "specexec-node-floor",
+    ],
 )
 def test_generate_json_matches_target_alone(model_dirs, loaded, mode, extra):
     prompt = "Hello, "
@@ -90,7 +99,7 @@ def test_generate_streams_text_and_reports_stats(model_dirs):
     assert "tokens per target step" in out.stderr
 
 
-def test_profile_prints_both_curves_the_planner_table_and_its_choice(model_dirs):
+def test_profile_prints_both_curves_the_planner_numbers_and_its_choice(model_dirs):
     out = run(
         "profile",
         *pair_args(model_dirs),
@@ -100,9 +109,10 @@ def test_profile_prints_both_curves_the_planner_table_and_its_choice(model_dirs)
         "16",
     )
     assert "target forward pass: 1 tok" in out.stdout and "draft forward pass: 1 tok" in out.stdout
-    assert "| shape | size | floor |" in out.stdout
+    assert "running rate" in out.stdout and "calibration" in out.stdout
     choice = out.stdout.strip().splitlines()[-1]
-    assert choice.startswith("choice: --"), choice
+    assert choice.startswith("choice: --budget 16 --min-prob "), choice
+    assert " --min-node-prob " in choice
 
 
 def test_bad_arguments_exit_with_a_clear_message(model_dirs):

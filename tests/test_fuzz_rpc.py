@@ -415,6 +415,7 @@ PARAMS = [
     "max_branch",
     "expand_batch",
     "min_prob",
+    "min_node_prob",
 ]
 
 
@@ -473,6 +474,7 @@ def build_cases(draw) -> Case:
         ("max_branch", st.one_of(st.integers(1, 4), st.integers(1, 1024))),
         ("expand_batch", st.one_of(st.integers(1, 4), st.integers(1, MAX_BUDGET))),
         ("min_prob", st.floats(0.0, 1.0, exclude_max=True)),
+        ("min_node_prob", st.floats(0.0, 1.0, exclude_max=True)),
     ):
         if draw(st.booleans()):
             setattr(params, name, draw(values))
@@ -489,9 +491,9 @@ def build_cases(draw) -> Case:
             p.budget = draw(st.integers(MAX_TREE + 1, MAX_BUDGET))
         elif name == "budget over the wire":
             p.budget = draw(st.integers(MAX_BUDGET + 1, U32))
-        elif name == "min_prob":
+        elif name in ("min_prob", "min_node_prob"):
             below, above = st.floats(max_value=0.0, exclude_max=True), st.floats(min_value=1.0)
-            p.min_prob = draw(st.one_of(st.just(math.nan), below, above))
+            setattr(p, name, draw(st.one_of(st.just(math.nan), below, above)))
         else:
             limit = {"max_depth": MAX_TREE_DEPTH, "max_branch": 1024, "expand_batch": MAX_BUDGET}[name]
             setattr(p, name, draw(st.one_of(st.just(0), st.integers(limit + 1, U32))))

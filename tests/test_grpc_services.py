@@ -258,6 +258,9 @@ def test_build_tree_refuses_bad_new_tokens_and_params(draft):
     request = build(sid, 1)
     request.params.min_prob = float("nan")
     draft.refused("BuildTree", request, grpc.StatusCode.INVALID_ARGUMENT, "min_prob", "[0, 1)")
+    request = build(sid, 1)
+    request.params.min_node_prob = 1.0
+    draft.refused("BuildTree", request, grpc.StatusCode.INVALID_ARGUMENT, "min_node_prob", "[0, 1)")
     request = build(sid, 1, new_tokens=[1])
     request.truncate_to = 999
     draft.refused("BuildTree", request, grpc.StatusCode.INVALID_ARGUMENT, "truncate")

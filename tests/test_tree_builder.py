@@ -47,11 +47,12 @@ class ToyExpander:
 
 
 def brute_force(params: TreeParams) -> dict[tuple[int, ...], float]:
-    """The top `budget` nodes among the children of nodes whose cumulative probability is at least
-    `min_prob` (the root always is)."""
+    """The top `budget` nodes at least `min_node_prob` probable among the children of nodes whose
+    cumulative probability is at least `min_prob` (the root always is)."""
     nodes: dict[tuple[int, ...], float] = {}
     frontier = [((), 0.0)]
     floor = math.log(params.min_prob) if params.min_prob else -math.inf
+    node_floor = math.log(params.min_node_prob) if params.min_node_prob else -math.inf
     for _ in range(params.max_depth):
         nxt = []
         for path, score in frontier:
@@ -60,16 +61,19 @@ def brute_force(params: TreeParams) -> dict[tuple[int, ...], float]:
             lp = toy_logprobs((0, *path))
             top = lp.topk(min(params.max_branch, VOCAB))
             for v, t in zip(top.values.tolist(), top.indices.tolist(), strict=True):
-                nxt.append(((*path, t), score + v))
+                if score + v >= node_floor:
+                    nxt.append(((*path, t), score + v))
         nodes.update(nxt)
         frontier = nxt
     best = sorted(nodes.items(), key=lambda kv: -kv[1])[: params.budget]
     return dict(best)
 
 
-def built_paths(params: TreeParams) -> tuple[dict[tuple[int, ...], float], ToyExpander, object]:
+def built_paths(
+    params: TreeParams, builder: TreeBuilder | None = None
+) -> tuple[dict[tuple[int, ...], float], ToyExpander, object]:
     expander = ToyExpander()
-    built = TreeBuilder(params).build(0, toy_logprobs((0,)), expander)
+    built = (builder or TreeBuilder(params)).build(0, toy_logprobs((0,)), expander, params)
     tree = built.tree
     paths: dict[int, tuple[int, ...]] = {0: ()}
     for i in range(1, tree.size):
@@ -113,6 +117,29 @@ def test_a_confidence_floor_expands_only_nodes_that_probable(min_prob, budget, b
     assert len(expander.forwards) <= len(unbounded.forwards)
 
 
+@pytest.mark.parametrize("min_node_prob", [0.001, 0.02, 0.1, 0.4])
+@pytest.mark.parametrize(
+    ("budget", "branch", "min_prob"), [(6, 1, 0.0), (8, 3, 0.0), (60, 4, 0.0), (60, 4, 0.3)]
+)
+def test_a_node_floor_proposes_only_nodes_that_probable(min_node_prob, budget, branch, min_prob):
+    params = TreeParams(budget, 8, branch, 4, min_prob=min_prob, min_node_prob=min_node_prob)
+    ours, _, built = built_paths(params)
+    assert set(ours) == set(brute_force(params))
+    assert bool((built.tree.logprobs >= math.log(min_node_prob)).all())
+    assert set(ours) <= set(built_paths(replace(params, min_node_prob=0.0))[0])
+
+
+def test_one_builder_serves_any_floors_and_refuses_another_shape():
+    """A draft session keeps one builder per shape: `--budget auto` moves the floors every step."""
+    shape = TreeParams(budget=40, max_depth=6, max_branch=4, expand_batch=4)
+    builder = TreeBuilder(shape)
+    for floors in [(0.0, 0.0), (0.5, 0.01), (0.1, 0.2), (0.0, 0.0)]:
+        params = replace(shape, min_prob=floors[0], min_node_prob=floors[1])
+        assert set(built_paths(params, builder)[0]) == set(brute_force(params))
+    with pytest.raises(ValueError, match="do not fit"):
+        builder.build(0, toy_logprobs((0,)), ToyExpander(), replace(shape, budget=41))
+
+
 def test_a_confident_chain_runs_to_its_length_and_an_unsure_one_stops():
     sure, _, built = built_paths(TreeParams.chain(5, min_prob=1e-9))
     assert len(sure) == 5 and built.draft_forwards == 4
@@ -148,6 +175,9 @@ def test_chain_params_give_the_greedy_chain():
         ("expand_batch", 0),
         ("budget", 10**6),
         ("min_prob", 1.0),
+        ("min_node_prob", 1.0),
+        ("min_node_prob", -0.01),
+        ("min_node_prob", float("nan")),
         ("min_prob", -0.1),
         ("min_prob", float("nan")),
     ],

@@ -63,18 +63,20 @@ class TokenTree(_message.Message):
     def __init__(self, format_version: _Optional[int] = ..., tokens: _Optional[bytes] = ..., parents: _Optional[bytes] = ..., logprobs: _Optional[bytes] = ...) -> None: ...
 
 class TreeParams(_message.Message):
-    __slots__ = ("budget", "max_depth", "max_branch", "expand_batch", "min_prob")
+    __slots__ = ("budget", "max_depth", "max_branch", "expand_batch", "min_prob", "min_node_prob")
     BUDGET_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_BRANCH_FIELD_NUMBER: _ClassVar[int]
     EXPAND_BATCH_FIELD_NUMBER: _ClassVar[int]
     MIN_PROB_FIELD_NUMBER: _ClassVar[int]
+    MIN_NODE_PROB_FIELD_NUMBER: _ClassVar[int]
     budget: int
     max_depth: int
     max_branch: int
     expand_batch: int
     min_prob: float
-    def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., max_branch: _Optional[int] = ..., expand_batch: _Optional[int] = ..., min_prob: _Optional[float] = ...) -> None: ...
+    min_node_prob: float
+    def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., max_branch: _Optional[int] = ..., expand_batch: _Optional[int] = ..., min_prob: _Optional[float] = ..., min_node_prob: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "ignore_eos")
