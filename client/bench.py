@@ -62,6 +62,7 @@ class Contestant:
     run: Callable[[list[int], SamplingParams], Run]
     budget: int | None = None  # specexec budget, for the budget sweeps
     min_prob: float = 0.0  # the sweep's confidence floor: one line per floor in the plots
+    min_node_prob: float = 0.0  # and its node floor
 
 
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None) -> list[dict[str, str]]:
@@ -94,7 +95,12 @@ def encode(tokenizer: Any, prompt: str) -> list[int]:
 
 
 def engine_contestant(
-    name: str, gen: SpecExec, budget: int | None = None, family: str = "engine", min_prob: float = 0.0
+    name: str,
+    gen: SpecExec,
+    budget: int | None = None,
+    family: str = "engine",
+    min_prob: float = 0.0,
+    min_node_prob: float = 0.0,
 ) -> Contestant:
     def run(ids: list[int], sampling: SamplingParams) -> Run:
         out = gen.generate(ids, sampling)
@@ -102,7 +108,7 @@ def engine_contestant(
         return Run(name, -1, "", "", out.token_ids, s.wall_seconds, s.target_steps, s.draft_seconds,
                    s.target_seconds, list(s.accepted_per_step), list(s.budgets), s.chain_steps)  # fmt: skip
 
-    return Contestant(name, family, run, budget, min_prob)
+    return Contestant(name, family, run, budget, min_prob, min_node_prob)
 
 
 def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> list[Contestant]:
@@ -207,15 +213,17 @@ def build_contestants(
                 )
             )
         for b in args.budgets:
-            shape = replace(tree, budget=b, min_prob=p)
-            out.append(
-                engine_contestant(
-                    f"specexec b={b} p={p:g}",
-                    SpecExec(target, draft, tokenizer, tree=shape),
-                    budget=b,
-                    min_prob=p,
+            for q in sorted({0.0, args.min_node_prob}):
+                shape = replace(tree, budget=b, min_prob=p, min_node_prob=q)
+                out.append(
+                    engine_contestant(
+                        f"specexec b={b} p={p:g}" + (f" q={q:g}" if q else ""),
+                        SpecExec(target, draft, tokenizer, tree=shape),
+                        budget=b,
+                        min_prob=p,
+                        min_node_prob=q,
+                    )
                 )
-            )
     if args.auto:
         params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
                             expand_batch=tree.expand_batch)  # fmt: skip
@@ -237,9 +245,8 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
                 model.compiled = handle if on else None
             return c.run(ids, sampling)
 
-        return Contestant(
-            c.name + (" compiled" if on else ""), c.family, run, None if on else c.budget, c.min_prob
-        )
+        name = c.name + (" compiled" if on else "")
+        return Contestant(name, c.family, run, None if on else c.budget, c.min_prob, c.min_node_prob)
 
     return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
@@ -306,7 +313,8 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 drafted = [b for r in sel for b in r.budgets]
                 q = statistics.quantiles(tps, n=10, method="inclusive") if len(tps) >= 2 else [tps[0]] * 9
                 rows.append(dict(
-                    contestant=c.name, family=c.family, budget=c.budget, min_prob=c.min_prob, setting=setting,
+                    contestant=c.name, family=c.family, budget=c.budget, min_prob=c.min_prob,
+                    min_node_prob=c.min_node_prob, setting=setting,
                     category=category,
                     tok_s_median=statistics.median(tps), tok_s_p10=q[0], tok_s_p90=q[-1],
                     tokens_per_step=tokens / steps if steps else None,
@@ -337,7 +345,8 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
         passes = [pass_seconds(b + 1) for r in sel for b in r.budgets]
         passes += [pass_seconds(1)] * (steps - len(passes))  # steps the target ran alone
         seconds = sum(r.draft_seconds for r in sel) + sum(passes)
-        rows.append(dict(contestant=c.name, budget=c.budget, min_prob=c.min_prob, tokens_per_step=tokens / steps,
+        rows.append(dict(contestant=c.name, budget=c.budget, min_prob=c.min_prob, min_node_prob=c.min_node_prob,
+                         tokens_per_step=tokens / steps,
                          projected_tok_s=tokens / seconds, pass_seconds=sum(passes) / steps))  # fmt: skip
     return rows
 
@@ -386,6 +395,16 @@ def write_report(
     return text
 
 
+def _floors(row: dict) -> tuple[float, float]:
+    """A row's floors; JSON from before a field existed has none."""
+    return row.get("min_prob", 0.0), row.get("min_node_prob", 0.0)
+
+
+def _floors_label(floors: tuple[float, float]) -> str:
+    p, q = floors
+    return (f", floor {p:g}" if p else "") + (f", node floor {q:g}" if q else "")
+
+
 def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     import matplotlib
 
@@ -393,15 +412,15 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
-    floors = sorted({r.get("min_prob", 0.0) for r in summary if r["budget"]})
+    floors = sorted({_floors(r) for r in summary if r["budget"]})
     for setting in sorted({r["setting"] for r in summary}):
-        for p in floors:
+        for f in floors:
             rows = sorted((r for r in summary if r["setting"] == setting and r["category"] == "all"
-                           and r["budget"] and r.get("min_prob", 0.0) == p), key=lambda r: r["budget"])  # fmt: skip
+                           and r["budget"] and _floors(r) == f), key=lambda r: r["budget"])  # fmt: skip
             if not rows:
                 continue
-            label = setting + (f", floor {p:g}" if p else "")
-            style = "o-" if not p else "^--"
+            label = setting + _floors_label(f)
+            style = "^--" if f[0] else "o-"
             axes[0].plot(
                 [r["budget"] for r in rows], [r["tokens_per_step"] for r in rows], style, label=label
             )
@@ -411,11 +430,10 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
                 axes[1].axhline(
                     r["tok_s_median"], linestyle="--", color="grey", label=f"target alone ({setting})"
                 )
-    for p in floors:
-        rows = sorted((r for r in projection if r["budget"] and r.get("min_prob", 0.0) == p),
-                      key=lambda r: r["budget"])  # fmt: skip
+    for f in floors:
+        rows = sorted((r for r in projection if r["budget"] and _floors(r) == f), key=lambda r: r["budget"])
         if rows:
-            label = "projected offload" + (f", floor {p:g}" if p else "")
+            label = "projected offload" + _floors_label(f)
             axes[1].plot([r["budget"] for r in rows], [r["projected_tok_s"] for r in rows], "s:", label=label)
     for ax, title in ((axes[0], "tokens per target pass"), (axes[1], "tokens per second")):
         ax.set_xscale("log", base=2)
@@ -567,6 +585,12 @@ def add_bench_parser(sub: Any) -> None:
         nargs="+",
         default=[],
         help="also run every chain and budget expanding only nodes at least this probable",
+    )
+    b.add_argument(
+        "--min-node-prob",
+        type=float,
+        default=0.0,
+        help="also run every floored budget (--min-probs) proposing only nodes at least this probable",
     )
     b.add_argument("--max-depth", type=int, default=16)
     b.add_argument("--max-branch", type=int, default=8)

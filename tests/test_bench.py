@@ -69,20 +69,32 @@ def test_bench_repeats_each_prompt_in_separate_passes(model_dirs, tmp_path):
     )
 
 
-def test_bench_floored_shapes_are_exact_and_plotted_per_floor(model_dirs, tmp_path):
+def test_bench_floored_shapes_are_exact_and_plotted_per_floor_and_node_floor(model_dirs, tmp_path):
     out = tmp_path / "bench"
     raw = run_bench(model_dirs, out, "--limit", "1", "--budgets", "4", "8", "--chain", "2", "--min-probs", "0.5",
-                    "--no-auto", "--no-hf", "--no-grpc", "--exactness", "1", "--sampled",
+                    "--min-node-prob", "0.02", "--no-auto", "--no-hf", "--no-grpc", "--exactness", "1", "--sampled",
                     "--target-cost-model", "bandwidth:25")  # fmt: skip
-    floored = {"chain k=2 p=0.5", "specexec b=4 p=0.5", "specexec b=8 p=0.5"}
+    floored = {"chain k=2 p=0.5", "specexec b=4 p=0.5", "specexec b=8 p=0.5", "specexec b=8 p=0.5 q=0.02"}
     assert floored < {r["contestant"] for r in raw["runs"]}
     assert {e["contestant"] for e in raw["exactness"]} >= floored
     assert all(e["first_divergence"] is None for e in raw["exactness"])
-    trees = {(r["contestant"], r["budget"], r["min_prob"]) for r in raw["summary"] if r["budget"]}
-    assert trees == {("specexec b=4", 4, 0.0), ("specexec b=8", 8, 0.0),
-                     ("specexec b=4 p=0.5", 4, 0.5), ("specexec b=8 p=0.5", 8, 0.5)}  # fmt: skip
-    projected = {(p["budget"], p["min_prob"]) for p in raw["projection"] if p["budget"]}
-    assert projected == {(4, 0.0), (8, 0.0), (4, 0.5), (8, 0.5)}
+    trees = {
+        (r["contestant"], r["budget"], r["min_prob"], r["min_node_prob"])
+        for r in raw["summary"]
+        if r["budget"]
+    }
+    assert trees == {("specexec b=4", 4, 0.0, 0.0), ("specexec b=8", 8, 0.0, 0.0),
+                     ("specexec b=4 p=0.5", 4, 0.5, 0.0), ("specexec b=8 p=0.5", 8, 0.5, 0.0),
+                     ("specexec b=4 p=0.5 q=0.02", 4, 0.5, 0.02), ("specexec b=8 p=0.5 q=0.02", 8, 0.5, 0.02)}  # fmt: skip
+    projected = {(p["budget"], p["min_prob"], p["min_node_prob"]) for p in raw["projection"] if p["budget"]}
+    assert projected == {
+        (4, 0.0, 0.0),
+        (8, 0.0, 0.0),
+        (4, 0.5, 0.0),
+        (8, 0.5, 0.0),
+        (4, 0.5, 0.02),
+        (8, 0.5, 0.02),
+    }
     assert (out / "bench.png").stat().st_size > 10_000
 
 
