@@ -40,7 +40,8 @@ K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better s
 K_NODE = 3.0  # the mean slope up to the usual size understates the last nodes on a convex curve
 EMA = 0.05  # rate and calibration: about 20 steps
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
-MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
+MAX_FLOOR = 0.95
+SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -115,16 +116,22 @@ class BudgetPlanner:
             return self._thresholds(self._stats(regime))
 
     def _thresholds(self, s: RegimeStats) -> Thresholds:
-        size = min(max(s.size, 1.0), float(self.base.budget))
-        grown = interpolate(self.target_curve, size + 1) - interpolate(self.target_curve, 1)
-        slope = self.target_scale * max(grown, 0.0) / size
+        """The target's cost per tree token is its curve's mean slope over at least SLOPE_SPAN tokens:
+        between 1 and 2 tokens the curve is a difference of two noisy timings, and a slope read there
+        (where small trees would put it) raised the node floor, which shrank the trees further, until
+        steps proposed nothing. A node worth expanding is worth proposing: the node floor never
+        exceeds the expansion floor."""
+        span = min(max(s.size, float(SLOPE_SPAN)), float(self.base.budget))
+        grown = interpolate(self.target_curve, span + 1) - interpolate(self.target_curve, 1)
+        slope = self.target_scale * max(grown, 0.0) / span
         level = self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
         value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node
+        min_prob = min(MAX_FLOOR, K_LEVEL * value * level)
         params = replace(
             self.base,
             expand_batch=self.expand_batch,
-            min_prob=round(min(MAX_FLOOR, K_LEVEL * value * level), 4),
-            min_node_prob=round(min(MAX_FLOOR, K_NODE * value * slope), 4),
+            min_prob=round(min_prob, 4),
+            min_node_prob=round(min(min_prob, K_NODE * value * slope), 4),
         )
         return Thresholds(s.rate, s.calibration, level, slope, params)
 
@@ -142,10 +149,17 @@ class BudgetPlanner:
     ) -> None:
         """Learn from one step whose `tokens` (accepted path and the target's own token) were not cut
         short by a stop or a length limit. A request's first step is not one to learn from: both
-        models' pass over the prompt is in its times."""
+        models' pass over the prompt is in its times. A step that proposed nothing still counts
+        towards the rate: were it left out, a rate learned on easier text would hold the floors up
+        and keep the trees empty."""
         tree = drafted.tree
         n = tree.size - 1
-        if tree.logprobs is None or n < 1:
+        if n < 1 or tree.logprobs is None:
+            with self._lock:
+                s = self._stats(regime)
+                s.tokens += EMA * (len(tokens) - s.tokens)
+                s.seconds += EMA * (draft_seconds + target_seconds - s.seconds)
+                s.steps += 1
             return
         accepted = len(tokens) - 1
         predicted = float(tree.logprobs[1:].double().exp().sum())

@@ -4,6 +4,8 @@ Large trees where a target pass costs the same for any size; small, confident on
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -108,12 +110,30 @@ def test_a_new_planner_starts_from_the_target_alone_rate():
     assert plan.choose().min_prob < 0.5
 
 
-def test_root_only_and_unscored_trees_teach_nothing():
+def test_steps_that_proposed_nothing_bring_the_rate_and_the_floors_down():
+    """On text the draft cannot guess, high floors leave trees empty; those steps must still teach the
+    rate, or a rate learned on easier text holds the floors up for good."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
-    before = plan.stats()
-    plan.observe(DraftedTree(TokenTree.root_only(3), 0), [5], 0.1, 0.1)
-    plan.observe(DraftedTree(TokenTree(torch.arange(3), torch.tensor([-1, 0, 1])), 1), [1, 2], 0.1, 0.1)
-    assert plan.stats() == before
+    observe(plan, accepted=8, seconds=0.2)  # code: 45 tok/s
+    high = plan.choose()
+    for _ in range(60):
+        plan.observe(DraftedTree(TokenTree.root_only(3), 0), [5], 0.016, 0.078)
+    assert plan.thresholds().rate < 15  # the target alone runs at 10.6
+    assert plan.choose().min_prob < high.min_prob / 3
+
+
+def test_a_noisy_start_of_the_target_curve_does_not_empty_the_trees():
+    """Small trees must not read the target's cost per token between 1 and 2 tokens, where the curve is
+    a difference of two noisy timings: a steep one there raised the node floor, trees shrank, and the
+    floor rose again."""
+    noisy = [(1, 0.078), (2, 0.092), (4, 0.080), (8, 0.082), (16, 0.107), (64, 0.32)]
+    plan = BudgetPlanner(noisy, DRAFT, base=replace(BASE, budget=16))
+    tree = chain_tree(1, 0.6)
+    for _ in range(100):
+        plan.observe(DraftedTree(tree, 0), [1, 2], 0.016, 0.08)
+    params = plan.choose()
+    assert params.min_node_prob < 0.1
+    assert params.min_node_prob <= params.min_prob
 
 
 def test_planner_needs_curves():
