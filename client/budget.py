@@ -24,7 +24,7 @@ The planner keeps two running quantities per sampling regime, the rate and the c
 averaged over about 20 steps. It never picks among shapes by their measured means, so no shape is
 chosen because noise flattered it; a fixed floor cannot follow the machine or the text as these do.
 K_LEVEL and K_NODE were fitted in `scripts/planner_sim.py`; around them (K_LEVEL 1-1.5, K_NODE 2-3)
-its speeds stay within 3%.
+its speeds stay within 4%.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class RegimeStats:
     batch: float = 1.0  # nodes per expansion forward
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
-    steps: int = 0
 
     @property
     def rate(self) -> float:
@@ -154,28 +153,23 @@ class BudgetPlanner:
         and keep the trees empty."""
         tree = drafted.tree
         n = tree.size - 1
+        with self._lock:
+            s = self._stats(regime)
+            s.tokens += EMA * (len(tokens) - s.tokens)
+            s.seconds += EMA * (draft_seconds + target_seconds - s.seconds)
         if n < 1 or tree.logprobs is None:
-            with self._lock:
-                s = self._stats(regime)
-                s.tokens += EMA * (len(tokens) - s.tokens)
-                s.seconds += EMA * (draft_seconds + target_seconds - s.seconds)
-                s.steps += 1
             return
         accepted = len(tokens) - 1
         predicted = float(tree.logprobs[1:].double().exp().sum())
         expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
         forwards = drafted.draft_forwards
         with self._lock:
-            s = self._stats(regime)
-            s.tokens += EMA * (len(tokens) - s.tokens)
-            s.seconds += EMA * (draft_seconds + target_seconds - s.seconds)
             s.accepted += EMA * (accepted - s.accepted)
             s.predicted += EMA * (predicted - s.predicted)
             s.size += EMA * (n - s.size)
             if forwards and expanded:
                 s.batch += EMA * (expanded / forwards - s.batch)
             s.children += EMA * (n / (1 + expanded) - s.children)
-            s.steps += 1
             batch = expanded / forwards if forwards else 1.0
             modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)

@@ -67,7 +67,6 @@ class TreeBuilder:
         self.expanded = torch.zeros(c, dtype=torch.bool)
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
-        self._set_floors(params)
 
     def _set_floors(self, params: TreeParams) -> None:
         self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
@@ -77,10 +76,9 @@ class TreeBuilder:
         self, root_token: int, root_logprobs: Tensor, expander: Expander, params: TreeParams | None = None
     ) -> BuiltTree:
         """`params`, if given, must have this builder's shape; its floors apply to this tree only."""
-        if params is not None:
-            if params.shape != self.params.shape:
-                raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
-            self._set_floors(params)
+        if params is not None and params.shape != self.params.shape:
+            raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
+        self._set_floors(params or self.params)
         p = self.params
         self._reset(root_token)
         self._add_children(torch.zeros(1, dtype=torch.long), root_logprobs[None])
