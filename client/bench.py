@@ -327,6 +327,37 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
     return rows
 
 
+def rank(runs: list[Run]) -> list[dict[str, Any]]:
+    """Every contestant's place per setting and category, with paired evidence beside it.
+
+    One run per prompt is noisy, and prompts differ in speed far more than contestants do, so a
+    place alone says little. Each place therefore says on how many of the same prompts (and
+    repeats) the contestant beat the one just below it, and its speed-up over the target alone is
+    the median of per-prompt ratios, in which each prompt's own speed cancels."""
+    rows = []
+    for setting in sorted({r.setting for r in runs}):
+        for category in ["all", *sorted({r.category for r in runs})]:
+            speeds: dict[str, dict[tuple[int, int], float]] = {}
+            for r in runs:
+                if r.setting == setting and category in ("all", r.category):
+                    speeds.setdefault(r.contestant, {})[(r.prompt, r.repeat)] = r.tokens_per_second
+            reference = speeds.get("autoregressive", {})
+            order = sorted(speeds, key=lambda name: -statistics.median(speeds[name].values()))
+            for place, name in enumerate(order, 1):
+                mine = speeds[name]
+                ratios = [mine[k] / reference[k] for k in mine.keys() & reference.keys() if reference[k]]
+                below = speeds[order[place]] if place < len(order) else {}
+                paired = mine.keys() & below.keys()
+                rows.append(dict(
+                    setting=setting, category=category, place=place, contestant=name,
+                    tok_s_median=statistics.median(mine.values()),
+                    x_target_alone=statistics.median(ratios) if ratios else None,
+                    next_contestant=order[place] if place < len(order) else None,
+                    beat_next=sum(mine[k] > below[k] for k in paired), paired_runs=len(paired),
+                ))  # fmt: skip
+    return rows
+
+
 def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, bandwidth_gbps: float,
             per_token_ms: float) -> list[dict[str, Any]]:  # fmt: skip
     """Replay each run's measured draft time and acceptance against an offloaded target's pass time:
@@ -352,7 +383,7 @@ def project(runs: list[Run], contestants: list[Contestant], target_bytes: int, b
 
 
 def write_report(
-    out: Path, meta: dict, summary: list[dict], exact: list[dict], projection: list[dict]
+    out: Path, meta: dict, summary: list[dict], ranking: list[dict], exact: list[dict], projection: list[dict]
 ) -> str:
     lines = [f"# Benchmark: {meta['target']} <- {meta['draft']}", "",
              f"{meta['prompts']} prompts, {meta['max_new_tokens']} new tokens, {meta['dtype']}, "
@@ -372,6 +403,17 @@ def write_report(
             lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
                          f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} |")  # fmt: skip
         lines.append("")
+    lines += ["## Fastest per category", "",
+              "The first three places; the last column pairs each with the contestant just below it, prompt by prompt.",
+              "", "| setting | category | place | contestant | tok/s median | x the target alone | beat the next on |",
+              "|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in ranking:
+        if r["place"] <= 3:
+            speedup = f"{r['x_target_alone']:.2f}x" if r["x_target_alone"] else "-"
+            paired = f"{r['beat_next']} of {r['paired_runs']}" if r["next_contestant"] else "-"
+            lines.append(f"| {r['setting']} | {r['category']} | {r['place']} | {r['contestant']} | "
+                         f"{r['tok_s_median']:.2f} | {speedup} | {paired} |")  # fmt: skip
+    lines.append("")
     bad = [e for e in exact if e["first_divergence"] is not None]
     lines += ["## Exactness against the target alone", ""]
     if not exact:
@@ -530,6 +572,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     families = {c.name: c.family for c in contestants}
     divergence = check_exactness([r for r in runs if r.setting == "greedy"], families)
     summary = summarize(runs, contestants)
+    ranking = rank(runs)
     projection: list[dict] = []
     if args.target_cost_model:
         bandwidth = float(args.target_cost_model.split(":")[1]) if ":" in args.target_cost_model else 25.0
@@ -538,10 +581,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         projection = project(runs, contestants, target_bytes, bandwidth, args.per_token_ms)
     meta["peak_rss_mb"] = peak_rss_bytes() / 2**20
     meta["grpc_nodes_peak_rss_mb"] = node_rss
-    raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, exactness=exact,
+    raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, ranking=ranking, exactness=exact,
                bf16_divergence=divergence, projection=projection)  # fmt: skip
     (out / "results.json").write_text(json.dumps(raw, indent=1))
-    report = write_report(out, meta, summary, exact, projection)
+    report = write_report(out, meta, summary, ranking, exact, projection)
     plot(out, summary, projection)
     print(report)
     failures = [e for e in exact if e["first_divergence"] is not None]

@@ -8,7 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.bench import load_prompts
+import pytest
+
+from client.bench import Run, load_prompts, rank
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -103,3 +105,28 @@ def test_bench_refuses_a_repeat_below_one():
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert run.returncode == 2 and "--repeat: must be >= 1, got 0" in run.stderr
+
+
+def test_ranking_pairs_each_place_with_the_next_prompt_by_prompt():
+    def run(name: str, prompt: int, category: str, tok_s: float) -> Run:
+        return Run(name, prompt, category, "greedy", [0] * 100, 100 / tok_s, target_steps=1)
+
+    speeds = {"autoregressive": (10, 10, 8), "a": (25, 18, 12), "b": (20, 22, 16)}
+    runs = [
+        run(name, i, ("code", "code", "prose")[i], s)
+        for name, row in speeds.items()
+        for i, s in enumerate(row)
+    ]
+    cells = {(r["category"], r["place"]): r for r in rank(runs)}
+    first, second = cells[("code", 1)], cells[("code", 2)]
+    assert (first["contestant"], second["contestant"], cells[("code", 3)]["contestant"]) == (
+        "a",
+        "b",
+        "autoregressive",
+    )
+    assert (first["beat_next"], first["paired_runs"], first["next_contestant"]) == (1, 2, "b")
+    assert first["x_target_alone"] == pytest.approx((2.5 + 1.8) / 2)
+    assert (second["beat_next"], second["paired_runs"]) == (2, 2)
+    assert cells[("code", 3)]["next_contestant"] is None
+    assert cells[("all", 1)]["contestant"] == "b"  # medians 18 (a) and 20 (b) over all three prompts
+    assert cells[("prose", 1)]["x_target_alone"] == pytest.approx(2.0)
