@@ -346,14 +346,15 @@ def rank(runs: list[Run]) -> list[dict[str, Any]]:
             for place, name in enumerate(order, 1):
                 mine = speeds[name]
                 ratios = [mine[k] / reference[k] for k in mine.keys() & reference.keys() if reference[k]]
-                below = speeds[order[place]] if place < len(order) else {}
-                paired = mine.keys() & below.keys()
+                below = order[place] if place < len(order) else None
+                theirs = speeds[below] if below else {}
+                paired = mine.keys() & theirs.keys()
                 rows.append(dict(
                     setting=setting, category=category, place=place, contestant=name,
                     tok_s_median=statistics.median(mine.values()),
                     x_target_alone=statistics.median(ratios) if ratios else None,
-                    next_contestant=order[place] if place < len(order) else None,
-                    beat_next=sum(mine[k] > below[k] for k in paired), paired_runs=len(paired),
+                    next_contestant=below,
+                    beat_next=sum(mine[k] > theirs[k] for k in paired), paired_runs=len(paired),
                 ))  # fmt: skip
     return rows
 

@@ -24,7 +24,7 @@ The planner keeps two running quantities per sampling regime, the rate and the c
 averaged over about 20 steps. It never picks among shapes by their measured means, so no shape is
 chosen because noise flattered it; a fixed floor cannot follow the machine or the text as these do.
 K_LEVEL was fitted in `scripts/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
-own 1: the simulator cannot tell 1 from 3 (within 1%), while on the real pair 3 kept chat and prose
+own 1: the simulator cannot tell 1 from 3 (about 1% apart), while on the real pair 3 kept chat and prose
 trees at about 2 nodes, behind the fixed node-floored shapes, and nodes of middling q are accepted
 more often than c·q says (docs/benchmarks.md, "The node floor's constant").
 """
@@ -42,7 +42,7 @@ K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better s
 K_NODE = 1.0  # a node pays for its place in the pass; measured above 1 it kept chat and prose trees too small
 EMA = 0.05  # rate and calibration: about 20 steps
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
-MAX_FLOOR = 0.95
+MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
 GREEDY, SAMPLED = "greedy", "sampled"
 
@@ -91,6 +91,8 @@ class BudgetPlanner:
     base: TreeParams  # the cap: its budget, depth and branching bound every tree
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
+    k_level: float = K_LEVEL  # per planner, so scripts/auto_constants.py can race variants side by side
+    k_node: float = K_NODE
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -127,12 +129,12 @@ class BudgetPlanner:
         slope = self.target_scale * max(grown, 0.0) / span
         level = self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
         value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node
-        min_prob = min(MAX_FLOOR, K_LEVEL * value * level)
+        min_prob = min(MAX_FLOOR, self.k_level * value * level)
         params = replace(
             self.base,
             expand_batch=self.expand_batch,
             min_prob=round(min_prob, 4),
-            min_node_prob=round(min(min_prob, K_NODE * value * slope), 4),
+            min_node_prob=round(min(min_prob, self.k_node * value * slope), 4),
         )
         return Thresholds(s.rate, s.calibration, level, slope, params)
 

@@ -1,9 +1,10 @@
 """`--budget auto` with different planner constants against fixed node-floored shapes, on the real pair.
 
 The constants of `client/budget.py` were first fitted in `scripts/planner_sim.py`; this checks them
-on the real models. Every contestant decodes the same prompts (the bench's balanced first N), in an
-order that rotates each prompt and setting, and prints one JSON line per run, then medians per
-category. The bench's own `specexec bench` cannot vary a module constant between contestants.
+on the real models. It runs the bench's own loop (`client.bench.run_phase`: the bench's balanced
+first N prompts, contestants taking turns in a rotating order), which `specexec bench` cannot do
+here because its auto contestant has one planner with the module's constants. Writes every run to
+`--out` and prints median tok/s and draft nodes a step per category.
 
     .venv/bin/python scripts/auto_constants.py --limit 12 --constants 1.25,3 1.25,1 --out runs.json
 """
@@ -12,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -21,13 +21,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import client.budget as budget
 from client.api import SpecExec
-from client.bench import GREEDY, SAMPLED, encode, load_prompts
+from client.bench import GREEDY, SAMPLED, engine_contestant, load_prompts, run_phase, summarize
 from common.loading import load_model
 from common.model_store import resolve_model
 from common.quantized_linear import draft_dtype
-from common.sampling import SamplingParams
 from common.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -50,45 +48,27 @@ def main() -> None:
     target.profile()
     draft.profile()
     tokenizer, base = target_model.tokenizer, TreeParams(budget=max(args.budgets))
-    contestants: dict[str, tuple[SpecExec, tuple[float, float] | None]] = {"target alone": (
-        SpecExec(target, None, tokenizer, mode="autoregressive"), None)}  # fmt: skip
+    contestants = [
+        engine_contestant("autoregressive", SpecExec(target, None, tokenizer, mode="autoregressive"))
+    ]
     for pair in args.constants:
-        k_level, k_node = (float(x) for x in pair.split(","))
-        contestants[f"auto {k_level:g}/{k_node:g}"] = (
-            SpecExec(target, draft, tokenizer, tree=base, auto_budget=True), (k_level, k_node))  # fmt: skip
+        gen = SpecExec(target, draft, tokenizer, tree=base, auto_budget=True)
+        assert gen.planner is not None
+        gen.planner.k_level, gen.planner.k_node = (float(x) for x in pair.split(","))
+        contestants.append(engine_contestant(f"auto {gen.planner.k_level:g}/{gen.planner.k_node:g}", gen))
     for b in args.budgets:
         shape = replace(base, budget=b, min_prob=0.6, min_node_prob=0.05)
-        contestants[f"b={b} p=0.6 q=0.05"] = (SpecExec(target, draft, tokenizer, tree=shape), None)
-    rows, names, turn = [], list(contestants), 0
-    for i, prompt in enumerate(load_prompts(None, args.limit, None)):
-        ids = encode(tokenizer, prompt["prompt"])
-        for setting, extra in (("greedy", GREEDY), ("sampled", SAMPLED)):
-            sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=i, **extra)
-            shift, turn = turn % len(names), turn + 1
-            for name in names[shift:] + names[:shift]:
-                gen, constants = contestants[name]
-                if constants:
-                    budget.K_LEVEL, budget.K_NODE = constants
-                out = gen.generate(ids, sampling)
-                s = out.stats
-                rows.append(dict(name=name, cat=prompt["category"], setting=setting, prompt=i,
-                                 tps=len(out.token_ids) / s.wall_seconds,
-                                 nodes=statistics.mean(s.budgets) if s.budgets else 0.0,
-                                 acc=statistics.mean(s.accepted_per_step),
-                                 ms=1000 * s.wall_seconds / s.target_steps))  # fmt: skip
-                print(json.dumps(rows[-1]), flush=True)
-    args.out.write_text(json.dumps(rows))
-    for setting in ("greedy", "sampled"):
-        for cat in ("all", "code", "chat", "prose"):
-            line = f"{setting:7s} {cat:5s}"
-            for name in names:
-                sel = [
-                    r
-                    for r in rows
-                    if r["name"] == name and r["setting"] == setting and cat in ("all", r["cat"])
-                ]
-                line += f" | {name}: {statistics.median(r['tps'] for r in sel):.2f} ({statistics.mean(r['nodes'] for r in sel):.1f} nodes)"
-            print(line)
+        contestants.append(
+            engine_contestant(f"b={b} p=0.6 q=0.05", SpecExec(target, draft, tokenizer, tree=shape))
+        )
+    prompts = load_prompts(None, args.limit, None)
+    runs = run_phase(prompts, contestants, tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
+                     args.max_new_tokens, 0, "auto constants")  # fmt: skip
+    args.out.write_text(json.dumps([r.__dict__ for r in runs]))
+    for row in summarize(runs, contestants):
+        nodes = row["mean_draft_nodes"] or 0.0
+        print(f"{row['setting']:7s} {row['category']:5s} {row['contestant']:18s} "
+              f"{row['tok_s_median']:6.2f} tok/s {nodes:4.1f} nodes")  # fmt: skip
 
 
 if __name__ == "__main__":
