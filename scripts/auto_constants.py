@@ -7,6 +7,8 @@ here because its auto contestant has one planner with the module's constants. Wr
 `--out` and prints median tok/s and draft nodes a step per category.
 
     .venv/bin/python scripts/auto_constants.py --limit 12 --constants 1.25,3 1.25,1 --out runs.json
+    .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 --repeat 2 \
+        --constants 1.25,1,1 1.25,1,1e9 --out runs.json     # per-bin calibration against one
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
-from client.bench import GREEDY, SAMPLED, engine_contestant, load_prompts, run_phase, summarize
+from client.bench import GREEDY, SAMPLED, engine_contestant, load_prompts, rank, run_phase, summarize
+from client.budget import PRIOR
 from common.loading import load_model
 from common.model_store import resolve_model
 from common.quantized_linear import draft_dtype
@@ -34,7 +37,14 @@ from target_node.engine import TargetEngine
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument("--constants", nargs="+", default=["1.25,3", "1.25,1"], help="K_LEVEL,K_NODE pairs")
+    ap.add_argument(
+        "--constants",
+        nargs="+",
+        default=["1.25,3", "1.25,1"],
+        help="K_LEVEL,K_NODE[,PRIOR]: PRIOR 1e9 gives every bin of q the regime's one calibration",
+    )
+    ap.add_argument("--categories", nargs="+", help="only these prompt categories")
+    ap.add_argument("--repeat", type=int, default=1, help="passes over the prompt set")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16], help="fixed shapes, p=0.6 q=0.05")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, required=True)
@@ -51,24 +61,30 @@ def main() -> None:
     contestants = [
         engine_contestant("autoregressive", SpecExec(target, None, tokenizer, mode="autoregressive"))
     ]
-    for pair in args.constants:
+    for constants in args.constants:
         gen = SpecExec(target, draft, tokenizer, tree=base, auto_budget=True)
         assert gen.planner is not None
-        gen.planner.k_level, gen.planner.k_node = (float(x) for x in pair.split(","))
-        contestants.append(engine_contestant(f"auto {gen.planner.k_level:g}/{gen.planner.k_node:g}", gen))
+        plan = gen.planner
+        plan.k_level, plan.k_node, plan.prior = (float(x) for x in f"{constants},{PRIOR}".split(",")[:3])
+        contestants.append(engine_contestant(f"auto {plan.k_level:g}/{plan.k_node:g}/{plan.prior:g}", gen))
     for b in args.budgets:
         shape = replace(base, budget=b, min_prob=0.6, min_node_prob=0.05)
         contestants.append(
             engine_contestant(f"b={b} p=0.6 q=0.05", SpecExec(target, draft, tokenizer, tree=shape))
         )
-    prompts = load_prompts(None, args.limit, None)
+    prompts = load_prompts(None, args.limit, args.categories)
     runs = run_phase(prompts, contestants, tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
-                     args.max_new_tokens, 0, "auto constants")  # fmt: skip
+                     args.max_new_tokens, 0, "auto constants", args.repeat)  # fmt: skip
     args.out.write_text(json.dumps([r.__dict__ for r in runs]))
     for row in summarize(runs, contestants):
         nodes = row["mean_draft_nodes"] or 0.0
         print(f"{row['setting']:7s} {row['category']:5s} {row['contestant']:18s} "
               f"{row['tok_s_median']:6.2f} tok/s {nodes:4.1f} nodes")  # fmt: skip
+    print("\nplaces (x the target alone: median of per-prompt ratios; beat: runs won against the next)")
+    for row in rank(runs):
+        ratio = row["x_target_alone"] or 0.0
+        print(f"{row['setting']:7s} {row['category']:5s} {row['place']:2d} {row['contestant']:18s} "
+              f"{row['tok_s_median']:6.2f} tok/s {ratio:5.2f}x beat {row['beat_next']}/{row['paired_runs']}")  # fmt: skip
 
 
 if __name__ == "__main__":
