@@ -3,15 +3,14 @@
 A step returns 1 + (accepted nodes) tokens in (draft time + target time), and decoding runs at R
 tokens per second overall. By Dinkelbach's argument for maximising a ratio, anything a step spends
 t seconds on pays when it brings more than R·t expected tokens. A tree node the draft gives
-cumulative probability q is accepted with probability about c(q)·q, where c(q) is the running
-calibration of nodes about as probable (nodes the target accepted over the draft probability the
-trees proposed, by powers of two of q: the draft is surer of some ranges than it should be). That makes
+cumulative probability q is accepted with probability about c·q, where c is the running
+calibration (tokens the target accepted over the draft probability the trees proposed). That makes
 SpecExec's budget two thresholds on q, set afresh every step:
 
 - a node is expanded (`min_prob`) when its children repay a draft forward and their places in the
-  target's pass: c(q)·q > K_LEVEL · R · (level + children · slope);
+  target's pass: c·q > K_LEVEL · R · (level + children · slope);
 - a node is proposed (`min_node_prob`) when it repays its place in the target's pass:
-  c(q)·q > K_NODE · R · slope;
+  c·q > K_NODE · R · slope;
 
 with `level` the draft's forward at the batch it expands, `children` the nodes proposed per node
 expanded and `slope` the target's cost per extra tree token, all read off the forward-time curves
@@ -33,10 +32,7 @@ more often than c·q says (docs/benchmarks.md, "The node floor's constant").
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, field, replace
-
-import torch
-from torch import Tensor
+from dataclasses import dataclass, replace
 
 from common.profiling import interpolate
 from common.sampling import SamplingParams
@@ -48,8 +44,6 @@ EMA = 0.05  # rate and calibration: about 20 steps
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
 MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
-BINS = 12  # calibration bins by powers of two of q: (1/2, 1], (1/4, 1/2], ..., all up to 1/2048
-PRIOR = 1.0  # draft probability of evidence a bin's own calibration needs to count as much as its neighbour's
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -69,8 +63,6 @@ class RegimeStats:
     batch: float = 1.0  # nodes per expansion forward
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
-    bin_accepted: Tensor = field(default_factory=lambda: torch.zeros(BINS, dtype=torch.float64))
-    bin_predicted: Tensor = field(default_factory=lambda: torch.zeros(BINS, dtype=torch.float64))
 
     @property
     def rate(self) -> float:
@@ -79,30 +71,6 @@ class RegimeStats:
     @property
     def calibration(self) -> float:
         return self.accepted / self.predicted
-
-    def bin_calibration(self, prior: float = PRIOR) -> list[float]:
-        """Calibration per bin of q. The draft is not calibrated alike at every q: on chat and prose,
-        nodes of q 0.02-0.4 were accepted 1.1-1.9 times as often as q, confident ones 1.0-1.2 times,
-        so the regime's one calibration undervalued the nodes the floors decide on. Each bin is drawn
-        by `prior` towards the next more probable one (the first towards the regime's), so a bin
-        seldom proposed says little and one never proposed starts where its neighbour stands."""
-        weight = EMA * prior  # the bins are running means per step, like `predicted`
-        c, out = self.calibration, []
-        for accepted, predicted in zip(self.bin_accepted.tolist(), self.bin_predicted.tolist(), strict=True):
-            c = (accepted + weight * c) / (predicted + weight)
-            out.append(c)
-        return out
-
-    def floor(self, tokens: float, prior: float = PRIOR) -> float:
-        """The least q whose node is worth `tokens` expected tokens, c(q)·q >= tokens, scanned from
-        the least probable bin up; with no bin learned yet it is tokens / c, the one-calibration rule."""
-        c = self.bin_calibration(prior)
-        for b in range(BINS - 1, -1, -1):
-            upper = 2.0**-b
-            q = tokens / max(c[b], 1e-3)
-            if q <= upper:
-                return max(q, upper / 2 if b < BINS - 1 else 0.0)
-        return 1.0
 
 
 @dataclass(frozen=True)
@@ -125,7 +93,6 @@ class BudgetPlanner:
     target_scale: float = 1.0
     k_level: float = K_LEVEL  # per planner, so scripts/auto_constants.py can race variants side by side
     k_node: float = K_NODE
-    prior: float = PRIOR  # a huge prior gives every bin the regime's one calibration
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -138,8 +105,7 @@ class BudgetPlanner:
 
     def stats(self, regime: str = GREEDY) -> RegimeStats:
         with self._lock:
-            s = self._stats(regime)
-            return replace(s, bin_accepted=s.bin_accepted.clone(), bin_predicted=s.bin_predicted.clone())
+            return replace(self._stats(regime))
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
@@ -162,12 +128,13 @@ class BudgetPlanner:
         grown = interpolate(self.target_curve, span + 1) - interpolate(self.target_curve, 1)
         slope = self.target_scale * max(grown, 0.0) / span
         level = self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
-        min_prob = min(MAX_FLOOR, s.floor(self.k_level * s.rate * level, self.prior))
+        value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node
+        min_prob = min(MAX_FLOOR, self.k_level * value * level)
         params = replace(
             self.base,
             expand_batch=self.expand_batch,
             min_prob=round(min_prob, 4),
-            min_node_prob=round(min(min_prob, s.floor(self.k_node * s.rate * slope, self.prior)), 4),
+            min_node_prob=round(min(min_prob, self.k_node * value * slope), 4),
         )
         return Thresholds(s.rate, s.calibration, level, slope, params)
 
@@ -197,19 +164,12 @@ class BudgetPlanner:
         if n < 1 or tree.logprobs is None:
             return
         accepted = len(tokens) - 1
-        q = tree.logprobs[1:].double().exp()
-        predicted = float(q.sum())
-        bins = (-torch.log2(q)).floor().clamp(0, BINS - 1).long()
-        path = torch.tensor(tree.walk(tokens[:accepted])[1:], dtype=torch.long) - 1
-        bin_accepted = torch.bincount(bins[path], minlength=BINS).double()
-        bin_predicted = torch.bincount(bins, weights=q, minlength=BINS)
+        predicted = float(tree.logprobs[1:].double().exp().sum())
         expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
         forwards = drafted.draft_forwards
         with self._lock:
             s.accepted += EMA * (accepted - s.accepted)
             s.predicted += EMA * (predicted - s.predicted)
-            s.bin_accepted += EMA * (bin_accepted - s.bin_accepted)
-            s.bin_predicted += EMA * (bin_predicted - s.bin_predicted)
             s.size += EMA * (n - s.size)
             if forwards and expanded:
                 s.batch += EMA * (expanded / forwards - s.batch)
