@@ -9,6 +9,7 @@ import argparse
 import contextlib
 import itertools
 import json
+import math
 import socket
 import statistics
 import subprocess
@@ -327,6 +328,35 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
     return rows
 
 
+Speeds = dict[tuple[int, int], float]  # tok/s by (prompt, repeat)
+
+
+def speeds_by_cell(runs: list[Run]) -> dict[tuple[str, str], dict[str, Speeds]]:
+    """Each contestant's speeds per (setting, category), the category "all" included."""
+    cells: dict[tuple[str, str], dict[str, Speeds]] = {}
+    for setting in sorted({r.setting for r in runs}):
+        for category in ["all", *sorted({r.category for r in runs})]:
+            speeds = cells[(setting, category)] = {}
+            for r in runs:
+                if r.setting == setting and category in ("all", r.category):
+                    speeds.setdefault(r.contestant, {})[(r.prompt, r.repeat)] = r.tokens_per_second
+    return cells
+
+
+def versus(runs: list[Run], mine: str, theirs: str) -> list[dict[str, Any]]:
+    """One contestant against another per setting and category, on the runs they share: the geometric
+    mean of the speed ratios (each prompt's own speed cancels) and how many runs it won."""
+    rows = []
+    for (setting, category), speeds in speeds_by_cell(runs).items():
+        a, b = speeds.get(mine, {}), speeds.get(theirs, {})
+        paired = [k for k in a.keys() & b.keys() if a[k] > 0 and b[k] > 0]
+        if paired:
+            ratio = math.exp(statistics.fmean(math.log(a[k] / b[k]) for k in paired))
+            rows.append(dict(setting=setting, category=category, contestant=mine, versus=theirs, ratio=ratio,
+                             wins=sum(a[k] > b[k] for k in paired), paired_runs=len(paired)))  # fmt: skip
+    return rows
+
+
 def rank(runs: list[Run]) -> list[dict[str, Any]]:
     """Every contestant's place per setting and category, with paired evidence beside it.
 
@@ -335,27 +365,22 @@ def rank(runs: list[Run]) -> list[dict[str, Any]]:
     repeats) the contestant beat the one just below it, and its speed-up over the target alone is
     the median of per-prompt ratios, in which each prompt's own speed cancels."""
     rows = []
-    for setting in sorted({r.setting for r in runs}):
-        for category in ["all", *sorted({r.category for r in runs})]:
-            speeds: dict[str, dict[tuple[int, int], float]] = {}
-            for r in runs:
-                if r.setting == setting and category in ("all", r.category):
-                    speeds.setdefault(r.contestant, {})[(r.prompt, r.repeat)] = r.tokens_per_second
-            reference = speeds.get("autoregressive", {})
-            order = sorted(speeds, key=lambda name: -statistics.median(speeds[name].values()))
-            for place, name in enumerate(order, 1):
-                mine = speeds[name]
-                ratios = [mine[k] / reference[k] for k in mine.keys() & reference.keys() if reference[k]]
-                below = order[place] if place < len(order) else None
-                theirs = speeds[below] if below else {}
-                paired = mine.keys() & theirs.keys()
-                rows.append(dict(
-                    setting=setting, category=category, place=place, contestant=name,
-                    tok_s_median=statistics.median(mine.values()),
-                    x_target_alone=statistics.median(ratios) if ratios else None,
-                    next_contestant=below,
-                    beat_next=sum(mine[k] > theirs[k] for k in paired), paired_runs=len(paired),
-                ))  # fmt: skip
+    for (setting, category), speeds in speeds_by_cell(runs).items():
+        reference = speeds.get("autoregressive", {})
+        order = sorted(speeds, key=lambda name: -statistics.median(speeds[name].values()))
+        for place, name in enumerate(order, 1):
+            mine = speeds[name]
+            ratios = [mine[k] / reference[k] for k in mine.keys() & reference.keys() if reference[k]]
+            below = order[place] if place < len(order) else None
+            theirs = speeds[below] if below else {}
+            paired = mine.keys() & theirs.keys()
+            rows.append(dict(
+                setting=setting, category=category, place=place, contestant=name,
+                tok_s_median=statistics.median(mine.values()),
+                x_target_alone=statistics.median(ratios) if ratios else None,
+                next_contestant=below,
+                beat_next=sum(mine[k] > theirs[k] for k in paired), paired_runs=len(paired),
+            ))  # fmt: skip
     return rows
 
 
@@ -500,6 +525,24 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
     plt.close(fig)
+
+
+def profiled_default_pair(max_tree: int = 64) -> tuple[Any, Any, Any]:
+    """The default pair as the measured runs use it (bf16 target, int8 draft), each engine with its
+    forward-time curve: (target engine, draft engine, tokenizer), for scripts that race variants."""
+    from common.loading import load_model
+    from common.model_store import resolve_model
+    from draft_node.engine import DraftEngine
+    from target_node.engine import TargetEngine
+
+    target_model = load_model(resolve_model("qwen2.5-coder-1.5b"), dtype="bfloat16")
+    draft_model = load_model(
+        resolve_model("qwen2.5-coder-0.5b"), dtype=draft_dtype("bfloat16", "int8"), quantize="int8"
+    )
+    target, draft = TargetEngine(target_model, max_tree=max_tree), DraftEngine(draft_model, max_tree=max_tree)
+    target.profile()
+    draft.profile()
+    return target, draft, target_model.tokenizer
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

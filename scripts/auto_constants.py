@@ -4,11 +4,12 @@ The constants of `client/budget.py` were first fitted in `scripts/planner_sim.py
 on the real models. It runs the bench's own loop (`client.bench.run_phase`: the bench's balanced
 first N prompts, contestants taking turns in a rotating order), which `specexec bench` cannot do
 here because its auto contestant has one planner with the module's constants. Writes every run to
-`--out` and prints median tok/s and draft nodes a step per category.
+`--out` and prints median tok/s and draft nodes a step per category, the bench's ranking, and each
+auto variant against every other contestant, paired run by run.
 
     .venv/bin/python scripts/auto_constants.py --limit 12 --constants 1.25,3 1.25,1 --out runs.json
     .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 --repeat 2 \
-        --constants 1.25,1,1 1.25,1,1e9 --out runs.json     # per-bin calibration against one
+        --constants 1.25,1 1.25,0.5 --budgets 8 16 --out runs.json
 """
 
 from __future__ import annotations
@@ -24,14 +25,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
-from client.bench import GREEDY, SAMPLED, engine_contestant, load_prompts, rank, run_phase, summarize
-from client.budget import PRIOR
-from common.loading import load_model
-from common.model_store import resolve_model
-from common.quantized_linear import draft_dtype
+from client.bench import (
+    GREEDY,
+    SAMPLED,
+    engine_contestant,
+    load_prompts,
+    profiled_default_pair,
+    rank,
+    run_phase,
+    summarize,
+    versus,
+)
 from common.tree import TreeParams
-from draft_node.engine import DraftEngine
-from target_node.engine import TargetEngine
 
 
 def main() -> None:
@@ -41,7 +46,7 @@ def main() -> None:
         "--constants",
         nargs="+",
         default=["1.25,3", "1.25,1"],
-        help="K_LEVEL,K_NODE[,PRIOR]: PRIOR 1e9 gives every bin of q the regime's one calibration",
+        help="K_LEVEL,K_NODE pairs",
     )
     ap.add_argument("--categories", nargs="+", help="only these prompt categories")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the prompt set")
@@ -50,23 +55,16 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    target_model = load_model(resolve_model("qwen2.5-coder-1.5b"), dtype="bfloat16")
-    draft_model = load_model(
-        resolve_model("qwen2.5-coder-0.5b"), dtype=draft_dtype("bfloat16", "int8"), quantize="int8"
-    )
-    target, draft = TargetEngine(target_model, max_tree=64), DraftEngine(draft_model, max_tree=64)
-    target.profile()
-    draft.profile()
-    tokenizer, base = target_model.tokenizer, TreeParams(budget=max(args.budgets))
+    target, draft, tokenizer = profiled_default_pair()
+    base = TreeParams(budget=max(args.budgets))
     contestants = [
         engine_contestant("autoregressive", SpecExec(target, None, tokenizer, mode="autoregressive"))
     ]
     for constants in args.constants:
         gen = SpecExec(target, draft, tokenizer, tree=base, auto_budget=True)
         assert gen.planner is not None
-        plan = gen.planner
-        plan.k_level, plan.k_node, plan.prior = (float(x) for x in f"{constants},{PRIOR}".split(",")[:3])
-        contestants.append(engine_contestant(f"auto {plan.k_level:g}/{plan.k_node:g}/{plan.prior:g}", gen))
+        gen.planner.k_level, gen.planner.k_node = (float(x) for x in constants.split(","))
+        contestants.append(engine_contestant(f"auto {gen.planner.k_level:g}/{gen.planner.k_node:g}", gen))
     for b in args.budgets:
         shape = replace(base, budget=b, min_prob=0.6, min_node_prob=0.05)
         contestants.append(
@@ -85,6 +83,13 @@ def main() -> None:
         ratio = row["x_target_alone"] or 0.0
         print(f"{row['setting']:7s} {row['category']:5s} {row['place']:2d} {row['contestant']:18s} "
               f"{row['tok_s_median']:6.2f} tok/s {ratio:5.2f}x beat {row['beat_next']}/{row['paired_runs']}")  # fmt: skip
+    print("\neach auto variant against the others (geometric mean of per-run speed ratios; runs won)")
+    autos = [c.name for c in contestants if c.name.startswith("auto")]
+    for mine in autos:
+        for theirs in [c.name for c in contestants[1:] if c.name != mine]:
+            for row in versus(runs, mine, theirs):
+                print(f"{row['setting']:7s} {row['category']:5s} {mine} / {theirs}: {row['ratio']:.3f} "
+                      f"won {row['wins']}/{row['paired_runs']}")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import Run, load_prompts, rank
+from client.bench import Run, load_prompts, rank, versus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -130,3 +130,7 @@ def test_ranking_pairs_each_place_with_the_next_prompt_by_prompt():
     assert cells[("code", 3)]["next_contestant"] is None
     assert cells[("all", 1)]["contestant"] == "b"  # medians 18 (a) and 20 (b) over all three prompts
     assert cells[("prose", 1)]["x_target_alone"] == pytest.approx(2.0)
+    pairs = {(r["setting"], r["category"]): r for r in versus(runs, "a", "b")}
+    assert pairs[("greedy", "code")]["ratio"] == pytest.approx((25 / 20 * 18 / 22) ** 0.5)
+    assert (pairs[("greedy", "code")]["wins"], pairs[("greedy", "all")]["paired_runs"]) == (1, 3)
+    assert versus(runs, "a", "nobody") == []
