@@ -19,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -30,6 +30,10 @@ from common.memory import peak_rss_bytes
 from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
+
+if TYPE_CHECKING:
+    from draft_node.engine import DraftEngine
+    from target_node.engine import TargetEngine
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
@@ -527,7 +531,7 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     plt.close(fig)
 
 
-def profiled_default_pair(max_tree: int = 64) -> tuple[Any, Any, Any]:
+def profiled_default_pair(max_tree: int = 64) -> tuple[TargetEngine, DraftEngine, Any]:
     """The default pair as the measured runs use it (bf16 target, int8 draft), each engine with its
     forward-time curve: (target engine, draft engine, tokenizer), for scripts that race variants."""
     from common.loading import load_model

@@ -161,14 +161,12 @@ class TargetSession:
         """Logits for every node of a small tree, or of every node with children of a large one, come
         from one batched LM-head call; a large tree's leaf gets its own on demand."""
         n = tree.size
-        inner = torch.zeros(n, dtype=torch.bool)
-        inner[tree.parents[1:]] = True
-        if n <= ALL_LOGITS_MAX_NODES:
-            inner[:] = True
+        batched = torch.full((n,), n <= ALL_LOGITS_MAX_NODES, dtype=torch.bool)
+        batched[tree.parents[1:]] = True
         rows = torch.full((n,), -1, dtype=torch.long)
-        inner_ids = inner.nonzero().squeeze(1)
-        rows[inner_ids] = torch.arange(inner_ids.numel())
-        logits = self.model.logits(hidden[inner_ids]) if inner_ids.numel() else None
+        batch_ids = batched.nonzero().squeeze(1)
+        rows[batch_ids] = torch.arange(batch_ids.numel())
+        logits = self.model.logits(hidden[batch_ids]) if batch_ids.numel() else None
         root_pos = len(self.committed) - 1
 
         def draw(node: int) -> int:
