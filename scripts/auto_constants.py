@@ -42,12 +42,7 @@ from common.tree import TreeParams
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--limit", type=int, default=12)
-    ap.add_argument(
-        "--constants",
-        nargs="+",
-        default=["1.25,3", "1.25,1"],
-        help="K_LEVEL,K_NODE pairs",
-    )
+    ap.add_argument("--constants", nargs="+", default=["1.25,3", "1.25,1"], help="K_LEVEL,K_NODE pairs")
     ap.add_argument("--categories", nargs="+", help="only these prompt categories")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the prompt set")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16], help="fixed shapes, p=0.6 q=0.05")
