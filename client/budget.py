@@ -21,7 +21,10 @@ On an offloaded GPU target a pass costs the same for 1 and 1000 tokens: the slop
 R is small next to a draft forward's cost, so both thresholds fall towards zero and trees grow to
 the cap. On a CPU a pass grows with the tree, and trees stop where the draft's confidence runs out.
 The planner keeps two running quantities per sampling regime, the rate and the calibration, each
-averaged over about 20 steps. It never picks among shapes by their measured means, so no shape is
+averaged over about 20 steps. Each request starts from its regime's and learns its own, its own steps
+outweighing the regime's after PRIOR_STEPS: both depend on the text, and a prose request that planned
+with the rate and calibration of the code request before it built half-size trees for its first ten
+steps (docs/benchmarks.md, "Per-request learning"). It never picks among shapes by their measured means, so no shape is
 chosen because noise flattered it; a fixed floor cannot follow the machine or the text as these do.
 K_LEVEL was fitted in `scripts/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
 own 1: the simulator cannot tell 1 from 3 (about 1% apart), while on the real pair 3 kept chat and prose
@@ -41,6 +44,7 @@ from common.tree import DraftedTree, TreeParams
 K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better steps beat it
 K_NODE = 1.0  # a node pays for its place in the pass; measured above 1 it kept chat and prose trees too small
 EMA = 0.05  # rate and calibration: about 20 steps
+PRIOR_STEPS = 4  # a request's own steps weigh 1 / (PRIOR_STEPS + steps) until that falls to EMA
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
 MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
@@ -63,6 +67,7 @@ class RegimeStats:
     batch: float = 1.0  # nodes per expansion forward
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
+    steps: int = 0  # learned from
 
     @property
     def rate(self) -> float:
@@ -71,6 +76,33 @@ class RegimeStats:
     @property
     def calibration(self) -> float:
         return self.accepted / self.predicted
+
+    def learn(self, tokens: int, seconds: float, shape: StepShape | None) -> None:
+        """A running mean over the first steps, then an exponential one: a fresh request's means move
+        to its own text within a few steps, and later ones follow it over about 20."""
+        w = max(EMA, 1.0 / (PRIOR_STEPS + self.steps))
+        self.steps += 1
+        self.tokens += w * (tokens - self.tokens)
+        self.seconds += w * (seconds - self.seconds)
+        if shape is None:
+            return
+        self.accepted += w * (shape.accepted - self.accepted)
+        self.predicted += w * (shape.predicted - self.predicted)
+        self.size += w * (shape.size - self.size)
+        if shape.batch is not None:
+            self.batch += w * (shape.batch - self.batch)
+        self.children += w * (shape.children - self.children)
+
+
+@dataclass(frozen=True)
+class StepShape:
+    """What one step's tree proposed and how much of it the target took."""
+
+    accepted: int
+    predicted: float  # the draft's probability mass of the nodes proposed
+    size: int
+    batch: float | None  # nodes per expansion forward, if it expanded any
+    children: float  # nodes proposed per node expanded
 
 
 @dataclass(frozen=True)
@@ -107,6 +139,11 @@ class BudgetPlanner:
         with self._lock:
             return replace(self._stats(regime))
 
+    def start(self, regime: str = GREEDY) -> RegimeStats:
+        """A request's own running means, starting from what earlier requests of its regime taught."""
+        with self._lock:
+            return replace(self._stats(regime), steps=0)
+
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
         which teach the calibration most."""
@@ -114,9 +151,9 @@ class BudgetPlanner:
             self._regimes[regime] = RegimeStats(tokens=1.0, seconds=interpolate(self.target_curve, 1))
         return self._regimes[regime]
 
-    def thresholds(self, regime: str = GREEDY) -> Thresholds:
+    def thresholds(self, regime: str = GREEDY, request: RegimeStats | None = None) -> Thresholds:
         with self._lock:
-            return self._thresholds(self._stats(regime))
+            return self._thresholds(request if request is not None else self._stats(regime))
 
     def _thresholds(self, s: RegimeStats) -> Thresholds:
         """The target's cost per tree token is its curve's mean slope over at least SLOPE_SPAN tokens:
@@ -138,9 +175,9 @@ class BudgetPlanner:
         )
         return Thresholds(s.rate, s.calibration, level, slope, params)
 
-    def choose(self, regime: str = GREEDY) -> TreeParams:
-        with self._lock:
-            return self._thresholds(self._stats(regime)).params
+    def choose(self, regime: str = GREEDY, request: RegimeStats | None = None) -> TreeParams:
+        """The next step's tree: from `request`'s means (see `start`) if given, else the regime's."""
+        return self.thresholds(regime, request).params
 
     def observe(
         self,
@@ -149,32 +186,34 @@ class BudgetPlanner:
         draft_seconds: float,
         target_seconds: float,
         regime: str = GREEDY,
+        request: RegimeStats | None = None,
     ) -> None:
         """Learn from one step whose `tokens` (accepted path and the target's own token) were not cut
-        short by a stop or a length limit. A request's first step is not one to learn from: both
-        models' pass over the prompt is in its times. A step that proposed nothing still counts
-        towards the rate: were it left out, a rate learned on easier text would hold the floors up
-        and keep the trees empty."""
+        short by a stop or a length limit, into the regime's means and `request`'s. A request's first
+        step is not one to learn from: both models' pass over the prompt is in its times. A step that
+        proposed nothing still counts towards the rate: were it left out, a rate learned on easier
+        text would hold the floors up and keep the trees empty."""
         tree = drafted.tree
         n = tree.size - 1
+        shape = None
+        if n >= 1 and tree.logprobs is not None:
+            expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
+            forwards = drafted.draft_forwards
+            shape = StepShape(
+                accepted=len(tokens) - 1,
+                predicted=float(tree.logprobs[1:].double().exp().sum()),
+                size=n,
+                batch=expanded / forwards if forwards and expanded else None,
+                children=n / (1 + expanded),
+            )
         with self._lock:
-            s = self._stats(regime)
-            s.tokens += EMA * (len(tokens) - s.tokens)
-            s.seconds += EMA * (draft_seconds + target_seconds - s.seconds)
-        if n < 1 or tree.logprobs is None:
-            return
-        accepted = len(tokens) - 1
-        predicted = float(tree.logprobs[1:].double().exp().sum())
-        expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
-        forwards = drafted.draft_forwards
-        with self._lock:
-            s.accepted += EMA * (accepted - s.accepted)
-            s.predicted += EMA * (predicted - s.predicted)
-            s.size += EMA * (n - s.size)
-            if forwards and expanded:
-                s.batch += EMA * (expanded / forwards - s.batch)
-            s.children += EMA * (n / (1 + expanded) - s.children)
-            batch = expanded / forwards if forwards else 1.0
+            for s in (self._stats(regime), request):
+                if s is not None:
+                    s.learn(len(tokens), draft_seconds + target_seconds, shape)
+            if shape is None:
+                return
+            forwards = drafted.draft_forwards
+            batch = shape.batch if shape.batch is not None else 1.0
             modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
             modelled = interpolate(self.target_curve, n + 1)

@@ -248,10 +248,11 @@ class Sequence:
         """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
         generated = 0
         kind = regime(sampling)
+        request = planner.start(kind) if planner is not None else None
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             drafted: DraftedTree | None = None
-            params = planner.choose(kind) if planner is not None else tree
+            params = planner.choose(kind, request) if planner is not None else tree
             if params is not None and self.draft is not None:
                 drafted = self._draft_tree(params, stats)
                 if drafted is not None:
@@ -266,7 +267,7 @@ class Sequence:
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
             if planner is not None and drafted is not None and generated > 0 and not result.finish_reason:
-                planner.observe(drafted, result.tokens, draft_s, target_s, kind)
+                planner.observe(drafted, result.tokens, draft_s, target_s, kind, request)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

@@ -10,6 +10,8 @@ auto variant against every other contestant, paired run by run.
     .venv/bin/python scripts/auto_constants.py --limit 12 --constants 1.25,3 1.25,1 --out runs.json
     .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 --repeat 2 \
         --constants 1.25,1 1.25,0.5 --budgets 8 16 --out runs.json
+    .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 \
+        --constants 1.25,1 --shared --budgets 8 16 --out runs.json
 """
 
 from __future__ import annotations
@@ -36,7 +38,15 @@ from client.bench import (
     summarize,
     versus,
 )
+from client.budget import BudgetPlanner
 from common.tree import TreeParams
+
+
+class SharedPlanner(BudgetPlanner):
+    """Requests keep no means of their own: each plans with, and teaches, its regime's shared ones."""
+
+    def start(self, regime: str) -> None:  # type: ignore[override]
+        return None
 
 
 def main() -> None:
@@ -46,6 +56,9 @@ def main() -> None:
     ap.add_argument("--categories", nargs="+", help="only these prompt categories")
     ap.add_argument("--repeat", type=int, default=1, help="passes over the prompt set")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16], help="fixed shapes, p=0.6 q=0.05")
+    ap.add_argument("--shared", action="store_true",
+                    help="also race the first constants' planner with no per-request means: every "
+                    "request plans with its regime's shared means, as auto did before 24 November 2026")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
@@ -60,6 +73,13 @@ def main() -> None:
         assert gen.planner is not None
         gen.planner.k_level, gen.planner.k_node = (float(x) for x in constants.split(","))
         contestants.append(engine_contestant(f"auto {gen.planner.k_level:g}/{gen.planner.k_node:g}", gen))
+    if args.shared:
+        gen = SpecExec(target, draft, tokenizer, tree=base, auto_budget=True)
+        assert gen.planner is not None
+        k_level, k_node = (float(x) for x in args.constants[0].split(","))
+        gen.planner = SharedPlanner(gen.planner.target_curve, gen.planner.draft_curve, base=base,
+                                    k_level=k_level, k_node=k_node)  # fmt: skip
+        contestants.append(engine_contestant(f"auto {k_level:g}/{k_node:g} shared", gen))
     for b in args.budgets:
         shape = replace(base, budget=b, min_prob=0.6, min_node_prob=0.05)
         contestants.append(

@@ -135,9 +135,10 @@ def decode(
     """One request, as `client.generation.Sequence.steps` runs it, with modelled times."""
     target_curve, draft_curve = curves
     tally, pending = Tally(), 1
+    request = planner.start(GREEDY) if planner is not None else None
     while tally.tokens < len(text.tokens):
         opening = tally.tokens == 0
-        params = planner.choose(GREEDY) if planner is not None else shape
+        params = planner.choose(GREEDY, request) if planner is not None else shape
         assert params is not None
         at = tally.tokens
         expander = TimedExpander(text, at, draft_curve, noise, statistics.mean(text.confidence))
@@ -153,7 +154,9 @@ def decode(
         draft_s = catch_up + expander.seconds
         target_s = interpolate(target_curve, tree.size) * (1 + 0.1 * noise.random())
         if planner is not None and not opening:
-            planner.observe(DraftedTree(tree, built.draft_forwards), returned, draft_s, target_s, GREEDY)
+            planner.observe(
+                DraftedTree(tree, built.draft_forwards), returned, draft_s, target_s, GREEDY, request
+            )
         tally.tokens += len(returned)
         tally.steps += 1
         tally.seconds += draft_s + target_s

@@ -103,6 +103,36 @@ def test_greedy_and_sampled_requests_learn_separately():
     assert plan.choose(GREEDY) != plan.choose(SAMPLED)
 
 
+def test_a_request_learns_its_own_text_within_a_few_steps():
+    """A prose request after code ones starts from the code rate, but plans with its own within a few
+    steps; the shared means, which the next request starts from, move at the slow rate."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    observe(plan, accepted=6, seconds=0.2)  # 7 tokens a step: 35 tok/s
+    shared = plan.stats().rate
+    request = plan.start(GREEDY)
+    assert request.rate == pytest.approx(shared) and request.steps == 0
+    prose = DraftedTree(chain_tree(8, 0.8), 7)
+    for _ in range(6):
+        plan.observe(prose, [1, 2], 8 * DRAFT[0][1], 0.2 - 8 * DRAFT[0][1], GREEDY, request)  # 10 tok/s
+    assert request.rate < 20  # the code rate weighs 3 steps against its own 6
+    assert plan.stats().rate > 25
+    assert plan.thresholds(GREEDY, request).rate == pytest.approx(request.rate)
+    assert plan.choose(GREEDY, request) != plan.choose(GREEDY)
+    assert plan.start(GREEDY).rate == pytest.approx(plan.stats().rate)
+
+
+def test_a_request_moves_the_shared_means_as_the_shared_steps_do():
+    """Learning into a request must not change what the regime's means learn from the same steps."""
+    alone, with_request = BudgetPlanner(CPU, DRAFT, base=BASE), BudgetPlanner(CPU, DRAFT, base=BASE)
+    request = with_request.start(GREEDY)
+    tree = DraftedTree(chain_tree(8, 0.8), 7)
+    for accepted in (6, 1, 3, 0, 8, 2):
+        alone.observe(tree, list(range(accepted + 1)), 0.12, 0.1)
+        with_request.observe(tree, list(range(accepted + 1)), 0.12, 0.1, GREEDY, request)
+    assert with_request.stats() == alone.stats()
+    assert with_request.target_scale == alone.target_scale
+
+
 def test_a_new_planner_starts_from_the_target_alone_rate():
     """Before any step, the rate is the target alone's: the first trees are generous, to learn from."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
