@@ -21,11 +21,12 @@ On an offloaded GPU target a pass costs the same for 1 and 1000 tokens: the slop
 R is small next to a draft forward's cost, so both thresholds fall towards zero and trees grow to
 the cap. On a CPU a pass grows with the tree, and trees stop where the draft's confidence runs out.
 The planner keeps two running quantities per sampling regime, the rate and the calibration, each
-averaged over about 20 steps. Each request starts from its regime's and learns its own, its own steps
-outweighing the regime's after PRIOR_STEPS: both depend on the text, and a prose request that planned
-with the rate and calibration of the code request before it built half-size trees for its first ten
-steps (docs/benchmarks.md, "Per-request learning"). It never picks among shapes by their measured means, so no shape is
-chosen because noise flattered it; a fixed floor cannot follow the machine or the text as these do.
+averaged over about 20 steps. Each request starts from its regime's and learns its own, its own
+steps outweighing the regime's after PRIOR_STEPS: both depend on the text, and a prose request
+that planned with the rate and calibration of the code request before it built half-size trees
+for its first ten steps (docs/benchmarks.md, "Per-request learning"). The planner never picks among
+shapes by their measured means, so no shape is chosen because noise flattered it; a fixed floor
+cannot follow the machine or the text as these do.
 K_LEVEL was fitted in `scripts/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
 own 1: the simulator cannot tell 1 from 3 (about 1% apart), while on the real pair 3 kept chat and prose
 trees at about 2 nodes, behind the fixed node-floored shapes, and nodes of middling q are accepted
