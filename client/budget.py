@@ -45,7 +45,7 @@ from common.tree import DraftedTree, TreeParams
 K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better steps beat it
 K_NODE = 1.0  # a node pays for its place in the pass; measured above 1 it kept chat and prose trees too small
 EMA = 0.05  # rate and calibration: about 20 steps
-PRIOR_STEPS = 4  # a request's own steps weigh 1 / (PRIOR_STEPS + steps) until that falls to EMA
+PRIOR_STEPS = 4  # means start as about 3 steps' worth: steps weigh 1/4, 1/5, ... until that falls to EMA
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
 MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
@@ -58,8 +58,8 @@ def regime(sampling: SamplingParams) -> str:
 
 @dataclass
 class RegimeStats:
-    """Running means per step of one sampling regime: greedy decoding accepts far more than sampling
-    from the same draft, so the two learn apart."""
+    """Running means per step of one sampling regime, or of one request in it: greedy decoding accepts
+    far more than sampling from the same draft, so the two learn apart."""
 
     tokens: float  # returned by the target
     seconds: float  # draft + target
@@ -69,6 +69,7 @@ class RegimeStats:
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
     steps: int = 0  # learned from
+    trees: int = 0  # learned from that proposed nodes
 
     @property
     def rate(self) -> float:
@@ -79,14 +80,18 @@ class RegimeStats:
         return self.accepted / self.predicted
 
     def learn(self, tokens: int, seconds: float, shape: StepShape | None) -> None:
-        """A running mean over the first steps, then an exponential one: a fresh request's means move
-        to its own text within a few steps, and later ones follow it over about 20."""
+        """A running mean over the first steps, then an exponential one: a request's means move to
+        its own text within a few steps, then follow it over about 20. The tree's means count only
+        steps that proposed a tree, so empty steps on text the draft cannot guess do not hold the
+        inherited calibration in place. Called under the planner's lock."""
         w = max(EMA, 1.0 / (PRIOR_STEPS + self.steps))
         self.steps += 1
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
         if shape is None:
             return
+        w = max(EMA, 1.0 / (PRIOR_STEPS + self.trees))
+        self.trees += 1
         self.accepted += w * (shape.accepted - self.accepted)
         self.predicted += w * (shape.predicted - self.predicted)
         self.size += w * (shape.size - self.size)
@@ -143,11 +148,11 @@ class BudgetPlanner:
     def start(self, regime: str = GREEDY) -> RegimeStats:
         """A request's own running means, starting from what earlier requests of its regime taught."""
         with self._lock:
-            return replace(self._stats(regime), steps=0)
+            return replace(self._stats(regime), steps=0, trees=0)
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
-        which teach the calibration most."""
+        which teach the calibration most, until its first few steps replace it."""
         if regime not in self._regimes:
             self._regimes[regime] = RegimeStats(tokens=1.0, seconds=interpolate(self.target_curve, 1))
         return self._regimes[regime]
@@ -177,7 +182,6 @@ class BudgetPlanner:
         return Thresholds(s.rate, s.calibration, level, slope, params)
 
     def choose(self, regime: str = GREEDY, request: RegimeStats | None = None) -> TreeParams:
-        """The next step's tree: from `request`'s means (see `start`) if given, else the regime's."""
         return self.thresholds(regime, request).params
 
     def observe(
@@ -194,12 +198,11 @@ class BudgetPlanner:
         step is not one to learn from: both models' pass over the prompt is in its times. A step that
         proposed nothing still counts towards the rate: were it left out, a rate learned on easier
         text would hold the floors up and keep the trees empty."""
-        tree = drafted.tree
+        tree, forwards = drafted.tree, drafted.draft_forwards
         n = tree.size - 1
         shape = None
         if n >= 1 and tree.logprobs is not None:
             expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
-            forwards = drafted.draft_forwards
             shape = StepShape(
                 accepted=len(tokens) - 1,
                 predicted=float(tree.logprobs[1:].double().exp().sum()),
@@ -213,7 +216,6 @@ class BudgetPlanner:
                     s.learn(len(tokens), draft_seconds + target_seconds, shape)
             if shape is None:
                 return
-            forwards = drafted.draft_forwards
             batch = shape.batch if shape.batch is not None else 1.0
             modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
             self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)

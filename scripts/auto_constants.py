@@ -58,7 +58,8 @@ def main() -> None:
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16], help="fixed shapes, p=0.6 q=0.05")
     ap.add_argument("--shared", action="store_true",
                     help="also race the first constants' planner with no per-request means: every "
-                    "request plans with its regime's shared means, as auto did before 24 November 2026")  # fmt: skip
+                    "request plans with its regime's shared means, as auto did before 24 November 2026 "
+                    "(but with the fast start a new planner now has)")  # fmt: skip
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import GREEDY, SAMPLED, BudgetPlanner, free_batch
+from client.budget import GREEDY, SAMPLED, BudgetPlanner, RegimeStats, free_batch
 from common.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -118,7 +118,8 @@ def test_a_request_learns_its_own_text_within_a_few_steps():
     assert plan.stats().rate > 25
     assert plan.thresholds(GREEDY, request).rate == pytest.approx(request.rate)
     assert plan.choose(GREEDY, request) != plan.choose(GREEDY)
-    assert plan.start(GREEDY).rate == pytest.approx(plan.stats().rate)
+    fresh = plan.start(GREEDY)
+    assert fresh is not request and fresh.steps == 0 and fresh.rate == pytest.approx(plan.stats().rate)
 
 
 def test_a_request_moves_the_shared_means_as_the_shared_steps_do():
@@ -131,6 +132,7 @@ def test_a_request_moves_the_shared_means_as_the_shared_steps_do():
         with_request.observe(tree, list(range(accepted + 1)), 0.12, 0.1, GREEDY, request)
     assert with_request.stats() == alone.stats()
     assert with_request.target_scale == alone.target_scale
+    assert with_request.draft_scale == alone.draft_scale
 
 
 def test_a_new_planner_starts_from_the_target_alone_rate():
@@ -183,6 +185,41 @@ def test_auto_budget_output_is_still_exact(loaded, model_dirs):
     out = gen.generate(PROMPT, params)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
     assert len(set(out.stats.budgets)) >= 1 and max(out.stats.budgets) <= 64
+
+
+class RecordingPlanner(BudgetPlanner):
+    """Records the request every call names."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.chosen: list[RegimeStats | None] = []
+        self.observed: list[RegimeStats | None] = []
+
+    def choose(self, regime: str = GREEDY, request: RegimeStats | None = None) -> TreeParams:
+        self.chosen.append(request)
+        return super().choose(regime, request)
+
+    def observe(self, drafted, tokens, draft_seconds, target_seconds, regime=GREEDY, request=None) -> None:
+        self.observed.append(request)
+        super().observe(drafted, tokens, draft_seconds, target_seconds, regime, request)
+
+
+def test_each_generation_plans_with_a_request_of_its_own(loaded):
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
+    target.forward_curve = ((1, 0.01), (65, 0.02))
+    draft.forward_curve = ((1, 0.001), (64, 0.002))
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=64), auto_budget=True)
+    assert gen.planner is not None
+    plan = RecordingPlanner(gen.planner.target_curve, gen.planner.draft_curve, base=gen.planner.base)
+    gen.planner = plan
+    for _ in range(2):
+        gen.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    requests = list({id(r): r for r in plan.chosen}.values())
+    assert len(requests) == 2 and all(r is not None for r in requests)
+    assert plan.observed and all(any(o is r for r in requests) for o in plan.observed)
+    assert all(r.steps > 0 for r in requests)
+    assert plan.stats().steps == sum(r.steps for r in requests)
 
 
 def test_expansion_batch_comes_from_the_draft_curve():
