@@ -24,7 +24,7 @@ The planner keeps two running quantities per sampling regime, the rate and the c
 averaged over about 20 steps. Each request starts from its regime's and learns its own, its own
 steps outweighing the regime's after PRIOR_STEPS: both depend on the text, and a prose request
 that planned with the rate and calibration of the code request before it built half-size trees
-for its first ten steps (docs/benchmarks.md, "Per-request learning"). The planner never picks among
+for ten steps after its first (docs/benchmarks.md, "Per-request learning"). The planner never picks among
 shapes by their measured means, so no shape is chosen because noise flattered it; a fixed floor
 cannot follow the machine or the text as these do.
 K_LEVEL was fitted in `scripts/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
