@@ -2,29 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
-from types import ModuleType
 
 import pytest
 import torch
 
 from common.tree import TokenTree
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "draft_calibration", ROOT / "scripts" / "draft_calibration.py"
-    )
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["draft_calibration"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import load_script
 
 
 def tree() -> TokenTree:
@@ -38,7 +22,7 @@ def tree() -> TokenTree:
 
 
 def test_trials_are_the_children_of_accepted_nodes_with_their_conditional_p_and_rank():
-    script = load_script()
+    script = load_script("draft_calibration")
     t = tree()
     path = t.walk([10, 13, 99])
     assert path == [0, 1, 4]
@@ -53,7 +37,7 @@ def test_trials_are_the_children_of_accepted_nodes_with_their_conditional_p_and_
 
 
 def test_table_bins_by_p_and_counts_ranks():
-    script = load_script()
+    script = load_script("draft_calibration")
     lines = script.table([(0.7, 0, True), (0.2, 1, False), (0.1, 2, False), (0.9, 0, True), (1.0, 0, True)])
     body = "\n".join(lines)
     assert "| 0.70–0.80 | 1 | 0.700 | 1.000 |" in body
@@ -64,5 +48,5 @@ def test_table_bins_by_p_and_counts_ranks():
 
 @pytest.mark.parametrize("p", [0.0, 0.019, 0.5, 0.999])
 def test_every_p_lands_in_one_bin(p):
-    script = load_script()
+    script = load_script("draft_calibration")
     assert sum("| 1 |" in line for line in script.table([(p, 0, False)])) == 1

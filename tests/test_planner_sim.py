@@ -2,26 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import random
-import sys
-from pathlib import Path
-from types import ModuleType
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_sim() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("planner_sim", ROOT / "scripts" / "planner_sim.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["planner_sim"] = module
-    spec.loader.exec_module(module)
-    return module
+from tests.helpers import ROOT, load_script
 
 
 def test_every_contestant_decodes_each_whole_reply_and_no_more():
-    sim = load_sim()
+    sim = load_script("planner_sim")
     timing = sim.curves(ROOT / "docs" / "forward.json", "repacked", "int8")
     results = sim.simulate(seeds=1, requests=1, new_tokens=40, timing=timing)
     assert {name for name, _ in results} == set(sim.CONTESTANTS)
@@ -33,7 +20,7 @@ def test_every_contestant_decodes_each_whole_reply_and_no_more():
 
 
 def test_the_reply_is_never_guessed_on_its_opening_step():
-    sim = load_sim()
+    sim = load_script("planner_sim")
     for category in sim.CATEGORIES:
         text = sim.reply(random.Random(0), category, 64)
         assert text.tokens[0] == sim.MISS and len(text.tokens) == len(text.confidence) == 64
