@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
+SETTINGS = {"greedy": GREEDY, "sampled": SAMPLED}
 
 
 @dataclass
@@ -230,7 +231,7 @@ def build_contestants(
                     )
                 )
     if args.auto:
-        params = TreeParams(budget=max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
+        params = TreeParams(budget=args.auto_cap or max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
                             expand_batch=tree.expand_batch)  # fmt: skip
         out.append(
             engine_contestant(
@@ -513,10 +514,11 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
         ax.set_title(title)
         ax.legend(fontsize="small")
         ax.grid(alpha=0.3)
+    shown = min({r["setting"] for r in summary}, key=list(SETTINGS).index)  # greedy where it ran
     rows = [
         r
         for r in summary
-        if r["category"] == "all" and r["draft_share"] is not None and r["setting"] == "greedy"
+        if r["category"] == "all" and r["draft_share"] is not None and r["setting"] == shown
     ]
     names = [r["contestant"] for r in rows]
     bottom = [0.0] * len(rows)
@@ -524,7 +526,7 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
         vals = [r[key] for r in rows]
         axes[2].barh(names, vals, left=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    axes[2].set_title("time per step (greedy)")
+    axes[2].set_title(f"time per step ({shown})")
     axes[2].legend(loc="lower right", fontsize="small")
     fig.tight_layout()
     fig.savefig(out / "bench.png", dpi=110)
@@ -560,11 +562,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     draft_dir, target_dir = resolve_model(args.draft_model), resolve_model(args.target_model)
     prompts = load_prompts(args.prompts, args.limit, args.categories)
-    settings = {"greedy": GREEDY} | ({"sampled": SAMPLED} if args.sampled else {})
-    max_tree = max([*args.budgets, *args.chain, args.grpc_budget if args.grpc else 1])
+    settings = {name: SETTINGS[name] for name in bench_settings(args)}
+    auto_cap = args.auto_cap or max(args.budgets)
+    max_tree = max(
+        [*args.budgets, *args.chain, auto_cap if args.auto else 1, args.grpc_budget if args.grpc else 1]
+    )
     meta = dict(target=target_dir.name, draft=draft_dir.name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
-                projection=args.target_cost_model, draft_quantize=args.draft_quantize)  # fmt: skip
+                projection=args.target_cost_model, draft_quantize=args.draft_quantize, settings=list(settings),
+                auto_cap=auto_cap if args.auto else None)  # fmt: skip
     exact: list[dict] = []
     if args.exactness:
         # float32: batched tree passes and one-token passes then agree, so any divergence is a bug.
@@ -574,8 +580,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         # The auto contestant's choices only change speed, never tokens: a flat stand-in curve will do.
         target.forward_curve = draft.forward_curve = ((1, 1.0), (max_tree + 1, 1.0))
         contestants = build_contestants(args, target, draft, t32.tokenizer, draft_dir, target_dir)
-        runs = run_phase(prompts[: args.exactness], contestants, t32.tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
-                         args.max_new_tokens, args.seed, "exactness (float32)")  # fmt: skip
+        runs = run_phase(prompts[: args.exactness], contestants, t32.tokenizer, SETTINGS, args.max_new_tokens,
+                         args.seed, "exactness (float32)")  # fmt: skip
         exact = check_exactness(runs, {c.name: c.family for c in contestants})
         del target, draft, t32, d32, contestants
     tl = load_model(target_dir, dtype=args.dtype)
@@ -644,6 +650,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def bench_settings(args: argparse.Namespace) -> list[str]:
+    """The settings to time, in SETTINGS order; the float32 exactness pass always checks both."""
+    chosen = set(args.settings or (["greedy", "sampled"] if args.sampled else ["greedy"]))
+    return [name for name in SETTINGS if name in chosen]
+
+
 def positive_int(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -687,12 +699,24 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--max-branch", type=int, default=8)
     b.add_argument("--expand-batch", type=int, default=16)
     b.add_argument("--no-auto", dest="auto", action="store_false", help="skip the --budget auto contestant")
+    b.add_argument(
+        "--auto-cap",
+        type=positive_int,
+        help="the largest tree auto may plan (default: the largest of --budgets)",
+    )
     b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the Hugging Face contestants")
     b.add_argument(
         "--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant"
     )
     b.add_argument("--grpc-budget", type=int, default=32)
-    b.add_argument("--sampled", action="store_true", help="also run temperature 0.6, top-p 0.9")
+    which = b.add_mutually_exclusive_group()
+    which.add_argument(
+        "--settings",
+        nargs="+",
+        choices=tuple(SETTINGS),
+        help=f"decoding settings to time (default greedy; sampled is {SETTINGS['sampled']})",
+    )
+    which.add_argument("--sampled", action="store_true", help="short for --settings greedy sampled")
     b.add_argument(
         "--repeat",
         type=positive_int,

@@ -28,8 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
 from client.bench import (
-    GREEDY,
-    SAMPLED,
+    SETTINGS,
     engine_contestant,
     load_prompts,
     profiled_default_pair,
@@ -87,7 +86,7 @@ def main() -> None:
             engine_contestant(f"b={b} p=0.6 q=0.05", SpecExec(target, draft, tokenizer, tree=shape))
         )
     prompts = load_prompts(None, args.limit, args.categories)
-    runs = run_phase(prompts, contestants, tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
+    runs = run_phase(prompts, contestants, tokenizer, SETTINGS,
                      args.max_new_tokens, 0, "auto constants", args.repeat)  # fmt: skip
     args.out.write_text(json.dumps([r.__dict__ for r in runs]))
     for row in summarize(runs, contestants):

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.bench import GREEDY, SAMPLED, encode, load_prompts, profiled_default_pair
+from client.bench import SETTINGS, encode, load_prompts, profiled_default_pair
 from client.generation import GenerationStats, Sequence
 from common.sampling import SamplingParams
 from common.tree import DraftedTree, TokenTree, TreeParams
@@ -92,7 +92,7 @@ def main() -> None:
     recorder = RecordingDraft(draft)
     shape = TreeParams(budget=args.budget)
     rows: dict[tuple[str, str], list[tuple[float, int, bool]]] = defaultdict(list)
-    for setting, extra in (("greedy", GREEDY), ("sampled", SAMPLED)):
+    for setting, extra in SETTINGS.items():
         for i, prompt in enumerate(load_prompts(None, args.limit, args.categories)):
             sequence = Sequence(target, recorder, encode(tokenizer, prompt["prompt"]))  # type: ignore[arg-type]
             sampling = SamplingParams(max_new_tokens=args.max_new_tokens, ignore_eos=True, seed=i, **extra)

@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import target_node.session as target_session
 from client.api import SpecExec
 from client.bench import (
-    GREEDY,
-    SAMPLED,
+    SETTINGS,
     Contestant,
     Run,
     engine_contestant,
@@ -65,7 +64,7 @@ def main() -> None:
             )
             contestants.append(with_logits_cap(engine_contestant(f"{name}, {variant}", gen), logits_cap))
     prompts = load_prompts(None, args.limit, args.categories)
-    runs = run_phase(prompts, contestants, tokenizer, {"greedy": GREEDY, "sampled": SAMPLED},
+    runs = run_phase(prompts, contestants, tokenizer, SETTINGS,
                      args.max_new_tokens, 0, "logits a/b")  # fmt: skip
     target_session.ALL_LOGITS_MAX_NODES = cap
     args.out.write_text(json.dumps([r.__dict__ for r in runs]))

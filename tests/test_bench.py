@@ -100,11 +100,37 @@ def test_bench_floored_shapes_are_exact_and_plotted_per_floor_and_node_floor(mod
     assert (out / "bench.png").stat().st_size > 10_000
 
 
-def test_bench_refuses_a_repeat_below_one():
-    cmd = [sys.executable, "-m", "client.cli", "bench", "--repeat", "0"]
+def test_bench_times_only_the_settings_asked_for_and_caps_auto_apart_from_the_sweep(model_dirs, tmp_path):
+    out = tmp_path / "bench"
+    raw = run_bench(model_dirs, out, "--limit", "1", "--budgets", "4", "--chain", "2", "--no-hf", "--no-grpc",
+                    "--exactness", "1", "--settings", "sampled", "--auto-cap", "16")  # fmt: skip
+    assert {r["setting"] for r in raw["runs"]} == {"sampled"}
+    assert raw["meta"]["settings"] == ["sampled"] and raw["meta"]["auto_cap"] == 16
+    assert {e["setting"] for e in raw["exactness"]} == {"greedy", "sampled"}  # exactness checks both anyway
+    assert all(e["first_divergence"] is None for e in raw["exactness"])
+    assert raw["bf16_divergence"] == []  # measured on greedy runs only
+    auto = [b for r in raw["runs"] if r["contestant"] == "specexec auto" for b in r["budgets"]]
+    assert auto and max(auto) <= 16
+    assert (
+        "## sampled" in (out / "report.md").read_text() and "## greedy" not in (out / "report.md").read_text()
+    )
+    assert (out / "bench.png").stat().st_size > 10_000
+
+
+@pytest.mark.parametrize(
+    "args, error",
+    [
+        (["--repeat", "0"], "--repeat: must be >= 1, got 0"),
+        (["--auto-cap", "0"], "--auto-cap: must be >= 1, got 0"),
+        (["--sampled", "--settings", "greedy"], "not allowed with argument --sampled"),
+        (["--settings", "beam"], "--settings: invalid choice: 'beam'"),
+    ],
+)
+def test_bench_refuses_bad_options_naming_them(args, error):
+    cmd = [sys.executable, "-m", "client.cli", "bench", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
-    assert run.returncode == 2 and "--repeat: must be >= 1, got 0" in run.stderr
+    assert run.returncode == 2 and error in run.stderr
 
 
 def test_ranking_pairs_each_place_with_the_next_prompt_by_prompt():
