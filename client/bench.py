@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
 from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
-from common.memory import peak_rss_bytes
+from common.memory import peak_rss_bytes, reset_peak_rss
 from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
@@ -51,10 +51,12 @@ class Run:
     target_steps: int
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    network_seconds: float = 0.0  # gRPC: the calls' time less the nodes' own (draft and target exclude it)
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(default_factory=list)  # draft nodes proposed, per step that had a draft
     chain_steps: int = 0
     repeat: int = 0  # which pass over the prompt set
+    peak_rss_mb: float | None = None  # of the processes that did the work, over this run (see meta)
 
     @property
     def tokens_per_second(self) -> float:
@@ -69,6 +71,7 @@ class Contestant:
     budget: int | None = None  # specexec budget, for the budget sweeps
     min_prob: float = 0.0  # the sweep's confidence floor: one line per floor in the plots
     min_node_prob: float = 0.0  # and its node floor
+    processes: tuple[int | str, ...] = ("self",)  # whose memory the run's peak counts: the gRPC nodes'
 
 
 def load_prompts(path: str | None, limit: int | None, categories: list[str] | None) -> list[dict[str, str]]:
@@ -107,14 +110,16 @@ def engine_contestant(
     family: str = "engine",
     min_prob: float = 0.0,
     min_node_prob: float = 0.0,
+    processes: tuple[int | str, ...] = ("self",),
 ) -> Contestant:
     def run(ids: list[int], sampling: SamplingParams) -> Run:
         out = gen.generate(ids, sampling)
         s = out.stats
         return Run(name, -1, "", "", out.token_ids, s.wall_seconds, s.target_steps, s.draft_seconds,
-                   s.target_seconds, list(s.accepted_per_step), list(s.budgets), s.chain_steps)  # fmt: skip
+                   s.target_seconds, s.network_seconds, list(s.accepted_per_step), list(s.budgets),
+                   s.chain_steps)  # fmt: skip
 
-    return Contestant(name, family, run, budget, min_prob, min_node_prob)
+    return Contestant(name, family, run, budget, min_prob, min_node_prob, processes)
 
 
 def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> list[Contestant]:
@@ -173,12 +178,9 @@ class GrpcNodes:
         for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
             wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)
 
-    def peak_rss_mb(self) -> float:
-        total = 0
-        for proc in self.procs:
-            with contextlib.suppress(ProcessLookupError):  # a node that died has no memory to report
-                total += peak_rss_bytes(proc.pid)
-        return total / 2**20
+    @property
+    def pids(self) -> tuple[int, ...]:
+        return tuple(proc.pid for proc in self.procs)
 
     def close(self) -> None:
         for proc in self.procs:
@@ -252,15 +254,17 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
             return c.run(ids, sampling)
 
         name = c.name + (" compiled" if on else "")
-        return Contestant(name, c.family, run, None if on else c.budget, c.min_prob, c.min_node_prob)
+        return replace(c, name=name, run=run, budget=None if on else c.budget)
 
     return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
 
-def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc, repeats=1) -> list[Run]:
+def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc, repeats=1,
+              memory: PeakMemory | None = None) -> list[Run]:  # fmt: skip
     """Contestants take turns, prompt by prompt; the order rotates each time, so none always runs
     first or last in a stretch of this machine's drifting speed. Repeats are whole passes over the
     prompt set, so a prompt's runs are far apart in time."""
+    memory = memory or PeakMemory()
     runs: list[Run] = []
     total = repeats * len(prompts) * len(contestants) * len(settings)
     turn = 0
@@ -273,13 +277,46 @@ def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, d
                 )
                 shift, turn = turn % len(contestants), turn + 1
                 for c in contestants[shift:] + contestants[:shift]:
-                    r = c.run(ids, sampling)
+                    r = memory.run(c, ids, sampling)
                     r.contestant, r.prompt, r.category, r.setting = c.name, i, p["category"], setting
                     r.repeat = repeat
                     runs.append(r)
                     bar.set_postfix_str(f"{c.name}: {r.tokens_per_second:.1f} tok/s")
                     bar.update()
     return runs
+
+
+class PeakMemory:
+    """Each run's peak memory, and each process's peak over its life.
+
+    Every model lives in this process (or in both nodes) for the whole bench, so a run's peak is
+    its own only where the kernel can lower the high-water mark first (Linux); elsewhere it is the
+    process's peak so far. The lowering would lose the life peak (loading, the float32 pass), so it
+    is read before each reset and kept here."""
+
+    def __init__(self) -> None:
+        self.life: dict[int | str, int] = {}
+        self.per_run = self._reset("self")
+
+    def _reset(self, pid: int | str) -> bool:
+        self.life[pid] = self._life_peak(pid)
+        return reset_peak_rss(pid)
+
+    def _life_peak(self, pid: int | str) -> int:
+        with contextlib.suppress(ProcessLookupError):  # a node that died has no memory to report
+            return max(self.life.get(pid, 0), peak_rss_bytes(pid))
+        return self.life.get(pid, 0)
+
+    def run(self, c: Contestant, ids: list[int], sampling: SamplingParams) -> Run:
+        for pid in c.processes:
+            self._reset(pid)
+        r = c.run(ids, sampling)
+        with contextlib.suppress(ProcessLookupError):
+            r.peak_rss_mb = sum(peak_rss_bytes(pid) for pid in c.processes) / 2**20
+        return r
+
+    def life_peak_mb(self, pids: tuple[int | str, ...] = ("self",)) -> float:
+        return sum(self._life_peak(pid) for pid in pids) / 2**20
 
 
 def check_exactness(runs: list[Run], families: dict[str, str]) -> list[dict[str, Any]]:
@@ -312,6 +349,8 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 wall = sum(r.wall_seconds for r in sel)
                 draft = sum(r.draft_seconds for r in sel)
                 target = sum(r.target_seconds for r in sel)
+                network = sum(r.network_seconds for r in sel)
+                peaks = [r.peak_rss_mb for r in sel if r.peak_rss_mb is not None]
                 hist: dict[int, int] = {}
                 for r in sel:
                     for a in r.accepted_per_step:
@@ -325,7 +364,9 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                     tok_s_median=statistics.median(tps), tok_s_p10=q[0], tok_s_p90=q[-1],
                     tokens_per_step=tokens / steps if steps else None,
                     draft_share=draft / wall if steps else None, target_share=target / wall if steps else None,
-                    other_share=(wall - draft - target) / wall if steps else None,
+                    network_share=network / wall if steps else None,
+                    bookkeeping_share=(wall - draft - target - network) / wall if steps else None,
+                    peak_rss_mb=max(peaks) if peaks else None,
                     accepted_histogram=dict(sorted(hist.items())),
                     mean_draft_nodes=statistics.mean(drafted) if drafted else None,
                     chain_share=sum(r.chain_steps for r in sel) / len(drafted) if drafted else None,
@@ -421,19 +462,23 @@ def write_report(
              f"{meta['threads']} threads, draft linears {meta.get('draft_quantize', 'none')}, "
              f"command: `{meta['command']}`", ""]  # fmt: skip
     for setting in sorted({r["setting"] for r in summary}):
-        lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step | draft / target / other "
-                  "| draft nodes/step (chain steps) |", "|---|---|---|---|---|---|"]  # fmt: skip
+        lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step "
+                  "| draft / target / network / bookkeeping | draft nodes/step (chain steps) | peak RSS MiB |",
+                  "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in summary:
             if r["setting"] != setting:
                 continue
-            shares = (f"{r['draft_share']:.0%} / {r['target_share']:.0%} / {r['other_share']:.0%}"
-                      if r["draft_share"] is not None else "-")  # fmt: skip
+            shares = " / ".join(f"{r[k]:.0%}" for k in SHARES) if r["draft_share"] is not None else "-"
             tps = f"{r['tokens_per_step']:.2f}" if r["tokens_per_step"] else "-"
             nodes = (f"{r['mean_draft_nodes']:.1f} ({r['chain_share']:.0%})"
                      if r.get("mean_draft_nodes") is not None else "-")  # fmt: skip
+            peak = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") is not None else "-"
             lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
-                         f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} |")  # fmt: skip
+                         f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} | {peak} |")  # fmt: skip
         lines.append("")
+    lines += [f"Peak RSS: the largest over a contestant's runs ({meta.get('peak_rss_scope', 'run')}), of this "
+              "process, which holds every model, or of both node processes for the gRPC contestant.", ""]  # fmt: skip
+    lines += acceptance_table(summary)
     lines += ["## Fastest per category", "",
               "The first three places; the last column pairs each with the contestant just below it, prompt by prompt.",
               "", "| setting | category | place | contestant | tok/s median | x the target alone | beat the next on |",
@@ -466,6 +511,30 @@ def write_report(
     text = "\n".join(lines) + "\n"
     (out / "report.md").write_text(text)
     return text
+
+
+SHARES = ("draft_share", "target_share", "network_share", "bookkeeping_share")
+HISTOGRAM_COLUMNS = 10  # accepted lengths 0..9, then one column for 10 and more
+
+
+def acceptance_table(summary: list[dict]) -> list[str]:
+    """How many of the tree's tokens the target kept, step by step: the shape behind tokens/step
+    (a long chain that is either kept whole or cut at once looks unlike a bushy tree)."""
+    rows = [r for r in summary if r["category"] == "all" and r.get("accepted_histogram")]
+    if not rows:
+        return []
+    top = HISTOGRAM_COLUMNS
+    lines = ["## Accepted draft tokens per target step", "",
+             "Share of steps by how many drafted tokens the target kept (the step's own token not counted); all prompts.", "",
+             "| setting | contestant | steps | " + " | ".join(map(str, range(top))) + f" | {top}+ |",
+             "|---|---|---|" + "---|" * (top + 1)]  # fmt: skip
+    for r in rows:
+        hist = {int(k): v for k, v in r["accepted_histogram"].items()}  # JSON keys are strings
+        steps = sum(hist.values())
+        counts = [hist.get(n, 0) for n in range(top)] + [sum(v for k, v in hist.items() if k >= top)]
+        cells = " | ".join(f"{c / steps:.0%}" if c else "" for c in counts)
+        lines.append(f"| {r['setting']} | {r['contestant']} | {steps} | {cells} |")
+    return [*lines, ""]
 
 
 def _floors(row: dict) -> tuple[float, float]:
@@ -522,8 +591,9 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
     ]
     names = [r["contestant"] for r in rows]
     bottom = [0.0] * len(rows)
-    for key, label in (("draft_share", "draft"), ("target_share", "target"), ("other_share", "other")):
-        vals = [r[key] for r in rows]
+    for key in SHARES:
+        vals = [r.get(key, 0.0) for r in rows]
+        label = key.removesuffix("_share")
         axes[2].barh(names, vals, left=bottom, label=label)
         bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
     axes[2].set_title(f"time per step ({shown})")
@@ -571,6 +641,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
                 dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
                 projection=args.target_cost_model, draft_quantize=args.draft_quantize, settings=list(settings),
                 auto_cap=auto_cap if args.auto else None)  # fmt: skip
+    memory = PeakMemory()
+    meta["peak_rss_scope"] = "run" if memory.per_run else "process so far"
     exact: list[dict] = []
     if args.exactness:
         # float32: batched tree passes and one-token passes then agree, so any divergence is a bug.
@@ -581,7 +653,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         target.forward_curve = draft.forward_curve = ((1, 1.0), (max_tree + 1, 1.0))
         contestants = build_contestants(args, target, draft, t32.tokenizer, draft_dir, target_dir)
         runs = run_phase(prompts[: args.exactness], contestants, t32.tokenizer, SETTINGS, args.max_new_tokens,
-                         args.seed, "exactness (float32)")  # fmt: skip
+                         args.seed, "exactness (float32)", memory=memory)  # fmt: skip
         exact = check_exactness(runs, {c.name: c.family for c in contestants})
         del target, draft, t32, d32, contestants
     tl = load_model(target_dir, dtype=args.dtype)
@@ -612,15 +684,17 @@ def cmd_bench(args: argparse.Namespace) -> int:
             budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
         )
         remote = connect(nodes.addrs["draft"], nodes.addrs["target"], tree=params)
-        contestants.append(engine_contestant(f"specexec b={b} via gRPC", remote, family="grpc"))
+        contestants.append(
+            engine_contestant(f"specexec b={b} via gRPC", remote, family="grpc", processes=nodes.pids)
+        )
     try:
         runs = run_phase(prompts, contestants, tl.tokenizer, settings, args.max_new_tokens, args.seed,
-                         f"speed ({args.dtype})", args.repeat)  # fmt: skip
+                         f"speed ({args.dtype})", args.repeat, memory)  # fmt: skip
     finally:
         node_rss = 0.0
         if nodes:
             try:
-                node_rss = nodes.peak_rss_mb()
+                node_rss = memory.life_peak_mb(nodes.pids)
             finally:
                 nodes.close()
     families = {c.name: c.family for c in contestants}
@@ -633,7 +707,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         cfg = tl.model.cfg  # an offloaded target streams its decoder layers every pass
         target_bytes = cfg.num_layers * cfg.layer_parameter_count * tl.model.dtype.itemsize
         projection = project(runs, contestants, target_bytes, bandwidth, args.per_token_ms)
-    meta["peak_rss_mb"] = peak_rss_bytes() / 2**20
+    meta["peak_rss_mb"] = memory.life_peak_mb()
     meta["grpc_nodes_peak_rss_mb"] = node_rss
     raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, ranking=ranking, exactness=exact,
                bf16_divergence=divergence, projection=projection)  # fmt: skip

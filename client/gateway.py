@@ -27,6 +27,7 @@ def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
         wall_seconds=s.wall_seconds,
         draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds,
+        network_seconds=s.network_seconds,
     )
 
 

@@ -54,6 +54,9 @@ class GenerationStats:
     wall_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
+    network_seconds: float = (
+        0.0  # of a remote step: its calls' time less the nodes' own (wire, serialization)
+    )
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(
         default_factory=list
@@ -78,6 +81,7 @@ class GenerationStats:
             "wall_seconds": round(self.wall_seconds, 4),
             "draft_seconds": round(self.draft_seconds, 4),
             "target_seconds": round(self.target_seconds, 4),
+            "network_seconds": round(self.network_seconds, 4),
             "draft_failures": self.draft_failures,
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
             "chain_steps": self.chain_steps,
@@ -262,8 +266,11 @@ class Sequence:
             mid = time.perf_counter()
             result = self._verify(verified, sampling, sampling.max_new_tokens - generated)
             draft_s, target_s = mid - start, time.perf_counter() - mid
-            stats.draft_seconds += draft_s
-            stats.target_seconds += target_s
+            draft_wire = wire_seconds(draft_s, drafted.node_seconds if drafted is not None else None)
+            target_wire = wire_seconds(target_s, result.node_seconds)
+            stats.draft_seconds += draft_s - draft_wire
+            stats.target_seconds += target_s - target_wire
+            stats.network_seconds += draft_wire + target_wire
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
             if planner is not None and drafted is not None and generated > 0 and not result.finish_reason:
@@ -281,6 +288,12 @@ class Sequence:
         for backend, session in ((self.target, self.target_session), (self.draft, self.draft_session)):
             if backend is not None:
                 _close_quietly(backend, session)
+
+
+def wire_seconds(call_seconds: float, node_seconds: float | None) -> float:
+    """What a call cost beyond the node's own reported time: the network path. Two clocks, so a
+    node reporting a hair more than the call took is rounding, not negative transport."""
+    return 0.0 if node_seconds is None else max(0.0, call_seconds - node_seconds)
 
 
 def _close_quietly(backend: TargetBackend | DraftBackend, session: str) -> None:

@@ -158,7 +158,8 @@ class RemoteDraft(_RemoteNode):
             params=tree_params_to_proto(params),
         )
         response = self._rpc(self.stub.BuildTree, request, self.step_timeout)
-        return DraftedTree(tree_from_proto(response.tree), response.draft_forwards)
+        node_seconds = response.build_seconds + response.queue_seconds
+        return DraftedTree(tree_from_proto(response.tree), response.draft_forwards, node_seconds)
 
 
 class RemoteTarget(_RemoteNode):
@@ -187,7 +188,9 @@ class RemoteTarget(_RemoteNode):
             truncate_to=truncate_to,
         )
         r = self._rpc(self.stub.Verify, request, self.step_timeout)
-        return VerifyResult(list(r.tokens), r.accepted, r.finish_reason or None)
+        return VerifyResult(
+            list(r.tokens), r.accepted, r.finish_reason or None, r.forward_seconds + r.queue_seconds
+        )
 
     def tokenizer(self) -> Any:
         """The target's tokenizer, fetched once and cached on disk by fingerprint."""

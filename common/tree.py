@@ -187,3 +187,4 @@ class DraftedTree:
 
     tree: TokenTree
     draft_forwards: int
+    node_seconds: float | None = None  # the node's own (queue and build), as it reported it; None in process

@@ -30,6 +30,7 @@ class VerifyResult:
     tokens: list[int]  # newly committed tokens: the accepted path, then the target's own token
     accepted: int  # how many of `tokens` came from the tree
     finish_reason: str | None  # "stop" (EOS), "length" (max_tokens reached) or None
+    node_seconds: float | None = None  # the node's own (queue, forward) as it reported it; None in process
 
 
 def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int], int]:

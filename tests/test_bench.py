@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import Run, load_prompts, rank, versus
+from client.bench import SHARES, Run, acceptance_table, load_prompts, rank, versus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +45,23 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
     firsts = [r["contestant"] for i, r in enumerate(raw["runs"]) if i % len(names) == 0]
     assert len(set(firsts)) == len(firsts) == 4  # the order rotates each (prompt, setting)
     assert raw["projection"] and all(p["projected_tok_s"] > 0 for p in raw["projection"])
-    assert "token-identical to the target alone" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "token-identical to the target alone" in report
     assert (out / "bench.png").stat().st_size > 10_000
+    timed = [r for r in raw["summary"] if r["draft_share"] is not None]
+    assert all(sum(r[k] for k in SHARES) == pytest.approx(1.0) for r in timed)
+    assert all(r["bookkeeping_share"] > 0 for r in timed)
+    wire = {r["contestant"]: r["network_share"] for r in timed}
+    assert wire.pop("specexec b=4 via gRPC") > 0 and set(wire.values()) == {0.0}
+    assert all(r["peak_rss_mb"] > 0 for r in raw["summary"])
+    if sys.platform.startswith("linux"):
+        assert raw["meta"]["peak_rss_scope"] == "run"
+        own = [r["peak_rss_mb"] for r in raw["runs"] if "gRPC" not in r["contestant"]]
+        assert raw["meta"]["peak_rss_mb"] >= max(own)
+    accepted = report.split("## Accepted draft tokens per target step")[1].split("##")[0]
+    assert {
+        line.split(" | ")[1] for line in accepted.splitlines() if line.startswith("| greedy")
+    } == names - {"hf generate", "hf assisted"}
 
 
 def test_bench_compile_runs_compiled_twins_with_identical_tokens(model_dirs, tmp_path):
@@ -160,3 +175,11 @@ def test_ranking_pairs_each_place_with_the_next_prompt_by_prompt():
     assert pairs[("greedy", "code")]["ratio"] == pytest.approx((25 / 20 * 18 / 22) ** 0.5)
     assert (pairs[("greedy", "code")]["wins"], pairs[("greedy", "all")]["paired_runs"]) == (1, 3)
     assert versus(runs, "a", "nobody") == []
+
+
+def test_acceptance_table_gives_shares_of_steps_with_long_runs_in_the_last_column():
+    row = dict(setting="greedy", category="all", contestant="specexec b=16",
+               accepted_histogram={"0": 1, "2": 2, "12": 1})  # fmt: skip
+    table = acceptance_table([row, {**row, "category": "code"}])
+    assert table[-2] == "| greedy | specexec b=16 | 4 | 25% |  | 50% |  |  |  |  |  |  |  | 25% |"
+    assert len(table) == 8  # title, note, head, rule, the one row of category "all", blanks between

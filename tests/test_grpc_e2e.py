@@ -194,6 +194,10 @@ def test_remote_equals_in_process_and_target_alone(nodes, in_process, reference,
     assert got.finish_reason == "length" and got.stats.new_tokens == 16
     if mode == "autoregressive":
         assert got.stats.target_steps == 16
+    # The wire's share is the calls' time less the nodes' own; in process there is none.
+    s = got.stats
+    assert s.network_seconds > 0 and local.stats.network_seconds == 0
+    assert s.draft_seconds + s.target_seconds + s.network_seconds <= s.wall_seconds
     for role in ("target", "draft"):
         assert open_sessions(nodes[role], role) == 0
 
@@ -268,7 +272,7 @@ def test_gateway_generate_equals_in_process(gateway, nodes, in_process):
     assert ids == local.token_ids and text == local.text
     assert final.finish_reason == "length"
     assert final.stats.new_tokens == 16 == len(ids)
-    assert final.stats.target_steps >= 1
+    assert final.stats.target_steps >= 1 and final.stats.network_seconds > 0
     with open_channel(gateway) as channel:
         info = pb_grpc.GenerationServiceStub(channel).Info(pb.InfoRequest(), timeout=10)
     assert (info.target.role, info.draft.role) == ("target", "draft")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.memory import peak_rss_bytes
+from common.memory import peak_rss_bytes, reset_peak_rss
 
 CHILD = (
     "import resource; from common.memory import peak_rss_bytes; "
@@ -46,3 +46,20 @@ def test_a_process_that_has_exited_is_an_error():
 def test_an_unknown_process_is_an_error():
     with pytest.raises(ProcessLookupError, match="process 999999999"):
         peak_rss_bytes(999999999)
+
+
+@LINUX
+def test_a_reset_makes_the_next_peak_that_of_the_work_in_between():
+    ballast = b"\1" * (256 * 2**20)
+    del ballast
+    before = peak_rss_bytes()
+    assert reset_peak_rss()
+    after = peak_rss_bytes()
+    assert after <= before - 200 * 2**20, "the 256 MiB freed before the reset still counts"
+    ballast = b"\1" * (128 * 2**20)
+    assert peak_rss_bytes() >= after + 100 * 2**20
+    del ballast
+
+
+def test_a_process_that_cannot_be_reset_says_so():
+    assert reset_peak_rss(999999999) is False
