@@ -26,7 +26,7 @@ from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
 from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
-from common.memory import peak_rss_bytes, reset_peak_rss
+from common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.sampling import SamplingParams
 from common.tree import TreeParams
@@ -57,6 +57,7 @@ class Run:
     chain_steps: int = 0
     repeat: int = 0  # which pass over the prompt set
     peak_rss_mb: float | None = None  # of the processes that did the work, over this run (see meta)
+    rss_growth_mb: float | None = None  # that peak less their RSS as the run began: the run's own memory
 
     @property
     def tokens_per_second(self) -> float:
@@ -310,9 +311,13 @@ class PeakMemory:
     def run(self, c: Contestant, ids: list[int], sampling: SamplingParams) -> Run:
         for pid in c.processes:
             self._reset(pid)
+        resident = [rss_bytes(pid) for pid in c.processes]
+        known = [b for b in resident if b is not None]
         r = c.run(ids, sampling)
         with contextlib.suppress(ProcessLookupError):
             r.peak_rss_mb = sum(peak_rss_bytes(pid) for pid in c.processes) / 2**20
+            if self.per_run and len(known) == len(resident):
+                r.rss_growth_mb = r.peak_rss_mb - sum(known) / 2**20
         return r
 
     def life_peak_mb(self, pids: tuple[int | str, ...] = ("self",)) -> float:
@@ -351,6 +356,7 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 target = sum(r.target_seconds for r in sel)
                 network = sum(r.network_seconds for r in sel)
                 peaks = [r.peak_rss_mb for r in sel if r.peak_rss_mb is not None]
+                growth = [r.rss_growth_mb for r in sel if r.rss_growth_mb is not None]
                 hist: dict[int, int] = {}
                 for r in sel:
                     for a in r.accepted_per_step:
@@ -367,6 +373,7 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                     network_share=network / wall if steps else None,
                     bookkeeping_share=(wall - draft - target - network) / wall if steps else None,
                     peak_rss_mb=max(peaks) if peaks else None,
+                    rss_growth_mb=max(growth) if growth else None,
                     accepted_histogram=dict(sorted(hist.items())),
                     mean_draft_nodes=statistics.mean(drafted) if drafted else None,
                     chain_share=sum(r.chain_steps for r in sel) / len(drafted) if drafted else None,
@@ -463,7 +470,7 @@ def write_report(
              f"command: `{meta['command']}`", ""]  # fmt: skip
     for setting in sorted({r["setting"] for r in summary}):
         lines += [f"## {setting}", "", "| contestant | category | tok/s median (p10-p90) | tokens/step "
-                  "| draft / target / network / bookkeeping | draft nodes/step (chain steps) | peak RSS MiB |",
+                  "| draft / target / network / bookkeeping | draft nodes/step (chain steps) | peak RSS MiB (run's own) |",
                   "|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in summary:
             if r["setting"] != setting:
@@ -473,11 +480,14 @@ def write_report(
             nodes = (f"{r['mean_draft_nodes']:.1f} ({r['chain_share']:.0%})"
                      if r.get("mean_draft_nodes") is not None else "-")  # fmt: skip
             peak = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") is not None else "-"
+            if r.get("rss_growth_mb") is not None:
+                peak += f" (+{max(0.0, r['rss_growth_mb']):.0f})"
             lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
                          f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} | {peak} |")  # fmt: skip
         lines.append("")
     lines += [f"Peak RSS: the largest over a contestant's runs ({meta.get('peak_rss_scope', 'run')}), of this "
-              "process, which holds every model, or of both node processes for the gRPC contestant.", ""]  # fmt: skip
+              "process, which holds every model, or of both node processes for the gRPC contestant; in brackets, "
+              "the most a run rose above the RSS it began with: its own working memory (KV cache, trees, activations).", ""]  # fmt: skip
     lines += acceptance_table(summary)
     lines += ["## Fastest per category", "",
               "The first three places; the last column pairs each with the contestant just below it, prompt by prompt.",

@@ -54,9 +54,7 @@ class GenerationStats:
     wall_seconds: float = 0.0
     draft_seconds: float = 0.0
     target_seconds: float = 0.0
-    network_seconds: float = (
-        0.0  # of a remote step: its calls' time less the nodes' own (wire, serialization)
-    )
+    network_seconds: float = 0.0  # remote calls' time less the nodes' own: wire and serialization
     accepted_per_step: list[int] = field(default_factory=list)
     budgets: list[int] = field(
         default_factory=list

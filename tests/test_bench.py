@@ -56,6 +56,7 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
     assert all(r["peak_rss_mb"] > 0 for r in raw["summary"])
     if sys.platform.startswith("linux"):
         assert raw["meta"]["peak_rss_scope"] == "run"
+        assert all(0 <= r["rss_growth_mb"] < r["peak_rss_mb"] for r in raw["summary"])
         own = [r["peak_rss_mb"] for r in raw["runs"] if "gRPC" not in r["contestant"]]
         assert raw["meta"]["peak_rss_mb"] >= max(own)
     accepted = report.split("## Accepted draft tokens per target step")[1].split("##")[0]

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.memory import peak_rss_bytes, reset_peak_rss
+from common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 CHILD = (
     "import resource; from common.memory import peak_rss_bytes; "
@@ -63,3 +63,9 @@ def test_a_reset_makes_the_next_peak_that_of_the_work_in_between():
 
 def test_a_process_that_cannot_be_reset_says_so():
     assert reset_peak_rss(999999999) is False
+
+
+@LINUX
+def test_resident_memory_now_is_below_the_peak_and_unknown_for_no_process():
+    assert 0 < rss_bytes() <= peak_rss_bytes()
+    assert rss_bytes(999999999) is None
