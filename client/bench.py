@@ -260,12 +260,21 @@ def compiled_twins(contestants: list[Contestant], models: list[Any]) -> list[Con
     return [twin for c in contestants for twin in (switch(c, False), switch(c, True))]
 
 
+WARM_UP_TOKENS = 4
+
+
 def run_phase(prompts, contestants, tokenizer, settings, max_new_tokens, seed, desc, repeats=1,
               memory: PeakMemory | None = None) -> list[Run]:  # fmt: skip
     """Contestants take turns, prompt by prompt; the order rotates each time, so none always runs
     first or last in a stretch of this machine's drifting speed. Repeats are whole passes over the
-    prompt set, so a prompt's runs are far apart in time."""
+    prompt set, so a prompt's runs are far apart in time. Each contestant first generates a few
+    untimed tokens: a first call pays one-off costs (weights paged in from a memory-mapped file,
+    allocator growth, a node's first session) that are no part of its speed or working memory."""
     memory = memory or PeakMemory()
+    if prompts:
+        warm_up = SamplingParams(max_new_tokens=WARM_UP_TOKENS, ignore_eos=True)
+        for c in contestants:
+            c.run(encode(tokenizer, prompts[0]["prompt"]), warm_up)
     runs: list[Run] = []
     total = repeats * len(prompts) * len(contestants) * len(settings)
     turn = 0

@@ -10,7 +10,17 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import SHARES, Run, acceptance_table, load_prompts, rank, versus
+from client.bench import (
+    SHARES,
+    WARM_UP_TOKENS,
+    Contestant,
+    Run,
+    acceptance_table,
+    load_prompts,
+    rank,
+    run_phase,
+    versus,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -184,3 +194,27 @@ def test_acceptance_table_gives_shares_of_steps_with_long_runs_in_the_last_colum
     table = acceptance_table([row, {**row, "category": "code"}])
     assert table[-2] == "| greedy | specexec b=16 | 4 | 25% |  | 50% |  |  |  |  |  |  |  | 25% |"
     assert len(table) == 8  # title, note, head, rule, the one row of category "all", blanks between
+
+
+class CharTokenizer:
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) for ch in text]
+
+
+def test_each_contestant_warms_up_untimed_before_the_timed_runs():
+    calls: list[tuple[str, int]] = []
+
+    def contestant(name: str) -> Contestant:
+        def run(ids, sampling):
+            calls.append((name, sampling.max_new_tokens))
+            return Run(name, -1, "", "", [0] * sampling.max_new_tokens, 0.1, sampling.max_new_tokens)
+
+        return Contestant(name, "engine", run)
+
+    prompts = [{"prompt": "ab", "category": "code"}, {"prompt": "cd", "category": "prose"}]
+    runs = run_phase(
+        prompts, [contestant("a"), contestant("b")], CharTokenizer(), {"greedy": {}}, 8, 0, "test"
+    )
+    assert calls[:2] == [("a", WARM_UP_TOKENS), ("b", WARM_UP_TOKENS)]
+    assert sorted(calls[2:]) == [("a", 8), ("a", 8), ("b", 8), ("b", 8)]
+    assert len(runs) == 4 and all(len(r.token_ids) == 8 for r in runs)
