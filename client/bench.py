@@ -58,6 +58,7 @@ class Run:
     repeat: int = 0  # which pass over the prompt set
     peak_rss_mb: float | None = None  # of the processes that did the work, over this run (see meta)
     rss_growth_mb: float | None = None  # that peak less their RSS as the run began: the run's own memory
+    peak_gpu_mb: float | None = None  # this process's peak CUDA allocation over the run (--device cuda)
 
     @property
     def tokens_per_second(self) -> float:
@@ -123,11 +124,26 @@ def engine_contestant(
     return Contestant(name, family, run, budget, min_prob, min_node_prob, processes)
 
 
-def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> list[Contestant]:
+def hf_contestants(
+    draft_dir: Path, target_dir: Path, dtype: torch.dtype, device: str = "cpu", offload: bool = False
+) -> list[Contestant]:
+    """`offload`: the target's weights stay in host RAM and accelerate's hooks move each module to
+    `device` for its forward, which is how a Hugging Face user runs a model larger than the GPU.
+    Assisted generation is then left out: it moves the draft's candidates to the target's
+    `.device`, which an offloaded model reports as `meta`, and fails."""
     from transformers import AutoModelForCausalLM
 
     target = AutoModelForCausalLM.from_pretrained(target_dir, dtype=dtype).eval()
-    draft = AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval()
+    draft = (
+        None if offload else AutoModelForCausalLM.from_pretrained(draft_dir, dtype=dtype).eval().to(device)
+    )
+    if offload:
+        from accelerate import cpu_offload
+
+        # Buffers too: left behind, the rotary tables are meta tensors a forward cannot read.
+        cpu_offload(target, execution_device=torch.device(device), offload_buffers=True)
+    else:
+        target.to(device)
 
     def make(name: str, assistant: Any) -> Contestant:
         def run(ids: list[int], sampling: SamplingParams) -> Run:
@@ -143,14 +159,14 @@ def hf_contestants(draft_dir: Path, target_dir: Path, dtype: torch.dtype) -> lis
                 kwargs["assistant_model"] = assistant
             start = time.perf_counter()
             with torch.inference_mode():
-                out = target.generate(torch.tensor([ids]), pad_token_id=0, **kwargs)
+                out = target.generate(torch.tensor([ids], device=device), pad_token_id=0, **kwargs)
             wall = time.perf_counter() - start
             new = out[0, len(ids) :].tolist()
             return Run(name, -1, "", "", new, wall, 0)
 
         return Contestant(name, "hf", run)
 
-    return [make("hf generate", None), make("hf assisted", draft)]
+    return [make("hf generate", None)] + ([] if offload else [make("hf assisted", draft)])
 
 
 def free_port() -> int:
@@ -163,18 +179,29 @@ class GrpcNodes:
     """A draft and a target node as separate processes on loopback, for the network-path contestant."""
 
     def __init__(
-        self, draft: str, target: str, dtype: str, max_tree: int, draft_quantize: str = "none"
+        self,
+        draft: str,
+        target: str,
+        dtype: str,
+        max_tree: int,
+        draft_quantize: str = "none",
+        device: str = "cpu",
+        offload: list[str] | None = None,  # the target node's --offload flags
     ) -> None:
         from client.local import node_command
         from client.remote import wait_until_serving
 
         ports = {role: free_port() for role in ("target", "draft")}
         self.addrs = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
+        common = ["--no-profile", "--device", device]
         self.procs = [
             subprocess.Popen(
-                node_command(role, model, ports[role], dtype, max_tree, ["--no-profile"], quantize)
+                node_command(role, model, ports[role], dtype, max_tree, common + extra, quantize)
             )
-            for role, model, quantize in (("target", target, "none"), ("draft", draft, draft_quantize))
+            for role, model, quantize, extra in (
+                ("target", target, "none", offload or []),
+                ("draft", draft, draft_quantize, []),
+            )
         ]
         for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
             wait_until_serving(addr, timeout=900, alive=lambda p=proc: p.poll() is None)
@@ -304,9 +331,10 @@ class PeakMemory:
     process's peak so far. The lowering would lose the life peak (loading, the float32 pass), so it
     is read before each reset and kept here."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.life: dict[int | str, int] = {}
         self.per_run = self._reset("self")
+        self.cuda = torch.device(device) if torch.device(device).type == "cuda" else None
 
     def _reset(self, pid: int | str) -> bool:
         self.life[pid] = self._life_peak(pid)
@@ -322,7 +350,11 @@ class PeakMemory:
             self._reset(pid)
         resident = [rss_bytes(pid) for pid in c.processes]
         known = [b for b in resident if b is not None]
+        if self.cuda is not None:
+            torch.cuda.reset_peak_memory_stats(self.cuda)
         r = c.run(ids, sampling)
+        if self.cuda is not None and "self" in c.processes:  # a node's GPU memory is its own
+            r.peak_gpu_mb = torch.cuda.max_memory_allocated(self.cuda) / 2**20
         with contextlib.suppress(ProcessLookupError):
             r.peak_rss_mb = sum(peak_rss_bytes(pid) for pid in c.processes) / 2**20
             if self.per_run and len(known) == len(resident):
@@ -366,6 +398,7 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                 network = sum(r.network_seconds for r in sel)
                 peaks = [r.peak_rss_mb for r in sel if r.peak_rss_mb is not None]
                 growth = [r.rss_growth_mb for r in sel if r.rss_growth_mb is not None]
+                gpu = [r.peak_gpu_mb for r in sel if r.peak_gpu_mb is not None]
                 hist: dict[int, int] = {}
                 for r in sel:
                     for a in r.accepted_per_step:
@@ -383,6 +416,7 @@ def summarize(runs: list[Run], contestants: list[Contestant]) -> list[dict[str, 
                     bookkeeping_share=(wall - draft - target - network) / wall if steps else None,
                     peak_rss_mb=max(peaks) if peaks else None,
                     rss_growth_mb=max(growth) if growth else None,
+                    peak_gpu_mb=max(gpu) if gpu else None,
                     accepted_histogram=dict(sorted(hist.items())),
                     mean_draft_nodes=statistics.mean(drafted) if drafted else None,
                     chain_share=sum(r.chain_steps for r in sel) / len(drafted) if drafted else None,
@@ -491,12 +525,15 @@ def write_report(
             peak = f"{r['peak_rss_mb']:.0f}" if r.get("peak_rss_mb") is not None else "-"
             if r.get("rss_growth_mb") is not None:
                 peak += f" (+{max(0.0, r['rss_growth_mb']):.0f})"
+            if r.get("peak_gpu_mb") is not None:
+                peak += f", GPU {r['peak_gpu_mb']:.0f}"
             lines.append(f"| {r['contestant']} | {r['category']} | {r['tok_s_median']:.2f} "
                          f"({r['tok_s_p10']:.2f}-{r['tok_s_p90']:.2f}) | {tps} | {shares} | {nodes} | {peak} |")  # fmt: skip
         lines.append("")
     lines += [f"Peak RSS: the largest over a contestant's runs ({meta.get('peak_rss_scope', 'run')}), of this "
               "process, which holds every model, or of both node processes for the gRPC contestant; in brackets, "
-              "the most a run rose above the RSS it began with: its own working memory (KV cache, trees, activations).", ""]  # fmt: skip
+              "the most a run rose above the RSS it began with: its own working memory (KV cache, trees, activations); "
+              "with --device cuda, this process's peak CUDA allocation in a run.", ""]  # fmt: skip
     lines += acceptance_table(summary)
     lines += ["## Fastest per category", "",
               "The first three places; the last column pairs each with the contestant just below it, prompt by prompt.",
@@ -645,8 +682,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from common.model_store import resolve_model
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
+    from target_node.offload import load_target, plan_from_args
 
     torch.set_num_threads(args.threads)
+    plan = plan_from_args(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft_dir, target_dir = resolve_model(args.draft_model), resolve_model(args.target_model)
@@ -659,14 +698,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     meta = dict(target=target_dir.name, draft=draft_dir.name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
                 projection=args.target_cost_model, draft_quantize=args.draft_quantize, settings=list(settings),
-                auto_cap=auto_cap if args.auto else None)  # fmt: skip
-    memory = PeakMemory()
+                auto_cap=auto_cap if args.auto else None, device=args.device,
+                offload=dict(resident_layers=plan.resident_layers, prefetch_layers=plan.prefetch_layers) if plan else None)  # fmt: skip
+    memory = PeakMemory(args.device)
     meta["peak_rss_scope"] = "run" if memory.per_run else "process so far"
     exact: list[dict] = []
     if args.exactness:
         # float32: batched tree passes and one-token passes then agree, so any divergence is a bug.
-        t32 = load_model(target_dir, dtype="float32")
-        d32 = load_model(draft_dir, dtype="float32", quantize=args.draft_quantize)
+        t32 = load_target(target_dir, dtype="float32", device=args.device, plan=plan)
+        d32 = load_model(draft_dir, dtype="float32", device=args.device, quantize=args.draft_quantize)
         target, draft = TargetEngine(t32, max_tree=max_tree), DraftEngine(d32, max_tree=max_tree)
         # The auto contestant's choices only change speed, never tokens: a flat stand-in curve will do.
         target.forward_curve = draft.forward_curve = ((1, 1.0), (max_tree + 1, 1.0))
@@ -675,9 +715,12 @@ def cmd_bench(args: argparse.Namespace) -> int:
                          args.seed, "exactness (float32)", memory=memory)  # fmt: skip
         exact = check_exactness(runs, {c.name: c.family for c in contestants})
         del target, draft, t32, d32, contestants
-    tl = load_model(target_dir, dtype=args.dtype)
+    tl = load_target(target_dir, dtype=args.dtype, device=args.device, plan=plan)
     dl = load_model(
-        draft_dir, dtype=draft_dtype(args.dtype, args.draft_quantize), quantize=args.draft_quantize
+        draft_dir,
+        dtype=draft_dtype(args.dtype, args.draft_quantize),
+        device=args.device,
+        quantize=args.draft_quantize,
     )
     target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
     if args.compile:
@@ -692,12 +735,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.compile:
         contestants = compiled_twins(contestants, [tl.model, dl.model])
     if args.hf:
-        contestants += hf_contestants(draft_dir, target_dir, tl.model.dtype)
+        contestants += hf_contestants(draft_dir, target_dir, tl.model.dtype, args.device, plan is not None)
     nodes = None
     if args.grpc:
         from client.remote import connect
 
-        nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree, args.draft_quantize)
+        offload_flags = ["--offload", "--resident-layers", str(plan.resident_layers),
+                         "--prefetch-layers", str(plan.prefetch_layers)] if plan else []  # fmt: skip
+        nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree, args.draft_quantize,
+                          args.device, offload_flags)  # fmt: skip
         b = args.grpc_budget
         params = TreeParams(
             budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
@@ -757,10 +803,14 @@ def positive_int(text: str) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
+    from target_node.offload import add_offload_args
+
     b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1, ...")
+    add_offload_args(b)
     b.add_argument(
         "--draft-quantize",
         choices=QUANTIZE_CHOICES,

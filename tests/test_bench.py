@@ -75,6 +75,22 @@ def test_bench_runs_every_contestant_and_reports(model_dirs, tmp_path):
     } == names - {"hf generate", "hf assisted"}
 
 
+def test_bench_offloaded_target_is_exact_in_process_through_hugging_face_and_over_grpc(model_dirs, tmp_path):
+    """`--offload` streams the target's layers from host RAM to `--device` every pass (a GPU's
+    case; here the CPU stands in): our engine, its gRPC node and accelerate's hooks for Hugging
+    Face `generate` all run it, and every one of them gives the target-alone tokens."""
+    raw = run_bench(model_dirs, tmp_path / "bench", "--limit", "1", "--budgets", "4", "--chain", "2",
+                    "--grpc-budget", "4", "--exactness", "1", "--device", "cpu", "--offload",
+                    "--resident-layers", "1")  # fmt: skip
+    assert raw["meta"]["device"] == "cpu"
+    assert raw["meta"]["offload"] == {"resident_layers": 1, "prefetch_layers": 2}
+    assert raw["exactness"] and all(e["first_divergence"] is None for e in raw["exactness"])
+    greedy = {r["contestant"]: r["token_ids"] for r in raw["runs"] if r["setting"] == "greedy"}
+    assert set(greedy) >= {"hf generate", "specexec b=4 via gRPC", "specexec auto"}
+    assert "hf assisted" not in greedy  # it cannot run an accelerate-offloaded target (see hf_contestants)
+    assert all(ids == greedy["autoregressive"] for ids in greedy.values())
+
+
 def test_bench_compile_runs_compiled_twins_with_identical_tokens(model_dirs, tmp_path):
     raw = run_bench(model_dirs, tmp_path / "bench", "--limit", "1", "--budgets", "4", "--chain", "2", "--no-auto",
                     "--no-hf", "--no-grpc", "--exactness", "0", "--compile", "--compile-buckets", "1,8")  # fmt: skip
