@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +34,7 @@ from common.tree import TreeParams
 if TYPE_CHECKING:
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
+    from target_node.offload import OffloadPlan
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
@@ -186,7 +187,7 @@ class GrpcNodes:
         max_tree: int,
         draft_quantize: str = "none",
         device: str = "cpu",
-        offload: list[str] | None = None,  # the target node's --offload flags
+        offload: OffloadPlan | None = None,
     ) -> None:
         from client.local import node_command
         from client.remote import wait_until_serving
@@ -199,7 +200,7 @@ class GrpcNodes:
                 node_command(role, model, ports[role], dtype, max_tree, common + extra, quantize)
             )
             for role, model, quantize, extra in (
-                ("target", target, "none", offload or []),
+                ("target", target, "none", offload.node_args() if offload else []),
                 ("draft", draft, draft_quantize, []),
             )
         ]
@@ -261,7 +262,7 @@ def build_contestants(
                     )
                 )
     if args.auto:
-        params = TreeParams(budget=args.auto_cap or max(args.budgets), max_depth=tree.max_depth, max_branch=tree.max_branch,
+        params = TreeParams(budget=auto_cap(args), max_depth=tree.max_depth, max_branch=tree.max_branch,
                             expand_batch=tree.expand_batch)  # fmt: skip
         out.append(
             engine_contestant(
@@ -691,15 +692,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
     draft_dir, target_dir = resolve_model(args.draft_model), resolve_model(args.target_model)
     prompts = load_prompts(args.prompts, args.limit, args.categories)
     settings = {name: SETTINGS[name] for name in bench_settings(args)}
-    auto_cap = args.auto_cap or max(args.budgets)
     max_tree = max(
-        [*args.budgets, *args.chain, auto_cap if args.auto else 1, args.grpc_budget if args.grpc else 1]
+        [*args.budgets, *args.chain, auto_cap(args) if args.auto else 1, args.grpc_budget if args.grpc else 1]
     )
     meta = dict(target=target_dir.name, draft=draft_dir.name, prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 dtype=args.dtype, threads=args.threads, command="specexec bench " + " ".join(sys.argv[2:]),
                 projection=args.target_cost_model, draft_quantize=args.draft_quantize, settings=list(settings),
-                auto_cap=auto_cap if args.auto else None, device=args.device,
-                offload=dict(resident_layers=plan.resident_layers, prefetch_layers=plan.prefetch_layers) if plan else None)  # fmt: skip
+                auto_cap=auto_cap(args) if args.auto else None, device=args.device,
+                offload=asdict(plan) if plan else None)  # fmt: skip
     memory = PeakMemory(args.device)
     meta["peak_rss_scope"] = "run" if memory.per_run else "process so far"
     exact: list[dict] = []
@@ -740,10 +740,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     if args.grpc:
         from client.remote import connect
 
-        offload_flags = ["--offload", "--resident-layers", str(plan.resident_layers),
-                         "--prefetch-layers", str(plan.prefetch_layers)] if plan else []  # fmt: skip
         nodes = GrpcNodes(str(draft_dir), str(target_dir), args.dtype, max_tree, args.draft_quantize,
-                          args.device, offload_flags)  # fmt: skip
+                          args.device, plan)  # fmt: skip
         b = args.grpc_budget
         params = TreeParams(
             budget=b, max_depth=args.max_depth, max_branch=args.max_branch, expand_batch=args.expand_batch
@@ -787,6 +785,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
         return 1
     return 0
+
+
+def auto_cap(args: argparse.Namespace) -> int:
+    return args.auto_cap or max(args.budgets)
 
 
 def bench_settings(args: argparse.Namespace) -> list[str]:

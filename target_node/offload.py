@@ -183,6 +183,11 @@ class OffloadPlan:
     resident_layers: int = 0
     prefetch_layers: int = 2
 
+    def node_args(self) -> list[str]:
+        """The target node's command-line flags for this plan: `plan_from_args` read back."""
+        return ["--offload", "--resident-layers", str(self.resident_layers),
+                "--prefetch-layers", str(self.prefetch_layers)]  # fmt: skip
+
 
 def load_target(
     path: str | Path, *, dtype: str, device: str, repack: bool = True, plan: OffloadPlan | None = None
