@@ -22,11 +22,11 @@ from client.generation import (
     tree_params_for,
 )
 from client.text import TextAssembler
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 
 if TYPE_CHECKING:
-    from target_node.offload import OffloadPlan
+    from common.model.offload import OffloadPlan
 
 
 @dataclass
@@ -98,16 +98,16 @@ class SpecExec:
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
-        `offload` streams the target's layers from host RAM to `device` (target_node.offload).
+        `offload` streams the target's layers from host RAM to `device` (common.model.offload).
         `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
-        `dtype` says: its fastest configuration on a CPU (common.quantized_linear).
+        `dtype` says: its fastest configuration on a CPU (common.model.quantized_linear).
         `compile_buckets` compiles both models' passes for those token counts before returning
-        (common.compiled_forward)."""
-        from common.loading import load_model
-        from common.quantized_linear import draft_dtype
+        (common.model.compiled_forward)."""
+        from common.model.loading import load_model
+        from common.model.offload import load_target
+        from common.model.quantized_linear import draft_dtype
         from draft_node.engine import DraftEngine
         from target_node.engine import TargetEngine
-        from target_node.offload import load_target
 
         target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
@@ -123,7 +123,7 @@ class SpecExec:
             )
             draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=max_tree)
         if compile_buckets is not None:
-            from common.compiled_forward import compile_model
+            from common.model.compiled_forward import compile_model
 
             compile_model(target_loaded.model, compile_buckets)
             if draft_loaded is not None:

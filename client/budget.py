@@ -38,9 +38,9 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
-from common.profiling import interpolate
-from common.sampling import SamplingParams
-from common.tree import DraftedTree, TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import DraftedTree, TreeParams
+from common.model.profiling import interpolate
 
 K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better steps beat it
 K_NODE = 1.0  # a node pays for its place in the pass; measured above 1 it kept chat and prose trees too small

@@ -10,12 +10,12 @@ import grpc
 
 from client.api import SpecExec
 from client.generation import GenerationStats
-from common.metrics import track_generation
+from common.decoding.tree import TreeParams
+from common.ops.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import abort_for, rpc_method
-from common.tree import TreeParams
-from common.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
+from common.rpc.server import abort_for, rpc_method
+from common.rpc.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
 
 
 def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:

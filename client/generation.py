@@ -14,10 +14,9 @@ from typing import Any, Protocol
 
 from client.budget import BudgetPlanner, regime
 from client.faults import NodeFault, NodeUnavailable
-from common.node_info import NodeInfo, check_pair
-from common.sampling import SamplingParams
-from common.tree import DraftedTree, TokenTree, TreeParams
-from target_node.session import VerifyResult
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
+from common.decoding.types import NodeInfo, VerifyResult, check_pair
 
 MODES = ("specexec", "chain", "autoregressive")
 log = logging.getLogger("specexec.client")

@@ -12,23 +12,22 @@ from typing import Any
 import grpc
 
 from client.faults import NodeUnavailable, SessionLost
-from common.loading import tokenizer_fingerprint
-from common.node_info import NodeInfo, check_pair
-from common.node_servicer import CLIENT_KEY
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
+from common.decoding.types import NodeInfo, VerifyResult, check_pair
+from common.model.loading import tokenizer_fingerprint
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import CHANNEL_OPTIONS
-from common.sampling import SamplingParams
-from common.security import ClientSecurity
-from common.tree import DraftedTree, TokenTree, TreeParams
-from common.wire import (
+from common.rpc.security import ClientSecurity
+from common.rpc.server import CHANNEL_OPTIONS
+from common.rpc.servicer import CLIENT_KEY
+from common.rpc.wire import (
     node_info_from_proto,
     sampling_to_proto,
     tree_from_proto,
     tree_params_to_proto,
     tree_to_proto,
 )
-from target_node.session import VerifyResult
 
 DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -196,7 +195,7 @@ class RemoteTarget(_RemoteNode):
         """The target's tokenizer, fetched once and cached on disk by fingerprint."""
         from transformers import AutoTokenizer
 
-        from common.model_store import cache_root
+        from common.model.store import cache_root
 
         fingerprint = self.info().tokenizer_fingerprint
         folder = cache_root() / "tokenizers" / fingerprint
@@ -235,7 +234,7 @@ def connect(
 ) -> Any:
     """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work.
 
-    `security=ClientSecurity.from_files(ca=..., cert=..., key=..., token_file=...)` (common.security)
+    `security=ClientSecurity.from_files(ca=..., cert=..., key=..., token_file=...)` (common.rpc.security)
     connects over TLS and/or sends the nodes' shared token; other kwargs go to `RemoteTarget`/`RemoteDraft`.
     """
     from client.api import SpecExec

@@ -3,9 +3,9 @@ both call it; it knows nothing of transport."""
 
 from __future__ import annotations
 
-from common.engine_base import NodeEngine
-from common.sessions import StepTiming, check_step, timed_lock
-from common.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
+from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
+from common.runtime.engine import NodeEngine
+from common.runtime.sessions import StepTiming, check_step, timed_lock
 from draft_node.session import DraftSession
 
 

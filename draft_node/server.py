@@ -7,7 +7,7 @@ import logging
 import sys
 
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import add_node_args, add_quantize_arg, engine_kwargs, serve_node
+from common.rpc.server import add_node_args, add_quantize_arg, engine_kwargs, serve_node
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import grpc
 
-from common.metrics import observe_step
-from common.node_servicer import NodeServicer, client_key
+from common.ops.metrics import observe_step
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import rpc_method
-from common.sessions import StepTiming
-from common.wire import tree_params_from_proto, tree_to_proto
+from common.rpc.server import rpc_method
+from common.rpc.servicer import NodeServicer, client_key
+from common.rpc.wire import tree_params_from_proto, tree_to_proto
+from common.runtime.sessions import StepTiming
 
 
 class DraftServicer(NodeServicer, pb_grpc.DraftServiceServicer):

@@ -12,8 +12,8 @@ from collections import OrderedDict
 import torch
 from torch import Tensor
 
-from common.transformer import Transformer
-from common.tree import TreeParams, attention_bias
+from common.decoding.tree import TreeParams, attention_bias
+from common.model.transformer import Transformer
 from draft_node.tree_builder import BuiltTree, TreeBuilder
 
 MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switches among a few

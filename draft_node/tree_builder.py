@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from common.tree import MAX_BUDGET, TokenTree, TreeParams
+from common.decoding.tree import MAX_BUDGET, TokenTree, TreeParams
 
 __all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "TreeBuilder", "TreeParams"]
 

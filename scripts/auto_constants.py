@@ -1,7 +1,7 @@
 """`--budget auto` with different planner constants against fixed node-floored shapes, on the real pair.
 
 The constants of `client/budget.py` were first fitted in `scripts/planner_sim.py`; this checks them
-on the real models. It runs the bench's own loop (`client.bench.run_phase`: the bench's balanced
+on the real models. It runs the bench's own loop (`client.bench.harness.run_phase`: the bench's balanced
 first N prompts, contestants taking turns in a rotating order), which `specexec bench` cannot do
 here because its auto contestant has one planner with the module's constants. Writes every run to
 `--out` and prints median tok/s and draft nodes a step per category, the bench's ranking, and each
@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
-from client.bench import (
+from client.bench.harness import (
     SETTINGS,
     engine_contestant,
     load_prompts,
@@ -38,7 +38,7 @@ from client.bench import (
     versus,
 )
 from client.budget import BudgetPlanner
-from common.tree import TreeParams
+from common.decoding.tree import TreeParams
 
 
 class SharedPlanner(BudgetPlanner):

@@ -1,14 +1,14 @@
 """Forward time against tree size for each way of running the weights, beside the bandwidth floor.
 
 One pass = a k-token tree (4-D ancestor mask) after a 64-token prefix, plus the LM head on all k rows,
-timed by `common.profiling.time_tree_forward` (minimum over repeats). Configurations:
+timed by `common.model.profiling.time_tree_forward` (minimum over repeats). Configurations:
 
 - plain:    row-major bf16 weights, `F.linear` (what `--no-repack` runs);
-- repacked: oneDNN-reordered weights with fused QKV and gate/up (the default, common.packed_linear);
+- repacked: oneDNN-reordered weights with fused QKV and gate/up (the default, common.model.packed_linear);
 - int8-wo:  weight-only int8 with per-row scales (`aten._weight_int8pack_mm`), benchmark only;
 - int8:     int8 weights and dynamically quantized activations, float32 elsewhere (`--quantize int8`,
-            common.quantized_linear); int8-bf16 is the same with bf16 embeddings and norms;
-- X+compiled: configuration X run through `--compile` (common.compiled_forward), one graph per k,
+            common.model.quantized_linear); int8-bf16 is the same with bf16 embeddings and norms;
+- X+compiled: configuration X run through `--compile` (common.model.compiled_forward), one graph per k,
             timed alternately with X itself in the same process (with --compile, for repacked and
             int8: about 40 s of compilation per k on a cold cache).
 
@@ -34,12 +34,12 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.compiled_forward import compile_model  # noqa: E402
-from common.loading import load_model  # noqa: E402
-from common.model_store import resolve_model  # noqa: E402
-from common.packed_linear import replace_projections  # noqa: E402
-from common.profiling import time_tree_forward  # noqa: E402
-from common.transformer import Transformer  # noqa: E402
+from common.model.compiled_forward import compile_model  # noqa: E402
+from common.model.loading import load_model  # noqa: E402
+from common.model.packed_linear import replace_projections  # noqa: E402
+from common.model.profiling import time_tree_forward  # noqa: E402
+from common.model.store import resolve_model  # noqa: E402
+from common.model.transformer import Transformer  # noqa: E402
 
 AGREEMENT_PROMPTS = (
     "def fibonacci(n):\n    ",
@@ -87,7 +87,7 @@ def top1_agreement(reference: Transformer, other: Transformer, prompt: list[int]
     """Greedy-decode with `reference` and count positions where `other` picks the same next token."""
     cache_r, cache_o = reference.new_cache(len(prompt) + steps), other.new_cache(len(prompt) + steps)
     tokens, agree = list(prompt), 0
-    from common.tree import attention_bias
+    from common.decoding.tree import attention_bias
 
     for i in range(steps):
         new = tokens if i == 0 else tokens[-1:]

@@ -23,11 +23,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from common.decoding.tree import TokenTree, attention_bias  # noqa: E402
 from common.pb.specexec.v1 import specexec_pb2 as pb  # noqa: E402
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc  # noqa: E402
-from common.rpc import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
-from common.tree import TokenTree, attention_bias  # noqa: E402
-from common.wire import tree_from_proto, tree_to_proto  # noqa: E402
+from common.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
+from common.rpc.wire import tree_from_proto, tree_to_proto  # noqa: E402
 
 VOCAB = 151936
 
@@ -79,8 +79,8 @@ def main() -> None:
 
     model = None
     if args.target_model:
-        from common.loading import load_model
-        from common.model_store import resolve_model
+        from common.model.loading import load_model
+        from common.model.store import resolve_model
 
         model = load_model(resolve_model(args.target_model), dtype=args.dtype).model
 

@@ -4,7 +4,7 @@ Real checkpoints cannot reach the lent GPU machines (no network, 64 MiB of carri
 pass's time does not depend on the weights' values, so the model is built in code with random
 weights in a real model's shape. For each layout (every layer streamed, or the first N resident)
 it times one pass over a k-node tree after a 64-token prefix with the LM head on every node (the
-timer of the nodes' start-up profile, `common.profiling.time_tree_forward`), beside the floor the
+timer of the nodes' start-up profile, `common.model.profiling.time_tree_forward`), beside the floor the
 host-to-device copy sets (streamed bytes / measured pinned-copy bandwidth), and reports peak GPU
 memory and peak RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
 where a GPU is).
@@ -26,10 +26,10 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from common.memory import peak_rss_bytes  # noqa: E402
-from common.profiling import time_tree_forward  # noqa: E402
-from common.transformer import ModelConfig, Transformer  # noqa: E402
-from target_node.offload import offload  # noqa: E402
+from common.model.offload import offload  # noqa: E402
+from common.model.profiling import time_tree_forward  # noqa: E402
+from common.model.transformer import ModelConfig, Transformer  # noqa: E402
+from common.ops.memory import peak_rss_bytes  # noqa: E402
 
 
 def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool) -> ModelConfig:

@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client.api import SpecExec  # noqa: E402
-from common.loading import load_model  # noqa: E402
-from common.sampling import SamplingParams  # noqa: E402
-from common.transformer import Transformer  # noqa: E402
-from common.tree import TreeParams  # noqa: E402
+from common.decoding.sampling import SamplingParams  # noqa: E402
+from common.decoding.tree import TreeParams  # noqa: E402
+from common.model.loading import load_model  # noqa: E402
+from common.model.transformer import Transformer  # noqa: E402
 from draft_node.engine import DraftEngine  # noqa: E402
 from target_node.engine import TargetEngine  # noqa: E402
 
@@ -150,7 +150,7 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if args.tiny:
-        from common.tiny_models import make_tiny_model, truncate_layers
+        from tests.tiny_models import make_tiny_model, truncate_layers
 
         root = Path(tempfile.mkdtemp())
         args.target_model = make_tiny_model(root / "target", layers=4, hidden=256, heads=8, kv_heads=2)
@@ -158,7 +158,7 @@ def main() -> None:
     if not args.target_model or not args.draft_model:
         p.error("give --target-model and --draft-model, or --tiny")
     if not args.tiny:
-        from common.model_store import resolve_model
+        from common.model.store import resolve_model
 
         args.target_model, args.draft_model = (
             resolve_model(args.target_model),

@@ -22,10 +22,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from client.bench import SETTINGS, encode, load_prompts, profiled_default_pair
+from client.bench.harness import SETTINGS, encode, load_prompts, profiled_default_pair
 from client.generation import GenerationStats, Sequence
-from common.sampling import SamplingParams
-from common.tree import DraftedTree, TokenTree, TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 
 EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 1.0)
 RANKS = 4

@@ -3,7 +3,7 @@ a walk ends on, interleaved on the real pair.
 
 `target_node.session.ALL_LOGITS_MAX_NODES` decides which trees get every node's logits in one call;
 each contestant sets it before its run (0: the former inner-nodes-only call), so both variants take
-turns on the same prompts in the bench's rotating order (`client.bench.run_phase`). Prints median
+turns on the same prompts in the bench's rotating order (`client.bench.harness.run_phase`). Prints median
 tok/s per category and each new variant against its former self, paired run by run.
 
     .venv/bin/python scripts/logits_ab.py --categories code prose --limit 16 --out runs.json
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import target_node.session as target_session
 from client.api import SpecExec
-from client.bench import (
+from client.bench.harness import (
     SETTINGS,
     Contestant,
     Run,
@@ -33,8 +33,8 @@ from client.bench import (
     summarize,
     versus,
 )
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 
 
 def with_logits_cap(contestant: Contestant, cap: int) -> Contestant:

@@ -39,8 +39,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from client.budget import GREEDY, BudgetPlanner  # noqa: E402
-from common.profiling import interpolate, profile_sizes  # noqa: E402
-from common.tree import DraftedTree, TreeParams  # noqa: E402
+from common.decoding.tree import DraftedTree, TreeParams  # noqa: E402
+from common.model.profiling import interpolate, profile_sizes  # noqa: E402
 from draft_node.tree_builder import TreeBuilder  # noqa: E402
 
 VOCAB = 8

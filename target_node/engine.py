@@ -3,11 +3,12 @@ a single model runs one forward pass at a time."""
 
 from __future__ import annotations
 
-from common.engine_base import NodeEngine
-from common.sampling import SamplingParams
-from common.sessions import StepTiming, check_step, timed_lock
-from common.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
-from target_node.session import TargetSession, VerifyResult
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
+from common.decoding.types import VerifyResult
+from common.runtime.engine import NodeEngine
+from common.runtime.sessions import StepTiming, check_step, timed_lock
+from target_node.session import TargetSession
 
 
 class TargetEngine(NodeEngine[TargetSession]):

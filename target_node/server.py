@@ -6,10 +6,10 @@ import argparse
 import logging
 import sys
 
+from common.model.offload import add_offload_args, load_target, plan_from_args
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import add_node_args, engine_kwargs, serve_node
+from common.rpc.server import add_node_args, engine_kwargs, serve_node
 from target_node.engine import TargetEngine
-from target_node.offload import add_offload_args, load_target, plan_from_args
 from target_node.service import TargetServicer
 
 

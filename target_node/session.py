@@ -9,28 +9,20 @@ same forward pass.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from common.sampling import SamplingParams, sample_rows
-from common.transformer import Transformer
-from common.tree import TokenTree, TreeError, TreeStructure, attention_bias
+from common.decoding.sampling import SamplingParams, sample_rows
+from common.decoding.tree import TokenTree, TreeError, TreeStructure, attention_bias
+from common.decoding.types import VerifyResult
+from common.model.transformer import Transformer
 
 # Trees up to this size get every node's logits in one LM-head call. The head reads its whole weight
 # (0.47 GB for Qwen2.5-1.5B) per call, so on a CPU 1-8 rows cost about the same (14-19 ms) and a
 # second call for the leaf a walk ends on cost almost as much as the first; past this size the
 # logits' memory and rows of compute outweigh one more call.
 ALL_LOGITS_MAX_NODES = 32
-
-
-@dataclass(frozen=True)
-class VerifyResult:
-    tokens: list[int]  # newly committed tokens: the accepted path, then the target's own token
-    accepted: int  # how many of `tokens` came from the tree
-    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens reached) or None
-    node_seconds: float | None = None  # the node's own (queue, forward) as it reported it; None in process
 
 
 def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int], int]:

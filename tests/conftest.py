@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.loading import LoadedModel, load_model
-from common.tiny_models import make_tiny_model, truncate_layers
+from common.model.loading import LoadedModel, load_model
+from tests.tiny_models import make_tiny_model, truncate_layers
 
 torch.set_num_threads(1)
 

@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.sampling import SamplingParams, sample_rows
-from common.tree import TokenTree, TreeStructure, attention_bias
+from common.decoding.sampling import SamplingParams, sample_rows
+from common.decoding.tree import TokenTree, TreeStructure, attention_bias
 
 
 def reference_decode(

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from client.bench import (
+from client.bench.harness import (
     SHARES,
     WARM_UP_TOKENS,
     Contestant,
@@ -34,7 +34,7 @@ def test_shipped_prompt_set_is_large_and_mixed():
 
 def run_bench(model_dirs, out, *args: str) -> dict:
     """`specexec bench` on the tiny pair in float32, as a user runs it; returns its results.json."""
-    cmd = [sys.executable, "-m", "client.cli", "bench", "--draft-model", str(model_dirs["truncated"]),
+    cmd = [sys.executable, "-m", "client.cli.main", "bench", "--draft-model", str(model_dirs["truncated"]),
            "--target-model", str(model_dirs["target"]), "--dtype", "float32", "--max-new-tokens", "6",
            "--out", str(out), *args]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT,
@@ -169,7 +169,7 @@ def test_bench_times_only_the_settings_asked_for_and_caps_auto_apart_from_the_sw
     ],
 )
 def test_bench_refuses_bad_options_naming_them(args, error):
-    cmd = [sys.executable, "-m", "client.cli", "bench", *args]
+    cmd = [sys.executable, "-m", "client.cli.main", "bench", *args]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert run.returncode == 2 and error in run.stderr

@@ -11,7 +11,7 @@ import torch
 
 from client.api import SpecExec
 from client.budget import GREEDY, SAMPLED, BudgetPlanner, RegimeStats, free_batch
-from common.tree import DraftedTree, TokenTree, TreeParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
@@ -179,7 +179,7 @@ def test_auto_budget_output_is_still_exact(loaded, model_dirs):
     target.forward_curve = ((1, 0.01), (65, 0.02))
     draft.forward_curve = ((1, 0.001), (64, 0.002))
     gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=64), auto_budget=True)
-    from common.sampling import SamplingParams
+    from common.decoding.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.8, seed=11, max_new_tokens=24, ignore_eos=True)
     out = gen.generate(PROMPT, params)

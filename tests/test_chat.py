@@ -8,7 +8,7 @@ import sys
 from pathlib import Path
 
 from client.api import Chat, SpecExec
-from common.tree import TreeParams
+from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
@@ -59,7 +59,7 @@ def test_second_turn_reuses_the_history_kv(loaded):
 
 
 def test_chat_command_runs_two_turns(model_dirs):
-    cmd = [sys.executable, "-m", "client.cli", "chat", "--draft-model", str(model_dirs["truncated"]),
+    cmd = [sys.executable, "-m", "client.cli.main", "chat", "--draft-model", str(model_dirs["truncated"]),
            "--target-model", str(model_dirs["target"]), "--budget", "8", "--max-new-tokens", "6", "--ignore-eos"]  # fmt: skip
     out = subprocess.run(cmd, input="Hi\nAnd again\n\n", capture_output=True, text=True, timeout=120, cwd=ROOT,
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip

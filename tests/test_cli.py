@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from common.sampling import SamplingParams
+from common.decoding.sampling import SamplingParams
 from tests.helpers import reference_decode
 
-SPECEXEC = [sys.executable, "-m", "client.cli"]
+SPECEXEC = [sys.executable, "-m", "client.cli.main"]
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from common.compiled_forward import compile_model, parse_buckets, use_inductor_cache_dir
-from common.loading import load_model
-from common.sampling import SamplingParams
-from common.tiny_models import make_tiny_model
-from common.tree import attention_bias
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import attention_bias
+from common.model.compiled_forward import compile_model, parse_buckets, use_inductor_cache_dir
+from common.model.loading import load_model
+from common.model.offload import offload
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine
-from target_node.offload import offload
 from tests.helpers import reference_decode
+from tests.tiny_models import make_tiny_model
 
 BUCKETS = (1, 4, 16)
 PROMPT = [72, 101, 108, 108, 111, 44, 32]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client.cli import build_parser
-from common import config
-from common.logs import JsonFormatter, TextFormatter, event
+from client.cli.main import build_parser
+from common.ops import config
+from common.ops.logs import JsonFormatter, TextFormatter, event
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -182,7 +182,7 @@ def test_config_errors_are_clear(tmp_path, text, message):
 
 
 def test_bad_config_is_a_usage_error_from_the_cli(tmp_path, capsys):
-    from client.cli import main
+    from client.cli.main import main
 
     path = tmp_path / "c.toml"
     path.write_text("[target]\nmodle = 'm'\n")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from common.tree import TokenTree
+from common.decoding.tree import TokenTree
 from tests.helpers import load_script
 
 

@@ -7,8 +7,8 @@ import math
 import pytest
 
 from client.api import SpecExec
-from common.sampling import SamplingParams
-from common.tree import TokenTree, TreeError
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TokenTree, TreeError
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine
@@ -89,7 +89,7 @@ def test_generation_stops_at_the_context_limit(loaded):
 def test_a_session_the_cap_refuses_is_never_built():
     """Building a session allocates its KV cache: a refused open must not, nor may concurrent opens
     each build one and then fail."""
-    from common.sessions import SessionTable, TooManySessions
+    from common.runtime.sessions import SessionTable, TooManySessions
 
     table: SessionTable[str] = SessionTable(max_sessions=2, idle_timeout=60)
     built: list[str] = []

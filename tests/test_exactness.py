@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from client.api import SpecExec
-from common.sampling import SamplingParams
+from common.decoding.sampling import SamplingParams
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine

@@ -12,8 +12,8 @@ import pytest
 from client.api import collect
 from client.generation import Recovery
 from client.remote import connect, wait_until_serving
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from tests.helpers import free_port, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -37,11 +37,11 @@ from hypothesis import strategies as st
 
 from client.api import SpecExec
 from client.gateway import GenerationServicer
-from common.node_servicer import CLIENT_KEY
+from common.decoding.sampling import SamplingParams, sample_rows
+from common.decoding.tree import MAX_BUDGET, MAX_TREE_DEPTH, TreeParams
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.sampling import SamplingParams, sample_rows
-from common.tree import MAX_BUDGET, MAX_TREE_DEPTH, TreeParams
-from common.wire import MAX_WIRE_TREE_NODES
+from common.rpc.servicer import CLIENT_KEY
+from common.rpc.wire import MAX_WIRE_TREE_NODES
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 from target_node.engine import TargetEngine

@@ -18,14 +18,14 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.api import SpecExec
 from client.remote import connect, open_channel
-from common.node_info import TokenizerMismatch
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.decoding.types import TokenizerMismatch
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import MAX_REQUEST_BYTES
-from common.sampling import SamplingParams
-from common.tiny_models import make_tiny_model
-from common.tree import TreeParams
+from common.rpc.server import MAX_REQUEST_BYTES
 from tests.helpers import Proc, free_port, reference_decode
+from tests.tiny_models import make_tiny_model
 
 pytestmark = pytest.mark.slow
 
@@ -108,7 +108,7 @@ def gateway(nodes, env, tmp_path_factory) -> Iterator[str]:
         "gateway",
         [
             "-m",
-            "client.cli",
+            "client.cli.main",
             "serve",
             "--target",
             nodes["target"],
@@ -355,7 +355,7 @@ def test_cli_generate_json_over_the_wire(nodes, in_process, env):
         [
             sys.executable,
             "-m",
-            "client.cli",
+            "client.cli.main",
             "generate",
             "--target",
             nodes["target"],
@@ -386,11 +386,11 @@ def test_cli_generate_json_over_the_wire(nodes, in_process, env):
 @pytest.fixture(scope="module")
 def public_bind(model_dirs, env) -> dict[str, subprocess.CompletedProcess]:
     """A node and the gateway asked to listen on 0.0.0.0 without --insecure, run side by side. (The
-    draft node shares the node's code path, common.rpc.serve_node.)"""
+    draft node shares the node's code path, common.rpc.server.serve_node.)"""
     model = str(model_dirs["target"])
     commands = {
         "target_node": ["-m", "target_node", "--model", model],
-        "cli serve": ["-m", "client.cli", "serve", "--target", "127.0.0.1:1"],
+        "cli serve": ["-m", "client.cli.main", "serve", "--target", "127.0.0.1:1"],
     }
     procs = {
         name: subprocess.Popen(

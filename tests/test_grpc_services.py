@@ -11,11 +11,11 @@ import grpc_testing
 import numpy as np
 import pytest
 
-from common.node_servicer import CLIENT_KEY
+from common.decoding.sampling import SamplingParams
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.rpc import SERVER_VERSION
-from common.sampling import SamplingParams
-from common.wire import tree_from_proto
+from common.rpc.server import SERVER_VERSION
+from common.rpc.servicer import CLIENT_KEY
+from common.rpc.wire import tree_from_proto
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 from target_node.engine import TargetEngine
@@ -155,7 +155,7 @@ def test_info_fields_and_fingerprints(target, draft, loaded):
 def test_get_tokenizer_files_hash_to_the_fingerprint(target, tmp_path):
     from transformers import AutoTokenizer
 
-    from common.loading import tokenizer_fingerprint
+    from common.model.loading import tokenizer_fingerprint
 
     files = target.ok("GetTokenizer", pb.InfoRequest())
     assert "tokenizer.json" in files.files

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.sampling import SamplingParams
-from common.tree import attention_bias
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import attention_bias
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine
@@ -64,7 +64,7 @@ def test_caches_after_pruning_equal_recomputed_caches(loaded, draft):
 def test_truncate_rolls_back_both_nodes(loaded):
     target = TargetEngine(loaded["target"], max_context=256, max_tree=16)
     tid = target.open_session(PROMPT)
-    from common.tree import TokenTree
+    from common.decoding.tree import TokenTree
 
     greedy = SamplingParams()
     r1 = target.verify(tid, TokenTree.root_only(PROMPT[-1]), greedy, 1)

@@ -13,8 +13,8 @@ import grpc
 import pytest
 
 from client.remote import NodeError, RemoteTarget, connect, wait_until_serving
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from tests.helpers import free_port, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]

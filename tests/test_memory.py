@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from common.ops.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 CHILD = (
-    "import resource; from common.memory import peak_rss_bytes; "
+    "import resource; from common.ops.memory import peak_rss_bytes; "
     "print(peak_rss_bytes(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)"
 )
 

@@ -12,10 +12,10 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.remote import open_channel
+from common.decoding.tree import TokenTree
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.tree import TokenTree
-from common.wire import tree_to_proto
+from common.rpc.wire import tree_to_proto
 from tests.helpers import ROOT, Proc, free_port
 
 pytestmark = pytest.mark.slow
@@ -66,7 +66,7 @@ def stack(model_dirs, env, tmp_path_factory):
         "target": Proc("target", ["-m", "target_node", "--model", str(model_dirs["target"]),
                                   "--listen", addr["target"], "--metrics-port", str(ports["target_m"]), *node],
                        env, logs),
-        "draft": Proc("draft", ["-m", "client.cli", "draft", "--model", str(model_dirs["truncated"]),
+        "draft": Proc("draft", ["-m", "client.cli.main", "draft", "--model", str(model_dirs["truncated"]),
                                 "--listen", addr["draft"], "--metrics-port", str(ports["draft_m"]), *node],
                       env, logs),
     }  # fmt: skip
@@ -75,7 +75,7 @@ def stack(model_dirs, env, tmp_path_factory):
             procs[name].wait_serving(addr[name])
         procs["gateway"] = Proc(
             "gateway",
-            ["-m", "client.cli", "serve", "--target", addr["target"], "--draft", addr["draft"],
+            ["-m", "client.cli.main", "serve", "--target", addr["target"], "--draft", addr["draft"],
              "--openai", addr["gateway"], "--served-model-name", "tiny", "--budget", "8",
              "--metrics-port", str(ports["gateway_m"]), "--log-format", "json"],
             env, logs,
@@ -180,7 +180,7 @@ def test_json_logs_have_session_ids_and_no_prompt(stack, generated):
 
 
 def test_status_command(stack, generated, capsys):
-    from client.cli import main
+    from client.cli.main import main
 
     addr, ports = stack["addr"], stack["ports"]
     args = ["status", "--target", addr["target"], "--draft", addr["draft"],

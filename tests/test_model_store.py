@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from common import model_store as ms
+from common.model import store as ms
 
 
 @pytest.fixture(autouse=True)

@@ -29,8 +29,8 @@ PROMPT = [72, 101, 108, 108, 111, 44, 32]
 CLIENT = """
 import json, sys
 from client.remote import connect
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 gen = connect(sys.argv[1], sys.argv[2], tree=TreeParams(budget=16, max_depth=8), step_timeout=30)
 out = gen.generate(json.loads(sys.argv[3]), SamplingParams(temperature=0.8, seed=4, max_new_tokens=32, ignore_eos=True))
 print(json.dumps({"ids": out.token_ids, "tps": out.stats.tokens_per_second, "steps": out.stats.target_steps}))
@@ -123,7 +123,7 @@ def test_output_is_identical_across_link_latencies(hosts, model_dirs, tmp_path):
     try:
         wait_ready(ns["target"], draft_addr)
         wait_ready(ns["target"], target_addr)
-        from common.sampling import SamplingParams
+        from common.decoding.sampling import SamplingParams
 
         expected = reference_decode(
             model_dirs["target"],

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.loading import load_model
-from target_node.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
+from common.model.loading import load_model
+from common.model.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,8 +66,8 @@ def test_bad_layouts_are_refused(model_dirs):
 def test_generation_with_an_offloaded_target_is_unchanged(device, model_dirs):
     """The whole loop (tree passes, acceptance, cache pruning) over a streamed target: same tokens."""
     from client.api import SpecExec
-    from common.sampling import SamplingParams
-    from common.tree import TreeParams
+    from common.decoding.sampling import SamplingParams
+    from common.decoding.tree import TreeParams
 
     def run(plan: OffloadPlan | None, device: str) -> list[int]:
         gen = SpecExec.local(
@@ -85,7 +85,7 @@ def test_generation_with_an_offloaded_target_is_unchanged(device, model_dirs):
 
 
 def test_target_command_accepts_offload_flags():
-    from client.cli import build_parser
+    from client.cli.main import build_parser
 
     args = build_parser().parse_args(
         ["target", "--model", "m", "--offload", "--resident-layers", "3", "--prefetch-layers", "4"]

@@ -12,9 +12,9 @@ import openai
 import pytest
 
 from client.api import Chat, SpecExec
-from client.openai_server import OpenAIServer
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from client.openai.server import OpenAIServer
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
@@ -231,8 +231,8 @@ def test_https_with_the_servers_tls_flags(gen, tmp_path):
     import argparse
     import ssl
 
-    from client.openai_server import tls_context
-    from common.certs import generate
+    from client.openai.server import tls_context
+    from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
     cert, key = issued.servers["localhost"]
@@ -258,8 +258,8 @@ def test_a_tls_client_that_leaves_mid_stream_is_not_a_generation_error(gen, tmp_
     import ssl
     import time
 
-    from client.openai_server import tls_context
-    from common.certs import generate
+    from client.openai.server import tls_context
+    from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
     cert, key = issued.servers["localhost"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from common.loading import load_model
-from common.packed_linear import PackedLinear, repack
+from common.model.loading import load_model
+from common.model.packed_linear import PackedLinear, repack
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")

@@ -6,10 +6,10 @@ import pytest
 import torch
 from torch import nn
 
-from common.loading import load_model
-from common.quantized_linear import Int8DynamicLinear, check_quantize, quantize
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.loading import load_model
+from common.model.quantized_linear import Int8DynamicLinear, check_quantize, quantize
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 pytestmark = pytest.mark.skipif(
@@ -88,7 +88,7 @@ def test_int8_draft_output_is_the_target_alone(mode, model_dirs):
 
 
 def test_commands_accept_quantize_flags():
-    from client.cli import build_parser
+    from client.cli.main import build_parser
 
     parse = build_parser().parse_args
     assert parse(["draft", "--model", "m", "--quantize", "int8"]).quantize == "int8"
@@ -137,7 +137,7 @@ def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp
 
 
 def test_local_starts_nodes_with_flags_they_accept():
-    from client.local import node_command
+    from client.cli.local import node_command
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
 

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 
 from client.remote import connect, wait_until_serving
-from common.model_store import ModelStoreError, install_model
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.store import ModelStoreError, install_model
 from tests.helpers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -9,8 +9,8 @@ import pytest
 from client.api import SpecExec, collect
 from client.faults import NodeUnavailable
 from client.generation import Recovery
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode

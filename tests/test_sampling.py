@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import torch
 
-from common.sampling import SamplingParams, position_uniform, sample_rows
+from common.decoding.sampling import SamplingParams, position_uniform, sample_rows
 
 
 def test_uniforms_depend_only_on_seed_and_position():

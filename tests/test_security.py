@@ -21,15 +21,15 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
-from client.cli import main as cli_main
+from client.cli.main import main as cli_main
 from client.faults import NodeUnavailable
 from client.remote import NodeAuthError, RemoteDraft, RemoteTarget, connect, open_channel
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc import check_listen
-from common.sampling import SamplingParams
-from common.security import ClientSecurity, read_token
-from common.tree import TreeParams
+from common.rpc.security import ClientSecurity, read_token
+from common.rpc.server import check_listen
 from tests.helpers import Proc, free_port, reference_decode
 
 pytestmark = pytest.mark.slow
@@ -109,7 +109,7 @@ def stack(model_dirs, certs, env, tmp_path_factory) -> Iterator[dict]:
             "gateway",
             [
                 "-m",
-                "client.cli",
+                "client.cli.main",
                 "serve",
                 "--target",
                 addr["target"],
@@ -197,7 +197,7 @@ def test_cli_generate_with_certs_output_and_with_a_wrong_token(stack, certs, env
     (certs / "wrong-token").write_text("not-the-token\n")
     (certs / "wrong-token").chmod(0o600)
     addr = stack["addr"]
-    common = ["-m", "client.cli", "generate", "--target", addr["target"], "--draft", addr["draft"]]
+    common = ["-m", "client.cli.main", "generate", "--target", addr["target"], "--draft", addr["draft"]]
     common += [
         "--prompt",
         PROMPT,

@@ -10,9 +10,9 @@ from hypothesis import strategies as st
 
 from client.remote import RemoteTarget
 from client.text import TextAssembler, _partial_match
+from common.decoding.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from common.decoding.tree import TokenTree
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
-from common.tree import TokenTree
 
 
 class CharTokenizer:

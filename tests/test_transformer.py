@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.tree import TreeStructure, attention_bias
+from common.decoding.tree import TreeStructure, attention_bias
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 
@@ -45,7 +45,7 @@ def test_tree_pass_equals_per_path_passes(model_dirs, loaded):
 def test_unsupported_architecture_is_refused():
     from transformers import GPT2Config
 
-    from common.transformer import config_from_hf
+    from common.model.transformer import config_from_hf
 
     with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
         config_from_hf(GPT2Config())

@@ -5,7 +5,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from common.tree import TokenTree, TreeError, TreeStructure
+from common.decoding.tree import TokenTree, TreeError, TreeStructure
 
 LIMITS = dict(vocab_size=100, max_nodes=16, max_depth=4)
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from target_node.session import ALL_LOGITS_MAX_NODES

@@ -26,8 +26,8 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from common.kv_cache import KVCache
-from common.transformer import Transformer
+from common.model.kv_cache import KVCache
+from common.model.transformer import Transformer
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
 WARM_UP_PREFIX = 64
@@ -47,7 +47,7 @@ def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
 
 
 def inductor_cache_dir() -> Path:
-    from common.model_store import cache_root
+    from common.model.store import cache_root
 
     return cache_root() / "inductor"
 

@@ -16,12 +16,12 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from common import security
-from common.logs import add_log_args
-from common.logs import configure as configure_logs
-from common.metrics import RpcMetrics, add_metrics_args, start_metrics_server
-from common.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
-from common.tree import TreeTooLarge
+from common.decoding.tree import TreeTooLarge
+from common.ops.logs import add_log_args
+from common.ops.logs import configure as configure_logs
+from common.ops.metrics import RpcMetrics, add_metrics_args, start_metrics_server
+from common.rpc import security
+from common.runtime.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
 
 log = logging.getLogger("specexec.rpc")
 
@@ -219,7 +219,7 @@ def add_repack_arg(parser: Any) -> None:
 def add_compile_args(parser: Any) -> None:
     import argparse
 
-    from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+    from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 
     def buckets(text: str) -> tuple[int, ...]:
         try:
@@ -246,13 +246,13 @@ def add_compile_args(parser: Any) -> None:
 
 def maybe_compile(args: Any, model: Any) -> None:
     if getattr(args, "compile", False):
-        from common.compiled_forward import compile_model
+        from common.model.compiled_forward import compile_model
 
         compile_model(model, args.compile_buckets)
 
 
 def add_quantize_arg(parser: Any, flag: str = "--quantize") -> None:
-    from common.quantized_linear import QUANTIZE_CHOICES
+    from common.model.quantized_linear import QUANTIZE_CHOICES
 
     parser.add_argument(
         flag,
@@ -293,8 +293,8 @@ def serve_node(
     """Bind first and answer health as NOT_SERVING while the model loads, then serve until a signal.
 
     `load(args, path)` returns the LoadedModel (the target passes one that can offload)."""
-    from common.loading import load_model
-    from common.model_store import resolve_model
+    from common.model.loading import load_model
+    from common.model.store import resolve_model
 
     sec = security.ServerSecurity.from_args(args)
     check_listen(args.listen, args.insecure, sec.complete)
@@ -351,7 +351,7 @@ def memory_report(device: str) -> str:
     """Peak memory so far: what a user sizing a machine for this model needs to know."""
     import torch
 
-    from common.memory import peak_rss_bytes
+    from common.ops.memory import peak_rss_bytes
 
     report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
     if device.startswith("cuda"):

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.kv_cache import KVCache
+from common.model.kv_cache import KVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -126,7 +126,7 @@ class Attention(nn.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
-        self.qkv_proj: nn.Module | None = None  # set by common.packed_linear.repack
+        self.qkv_proj: nn.Module | None = None  # set by common.model.packed_linear.repack
 
     def forward(
         self,
@@ -176,7 +176,7 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
-        self.gate_up_proj: nn.Module | None = None  # set by common.packed_linear.repack
+        self.gate_up_proj: nn.Module | None = None  # set by common.model.packed_linear.repack
 
     def forward(self, x: Tensor) -> Tensor:
         if self.gate_up_proj is None:
@@ -227,9 +227,9 @@ class Transformer(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
         self.rope_scaling = rope_scaling
-        self.repacked = False  # see common.packed_linear
-        self.quantized = "none"  # see common.quantized_linear
-        self.compiled: Any = None  # a common.compiled_forward.CompiledForward, when compiled
+        self.repacked = False  # see common.model.packed_linear
+        self.quantized = "none"  # see common.model.quantized_linear
+        self.compiled: Any = None  # a common.model.compiled_forward.CompiledForward, when compiled
 
     @property
     def device(self) -> torch.device:

@@ -95,7 +95,7 @@ class SessionTable(Generic[S]):
         for sid in stale:
             del self._sessions[sid]
         if stale:
-            from common.metrics import session_event
+            from common.ops.metrics import session_event
 
             for sid in stale:
                 session_event("expired", sid, idle_timeout_s=self.idle_timeout)

@@ -26,7 +26,7 @@ SPEC = "specexec:spec_decode_"
 
 
 def add_status_args(p: argparse.ArgumentParser) -> None:
-    from common.security import add_client_args
+    from common.rpc.security import add_client_args
 
     p.add_argument("--target", help="target node HOST:PORT")
     p.add_argument("--draft", help="draft node HOST:PORT")
@@ -144,7 +144,7 @@ def acceptance(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str
 
 
 def status(args: argparse.Namespace) -> dict[str, Any]:
-    from common.security import ClientSecurity
+    from common.rpc.security import ClientSecurity
 
     security = ClientSecurity.from_args(args)
     report: dict[str, Any] = {"nodes": []}

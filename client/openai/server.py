@@ -45,10 +45,10 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from client.api import Chunk, SpecExec, render_chat
-from common.logs import event
-from common.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
-from common.rpc import split_listen, status_for
-from common.sampling import MAX_SEED, SamplingParams
+from common.decoding.sampling import MAX_SEED, SamplingParams
+from common.ops.logs import event
+from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
+from common.rpc.server import split_listen, status_for
 
 log = logging.getLogger("specexec.openai")
 

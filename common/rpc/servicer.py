@@ -8,10 +8,10 @@ from typing import Any
 
 import grpc
 
-from common.metrics import session_event, track_engine
+from common.ops.metrics import session_event, track_engine
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.rpc import SERVER_VERSION, NotReady, rpc_method
-from common.wire import node_info_to_proto
+from common.rpc.server import SERVER_VERSION, NotReady, rpc_method
+from common.rpc.wire import node_info_to_proto
 
 CLIENT_KEY = "x-specexec-client"
 

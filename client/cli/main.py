@@ -8,9 +8,9 @@ import sys
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from common import config
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.ops import config
 
 DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
@@ -129,8 +129,8 @@ def generator_from(args: argparse.Namespace) -> Any:
 
     tree = tree_from(args)
     if getattr(args, "target_model", None):
-        from common.model_store import resolve_model
-        from target_node.offload import plan_from_args
+        from common.model.offload import plan_from_args
+        from common.model.store import resolve_model
 
         draft = resolve_model(args.draft_model) if args.draft_model else None
         return SpecExec.local(
@@ -147,7 +147,7 @@ def generator_from(args: argparse.Namespace) -> Any:
             auto_budget=auto_budget(args),
         )
     from client.remote import connect
-    from common.security import ClientSecurity
+    from common.rpc.security import ClientSecurity
 
     return connect(
         args.draft,
@@ -198,13 +198,13 @@ def cmd_node(args: argparse.Namespace) -> int:
 def cmd_serve(args: argparse.Namespace) -> int:
     from client.api import SpecExec
     from client.gateway import GenerationServicer
-    from client.openai_server import serve_until_signal
-    from client.openai_server import start_from_args as start_openai
-    from common.logs import configure as configure_logs
-    from common.metrics import start_metrics_server
+    from client.openai.server import serve_until_signal
+    from client.openai.server import start_from_args as start_openai
+    from common.ops.logs import configure as configure_logs
+    from common.ops.metrics import start_metrics_server
     from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-    from common.rpc import Server, check_listen
-    from common.security import ServerSecurity
+    from common.rpc.security import ServerSecurity
+    from common.rpc.server import Server, check_listen
 
     sec = ServerSecurity.from_args(args)
     if args.listen is None and not args.openai:
@@ -248,7 +248,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from common.model_store import DEFAULT_MODELS, install_model, list_models
+    from common.model.store import DEFAULT_MODELS, install_model, list_models
 
     if args.action == "install":
         for name in args.names or list(DEFAULT_MODELS):
@@ -287,13 +287,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_local(args: argparse.Namespace) -> int:
-    from client.local import run_local
+    from client.cli.local import run_local
 
     return run_local(args)
 
 
 def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
-    from common.security import add_client_args
+    from common.rpc.security import add_client_args
 
     add_client_args(p)
     src = p.add_argument_group("nodes" + (" (remote) or models (in-process)" if in_process else ""))
@@ -307,8 +307,8 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
         p.add_argument("--device", default="cpu")
-        from common.rpc import add_compile_args, add_quantize_arg, add_repack_arg
-        from target_node.offload import add_offload_args
+        from common.model.offload import add_offload_args
+        from common.rpc.server import add_compile_args, add_quantize_arg, add_repack_arg
 
         add_repack_arg(p)
         add_compile_args(p)
@@ -317,15 +317,15 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from client.openai_server import add_openai_args
-    from client.status import add_status_args
-    from common.certs import add_args as add_certs_args
-    from common.certs import cmd_certs
-    from common.config import add_config_option
-    from common.logs import add_log_args
-    from common.metrics import add_metrics_args
-    from common.rpc import add_compile_args, add_insecure_arg, add_quantize_arg
-    from common.security import add_client_args, add_server_args
+    from client.cli.status import add_status_args
+    from client.openai.server import add_openai_args
+    from common.ops.config import add_config_option
+    from common.ops.logs import add_log_args
+    from common.ops.metrics import add_metrics_args
+    from common.rpc.certs import add_args as add_certs_args
+    from common.rpc.certs import cmd_certs
+    from common.rpc.security import add_client_args, add_server_args
+    from common.rpc.server import add_compile_args, add_insecure_arg, add_quantize_arg
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
 
@@ -408,7 +408,7 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="reinstall even if installed")
     m.set_defaults(func=cmd_models)
 
-    from client.bench import add_bench_parser
+    from client.bench.harness import add_bench_parser
 
     add_bench_parser(sub)
 
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     if args.command == "serve" and not args.target:
         parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
-    from common.model_store import ModelStoreError
+    from common.model.store import ModelStoreError
 
     func: Callable[[argparse.Namespace], int] = args.func
     try:

@@ -9,10 +9,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from common.node_info import NodeInfo
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
+from common.decoding.types import NodeInfo
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.sampling import SamplingParams
-from common.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
 
 TREE_FORMAT_VERSION = 1
 MAX_WIRE_TREE_NODES = 65536

@@ -12,8 +12,8 @@ import time
 import torch
 from tqdm import tqdm
 
-from common.transformer import Transformer
-from common.tree import TreeStructure, attention_bias
+from common.decoding.tree import TreeStructure, attention_bias
+from common.model.transformer import Transformer
 
 PREFIX = 64
 

@@ -30,8 +30,8 @@ from typing import Any
 import grpc
 from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
 
-from common import logs
-from common.logs import event
+from common.ops import logs
+from common.ops.logs import event
 
 log = logging.getLogger("specexec.node")
 gateway_log = logging.getLogger("specexec.gateway")

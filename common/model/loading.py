@@ -11,8 +11,8 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from common import packed_linear, quantized_linear
-from common.transformer import Transformer, config_from_hf, rope_inverse_frequencies
+from common.model import packed_linear, quantized_linear
+from common.model.transformer import Transformer, config_from_hf, rope_inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -43,9 +43,9 @@ def load_model(
 ) -> LoadedModel:
     """Weights are read straight from safetensors into a meta-initialised module: one copy in memory.
 
-    `repack` reorders bf16 CPU weights for oneDNN (common.packed_linear); other dtypes and devices
+    `repack` reorders bf16 CPU weights for oneDNN (common.model.packed_linear); other dtypes and devices
     are left as loaded. `quantize="int8"` replaces every projection with int8 weights instead
-    (common.quantized_linear; CPU only, meant for drafts)."""
+    (common.model.quantized_linear; CPU only, meant for drafts)."""
     from transformers import AutoConfig, AutoTokenizer
 
     path = Path(path)

@@ -1,6 +1,6 @@
 """Structured logs: one line per event, as JSON or as `key=value` text.
 
-    from common.logs import event
+    from common.ops.logs import event
     event(log, "session_opened", session=sid, prompt_tokens=12)
 
 gives, with `--log-format json`,
@@ -128,6 +128,6 @@ def configure(args: Any, role: str) -> None:
     root.addHandler(handler)
     root.setLevel(getattr(args, "log_level", "info").upper())
     LOG_PROMPTS = bool(getattr(args, "log_prompts", False))
-    from common.config import effective_config
+    from common.ops.config import effective_config
 
     event(logging.getLogger("specexec.config"), "config", **effective_config(args))

@@ -1,4 +1,4 @@
-"""What a node tells a client at connect time, so mismatched pairs are refused before any work."""
+"""What both sides of the wire agree on: a node's identity at connect time and a step's verdict."""
 
 from __future__ import annotations
 
@@ -18,6 +18,14 @@ class NodeInfo:
     dtype: str
     device: str
     forward_curve: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) per forward pass
+
+
+@dataclass(frozen=True)
+class VerifyResult:
+    tokens: list[int]  # newly committed tokens: the accepted path, then the target's own token
+    accepted: int  # how many of `tokens` came from the tree
+    finish_reason: str | None  # "stop" (EOS), "length" (max_tokens reached) or None
+    node_seconds: float | None = None  # the node's own (queue, forward) as it reported it; None in process
 
 
 class TokenizerMismatch(ValueError):

@@ -27,8 +27,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from common.loading import LoadedModel, load_model
-from common.transformer import DecoderLayer, Transformer
+from common.model.loading import LoadedModel, load_model
+from common.model.transformer import DecoderLayer, Transformer
 
 
 def _fill(flat: Tensor, layer: nn.Module) -> None:

@@ -23,8 +23,8 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from common.packed_linear import replace_projections
-from common.transformer import Transformer
+from common.model.packed_linear import replace_projections
+from common.model.transformer import Transformer
 
 QUANTIZE_CHOICES = ("none", "int8")
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
-from common.transformer import Transformer
+from common.model.transformer import Transformer
 
 
 def repack_supported(model: Transformer) -> bool:

@@ -6,9 +6,9 @@ import argparse
 import subprocess
 import sys
 
-from client.cli import auto_budget, print_stream, prompt_from, sampling_from, tree_from
+from client.cli.main import auto_budget, print_stream, prompt_from, sampling_from, tree_from
 from client.remote import connect, wait_until_serving
-from common.security import ClientSecurity
+from common.rpc.security import ClientSecurity
 
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
 
@@ -23,7 +23,7 @@ def node_command(
     quantize: str = "none",
 ) -> list[str]:
     """An int8 draft runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
-    from common.quantized_linear import draft_dtype
+    from common.model.quantized_linear import draft_dtype
 
     if role == "target" and quantize != "none":
         raise ValueError("only a draft node can be quantized")

@@ -25,16 +25,16 @@ import torch
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
-from common.compiled_forward import DEFAULT_BUCKETS, parse_buckets
-from common.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
-from common.quantized_linear import QUANTIZE_CHOICES, draft_dtype
-from common.sampling import SamplingParams
-from common.tree import TreeParams
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.model.quantized_linear import QUANTIZE_CHOICES, draft_dtype
+from common.ops.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
 
 if TYPE_CHECKING:
+    from common.model.offload import OffloadPlan
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
-    from target_node.offload import OffloadPlan
 
 GREEDY = {"temperature": 0.0}
 SAMPLED = {"temperature": 0.6, "top_p": 0.9}
@@ -189,7 +189,7 @@ class GrpcNodes:
         device: str = "cpu",
         offload: OffloadPlan | None = None,
     ) -> None:
-        from client.local import node_command
+        from client.cli.local import node_command
         from client.remote import wait_until_serving
 
         ports = {role: free_port() for role in ("target", "draft")}
@@ -663,8 +663,8 @@ def plot(out: Path, summary: list[dict], projection: list[dict]) -> None:
 def profiled_default_pair(max_tree: int = 64) -> tuple[TargetEngine, DraftEngine, Any]:
     """The default pair as the measured runs use it (bf16 target, int8 draft), each engine with its
     forward-time curve: (target engine, draft engine, tokenizer), for scripts that race variants."""
-    from common.loading import load_model
-    from common.model_store import resolve_model
+    from common.model.loading import load_model
+    from common.model.store import resolve_model
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
 
@@ -679,11 +679,11 @@ def profiled_default_pair(max_tree: int = 64) -> tuple[TargetEngine, DraftEngine
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from common.loading import load_model
-    from common.model_store import resolve_model
+    from common.model.loading import load_model
+    from common.model.offload import load_target, plan_from_args
+    from common.model.store import resolve_model
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
-    from target_node.offload import load_target, plan_from_args
 
     torch.set_num_threads(args.threads)
     plan = plan_from_args(args)
@@ -724,7 +724,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     )
     target, draft = TargetEngine(tl, max_tree=max_tree), DraftEngine(dl, max_tree=max_tree)
     if args.compile:
-        from common.compiled_forward import compile_model
+        from common.model.compiled_forward import compile_model
 
         for model in (tl.model, dl.model):
             compile_model(model, args.compile_buckets)
@@ -805,7 +805,7 @@ def positive_int(text: str) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    from target_node.offload import add_offload_args
+    from common.model.offload import add_offload_args
 
     b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")

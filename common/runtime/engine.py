@@ -6,11 +6,11 @@ from __future__ import annotations
 import threading
 from typing import Generic, TypeVar
 
-from common.loading import LoadedModel
-from common.node_info import NodeInfo
-from common.profiling import forward_curve
-from common.sessions import SessionTable
-from common.tree import MAX_TREE_DEPTH, check_token_ids
+from common.decoding.tree import MAX_TREE_DEPTH, check_token_ids
+from common.decoding.types import NodeInfo
+from common.model.loading import LoadedModel
+from common.model.profiling import forward_curve
+from common.runtime.sessions import SessionTable
 
 S = TypeVar("S")
 
@@ -55,7 +55,7 @@ class NodeEngine(Generic[S]):
         )
 
     def profile(self, progress: bool = True) -> None:
-        """Measure this node's forward-time curve once, before serving (see common.profiling)."""
+        """Measure this node's forward-time curve once, before serving (see common.model.profiling)."""
         with self._lock:
             curve = forward_curve(self.loaded.model, self.profile_limit(), self.logits_share, progress)
             self.forward_curve = tuple(curve)
