@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common.model.loading import load_model
-from common.model.offload import OffloadPlan, StreamedLayers, offload, plan_from_args
+from common.model.offload import OffloadPlan, StreamedLayers, offload
+from common.options import offload_plan
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -90,8 +91,8 @@ def test_target_command_accepts_offload_flags():
     args = build_parser().parse_args(
         ["target", "--model", "m", "--offload", "--resident-layers", "3", "--prefetch-layers", "4"]
     )
-    assert plan_from_args(args) == OffloadPlan(resident_layers=3, prefetch_layers=4)
-    assert plan_from_args(build_parser().parse_args(["target", "--model", "m"])) is None
+    assert offload_plan(args) == OffloadPlan(resident_layers=3, prefetch_layers=4)
+    assert offload_plan(build_parser().parse_args(["target", "--model", "m"])) is None
 
 
 def test_offload_timing_script_runs_and_reports_every_layout(tmp_path):

@@ -137,7 +137,7 @@ def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp
 
 
 def test_local_starts_nodes_with_flags_they_accept():
-    from client.cli.local import node_command
+    from common.options import node_command
     from draft_node.server import build_parser as draft_parser
     from target_node.server import build_parser as target_parser
 

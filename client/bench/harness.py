@@ -30,6 +30,7 @@ from common.decoding.tree import TreeParams
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 from common.model.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.ops.memory import peak_rss_bytes, reset_peak_rss, rss_bytes
+from common.options import offload_flags
 
 if TYPE_CHECKING:
     from common.model.offload import OffloadPlan
@@ -189,8 +190,8 @@ class GrpcNodes:
         device: str = "cpu",
         offload: OffloadPlan | None = None,
     ) -> None:
-        from client.cli.local import node_command
         from client.remote import wait_until_serving
+        from common.options import node_command
 
         ports = {role: free_port() for role in ("target", "draft")}
         self.addrs = {role: f"127.0.0.1:{port}" for role, port in ports.items()}
@@ -200,7 +201,7 @@ class GrpcNodes:
                 node_command(role, model, ports[role], dtype, max_tree, common + extra, quantize)
             )
             for role, model, quantize, extra in (
-                ("target", target, "none", offload.node_args() if offload else []),
+                ("target", target, "none", offload_flags(offload)),
                 ("draft", draft, draft_quantize, []),
             )
         ]
@@ -680,13 +681,14 @@ def profiled_default_pair(max_tree: int = 64) -> tuple[TargetEngine, DraftEngine
 
 def cmd_bench(args: argparse.Namespace) -> int:
     from common.model.loading import load_model
-    from common.model.offload import load_target, plan_from_args
+    from common.model.offload import load_target
     from common.model.store import resolve_model
+    from common.options import offload_plan
     from draft_node.engine import DraftEngine
     from target_node.engine import TargetEngine
 
     torch.set_num_threads(args.threads)
-    plan = plan_from_args(args)
+    plan = offload_plan(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     draft_dir, target_dir = resolve_model(args.draft_model), resolve_model(args.target_model)
@@ -805,7 +807,7 @@ def positive_int(text: str) -> int:
 
 
 def add_bench_parser(sub: Any) -> None:
-    from common.model.offload import add_offload_args
+    from common.options import add_offload_args
 
     b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")

@@ -6,49 +6,13 @@ import argparse
 import subprocess
 import sys
 
-from client.cli.main import auto_budget, print_stream, prompt_from, sampling_from, tree_from
+from client.cli.args import auto_budget, prompt_from, sampling_from, tree_from
+from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
+from common.options import node_command
 from common.rpc.security import ClientSecurity
 
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
-
-
-def node_command(
-    role: str,
-    model: str,
-    port: int,
-    dtype: str,
-    max_tree: int,
-    extra_args: list[str] | None = None,
-    quantize: str = "none",
-) -> list[str]:
-    """An int8 draft runs its float parts in float32, whatever `dtype` says (its fastest on a CPU)."""
-    from common.model.quantized_linear import draft_dtype
-
-    if role == "target" and quantize != "none":
-        raise ValueError("only a draft node can be quantized")
-    module = "target_node" if role == "target" else "draft_node"
-    weights = [
-        "--dtype",
-        draft_dtype(dtype, quantize),
-        *(["--quantize", quantize] if quantize != "none" else []),
-    ]
-    return [
-        sys.executable,
-        "-m",
-        module,
-        "--model",
-        model,
-        "--listen",
-        f"127.0.0.1:{port}",
-        *weights,
-        "--max-tree",
-        str(max(max_tree, 1)),
-        # The generated text shares this terminal: nodes report only warnings and errors.
-        "--log-level",
-        "warning",
-        *(extra_args or []),
-    ]
 
 
 def run_local(args: argparse.Namespace) -> int:

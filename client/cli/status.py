@@ -19,6 +19,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.remote import open_channel
+from common.options import add_client_security_args, client_security
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 
@@ -26,8 +27,6 @@ SPEC = "specexec:spec_decode_"
 
 
 def add_status_args(p: argparse.ArgumentParser) -> None:
-    from common.rpc.security import add_client_args
-
     p.add_argument("--target", help="target node HOST:PORT")
     p.add_argument("--draft", help="draft node HOST:PORT")
     p.add_argument(
@@ -44,7 +43,7 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--pings", type=int, default=5, help="Info calls that measure the round-trip time")
     p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    add_client_args(p)
+    add_client_security_args(p)
     p.set_defaults(func=cmd_status)
 
 
@@ -144,9 +143,7 @@ def acceptance(before: dict[str, Any] | None, after: dict[str, Any]) -> dict[str
 
 
 def status(args: argparse.Namespace) -> dict[str, Any]:
-    from common.rpc.security import ClientSecurity
-
-    security = ClientSecurity.from_args(args)
+    security = client_security(args)
     report: dict[str, Any] = {"nodes": []}
     for role in ("target", "draft"):
         address = getattr(args, role)

@@ -183,11 +183,6 @@ class OffloadPlan:
     resident_layers: int = 0
     prefetch_layers: int = 2
 
-    def node_args(self) -> list[str]:
-        """The target node's command-line flags for this plan: `plan_from_args` read back."""
-        return ["--offload", "--resident-layers", str(self.resident_layers),
-                "--prefetch-layers", str(self.prefetch_layers)]  # fmt: skip
-
 
 def load_target(
     path: str | Path, *, dtype: str, device: str, repack: bool = True, plan: OffloadPlan | None = None
@@ -198,29 +193,3 @@ def load_target(
     loaded = load_model(path, dtype=dtype, device="cpu", repack=False)
     offload(loaded.model, device, resident_layers=plan.resident_layers, ring=plan.prefetch_layers)
     return loaded
-
-
-def add_offload_args(parser: Any) -> None:
-    parser.add_argument(
-        "--offload",
-        action="store_true",
-        help="keep decoder layers in host RAM and stream them to --device for every pass",
-    )
-    parser.add_argument(
-        "--resident-layers",
-        type=int,
-        default=0,
-        help="with --offload: keep the first N decoder layers on the device (default 0)",
-    )
-    parser.add_argument(
-        "--prefetch-layers",
-        type=int,
-        default=2,
-        help="with --offload: device buffers in the prefetch ring (default 2)",
-    )
-
-
-def plan_from_args(args: Any) -> OffloadPlan | None:
-    if not args.offload:
-        return None
-    return OffloadPlan(resident_layers=args.resident_layers, prefetch_layers=args.prefetch_layers)

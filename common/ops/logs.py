@@ -22,6 +22,7 @@ import json
 import logging
 import sys
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 FORMATS = ("text", "json")
@@ -104,30 +105,25 @@ def _text_value(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def add_log_args(parser: Any, *, prompts: bool = False) -> None:
-    g = parser.add_argument_group("logging")
-    g.add_argument("--log-format", choices=FORMATS, default="text", help="one line per event (default text)")
-    g.add_argument("--log-level", choices=LEVELS, default="info")
-    if prompts:
-        g.add_argument(
-            "--log-prompts",
-            action="store_true",
-            help="include prompt and completion text in request logs (off by default: logs never hold it)",
-        )
+@dataclass(frozen=True)
+class LogSettings:
+    fmt: str = "text"
+    level: str = "info"
+    log_prompts: bool = False
+    startup: dict[str, Any] = field(default_factory=dict)  # the effective configuration, logged once
 
 
-def configure(args: Any, role: str) -> None:
+def configure(settings: LogSettings, role: str) -> None:
     """Route every logger to stderr in the chosen format, then log the effective configuration."""
     global LOG_PROMPTS
-    fmt = getattr(args, "log_format", "text")
+    if settings.fmt not in FORMATS:
+        raise ValueError(f"log format must be one of {FORMATS}, got {settings.fmt!r}")
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(JsonFormatter(role) if fmt == "json" else TextFormatter(role))
+    handler.setFormatter(JsonFormatter(role) if settings.fmt == "json" else TextFormatter(role))
     root = logging.getLogger()
     for old in list(root.handlers):
         root.removeHandler(old)
     root.addHandler(handler)
-    root.setLevel(getattr(args, "log_level", "info").upper())
-    LOG_PROMPTS = bool(getattr(args, "log_prompts", False))
-    from common.ops.config import effective_config
-
-    event(logging.getLogger("specexec.config"), "config", **effective_config(args))
+    root.setLevel(settings.level.upper())
+    LOG_PROMPTS = settings.log_prompts
+    event(logging.getLogger("specexec.config"), "config", **settings.startup)

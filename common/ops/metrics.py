@@ -125,14 +125,6 @@ HTTP_SECONDS = Histogram(
 )  # fmt: skip
 
 
-def add_metrics_args(parser: Any) -> None:
-    parser.add_argument(
-        "--metrics-port",
-        metavar="[HOST:]PORT",
-        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default)",
-    )
-
-
 def parse_metrics_address(spec: str | int) -> tuple[str, int]:
     host, _, port = str(spec).rpartition(":")
     if not port.isdigit():
@@ -140,9 +132,8 @@ def parse_metrics_address(spec: str | int) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def start_metrics_server(args: Any) -> int | None:
+def start_metrics_server(spec: str | int | None) -> int | None:
     """Serve /metrics in a daemon thread if `--metrics-port` was given; returns the bound port."""
-    spec = getattr(args, "metrics_port", None)
     if spec is None or spec == "":
         return None
     host, port = parse_metrics_address(spec)

@@ -213,39 +213,3 @@ def generate(out: Path, hosts: list[str], *, days: int = 825, force: bool = Fals
     _write(client[1], _key_pem(key), private=True)
     _write(out / TOKEN_FILE, (secrets.token_urlsafe(32) + "\n").encode(), private=True)
     return Issued(out / "ca.pem", out / "ca-key.pem", servers, client, out / TOKEN_FILE)
-
-
-def add_args(parser) -> None:
-    parser.add_argument("--out", required=True, help="directory for the certificates, keys and token")
-    parser.add_argument(
-        "--hosts",
-        required=True,
-        help="comma-separated DNS names and IP addresses of the machines that run nodes or the gateway "
-        "(localhost, 127.0.0.1 and ::1 are always added)",
-    )
-    parser.add_argument("--days", type=int, default=825, help="validity of every certificate (default 825)")
-    parser.add_argument("--force", action="store_true", help="replace files already in --out")
-
-
-def cmd_certs(args) -> int:
-    import sys
-
-    if args.days < 1:
-        raise ValueError(f"--days must be >= 1, got {args.days}")
-    issued = generate(Path(args.out), parse_hosts(args.hosts), days=args.days, force=args.force)
-    out = Path(args.out)
-    print(
-        f"wrote a CA, {len(issued.servers)} server certificate(s), a client certificate and a token to {out}"
-    )
-    host, (cert, key) = next(iter(issued.servers.items()))
-    ca, ccert, ckey, token = issued.ca, *issued.client, issued.token
-    print(
-        "copy ca.pem and token to every machine, each server-HOST(-key).pem to its host; keep ca-key.pem "
-        "offline\n"
-        f"  on {host}:  specexec target --model MODEL --listen 0.0.0.0:50051 --tls-cert {cert} --tls-key {key} "
-        f"--tls-client-ca {ca} --auth-token-file {token}\n"
-        f"  clients:  specexec generate --target {host}:50051 --draft HOST:50052 --node-tls-ca {ca} "
-        f"--node-tls-cert {ccert} --node-tls-key {ckey} --node-auth-token-file {token} --prompt '...'",
-        file=sys.stderr,
-    )
-    return 0

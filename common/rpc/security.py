@@ -154,32 +154,18 @@ class ServerSecurity:
         return ", ".join(parts)
 
     @staticmethod
-    def from_args(args: Any) -> ServerSecurity:
-        def pem(name: str, flag: str) -> bytes | None:
-            path = getattr(args, name, None)
-            return read_pem(path, flag) if path else None
-
-        token_file = getattr(args, "auth_token_file", None)
+    def from_files(
+        cert: str | os.PathLike | None = None,
+        key: str | os.PathLike | None = None,
+        client_ca: str | os.PathLike | None = None,
+        token_file: str | os.PathLike | None = None,
+    ) -> ServerSecurity:
         return ServerSecurity(
-            cert_chain=pem("tls_cert", "--tls-cert"),
-            private_key=pem("tls_key", "--tls-key"),
-            client_ca=pem("tls_client_ca", "--tls-client-ca"),
+            cert_chain=read_pem(cert, "--tls-cert") if cert else None,
+            private_key=read_pem(key, "--tls-key") if key else None,
+            client_ca=read_pem(client_ca, "--tls-client-ca") if client_ca else None,
             token=read_token(token_file) if token_file else None,
         )
-
-
-def add_server_args(parser: Any) -> None:
-    g = parser.add_argument_group("security (this server)")
-    g.add_argument("--tls-cert", metavar="PATH", help="serve TLS: certificate chain (PEM)")
-    g.add_argument("--tls-key", metavar="PATH", help="serve TLS: private key (PEM)")
-    g.add_argument(
-        "--tls-client-ca", metavar="PATH", help="require client certificates signed by this CA (mutual TLS)"
-    )
-    g.add_argument(
-        "--auth-token-file",
-        metavar="PATH",
-        help="require 'authorization: Bearer <token>' on every call but health checks",
-    )
 
 
 # ------------------------------------------------------------------------------------------------
@@ -238,24 +224,4 @@ class ClientSecurity:
             cert_chain=read_pem(cert, "--node-tls-cert") if cert else None,
             private_key=read_pem(key, "--node-tls-key") if key else None,
             token=read_token(token_file, "--node-auth-token-file") if token_file else None,
-        )
-
-    @staticmethod
-    def from_args(args: Any) -> ClientSecurity:
-        return ClientSecurity.from_files(
-            getattr(args, "node_tls_ca", None),
-            getattr(args, "node_tls_cert", None),
-            getattr(args, "node_tls_key", None),
-            getattr(args, "node_auth_token_file", None),
-        )
-
-
-def add_client_args(parser: Any, token: bool = True) -> None:
-    g = parser.add_argument_group("security (connections to nodes)")
-    g.add_argument("--node-tls-ca", metavar="PATH", help="connect to nodes over TLS, trusting this CA (PEM)")
-    g.add_argument("--node-tls-cert", metavar="PATH", help="client certificate for nodes that require one")
-    g.add_argument("--node-tls-key", metavar="PATH", help="private key of --node-tls-cert")
-    if token:
-        g.add_argument(
-            "--node-auth-token-file", metavar="PATH", help="the nodes' shared token (their --auth-token-file)"
         )

@@ -5,11 +5,9 @@ from __future__ import annotations
 import functools
 import logging
 import signal
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from concurrent import futures
-from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
@@ -17,10 +15,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from common.decoding.tree import TreeTooLarge
-from common.ops.logs import add_log_args
-from common.ops.logs import configure as configure_logs
-from common.ops.metrics import RpcMetrics, add_metrics_args, start_metrics_server
-from common.rpc import security
+from common.ops.metrics import RpcMetrics
 from common.runtime.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
 
 log = logging.getLogger("specexec.rpc")
@@ -181,96 +176,6 @@ def start_reaper(tables: Iterable[Any], every: float = 10.0) -> threading.Event:
     return stop
 
 
-def add_node_args(parser: Any, default_port: int) -> None:
-    """Options shared by `specexec draft` and `specexec target`."""
-    parser.add_argument("--model", required=True, help="model directory, .gguf file or default-pair name")
-    parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="float32")
-    parser.add_argument("--device", default="cpu")
-    add_repack_arg(parser)
-    add_compile_args(parser)
-    parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
-    parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
-    parser.add_argument("--max-sessions", type=int, default=8)
-    parser.add_argument(
-        "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
-    )
-    add_insecure_arg(parser)
-    security.add_server_args(parser)
-    add_metrics_args(parser)
-    add_log_args(parser)
-    parser.add_argument(
-        "--no-profile",
-        dest="profile",
-        action="store_false",
-        help="skip measuring the forward-time curve at start-up (clients then cannot use --budget auto)",
-    )
-
-
-def add_repack_arg(parser: Any) -> None:
-    parser.add_argument(
-        "--no-repack",
-        dest="repack",
-        action="store_false",
-        help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison)",
-    )
-
-
-def add_compile_args(parser: Any) -> None:
-    import argparse
-
-    from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
-
-    def buckets(text: str) -> tuple[int, ...]:
-        try:
-            return parse_buckets(text)
-        except ValueError as e:  # argparse would replace the message with "invalid value"
-            raise argparse.ArgumentTypeError(str(e)) from e
-
-    parser.add_argument(
-        "--compile",
-        action="store_true",
-        help="compile the forward pass per token-count bucket at start-up; "
-        "off by default: on a CPU it measured 0-6%% faster per pass, -2 to +10%% per generation, after "
-        "minutes of compilation on a cold cache (docs/forward.md)",
-    )
-    parser.add_argument(
-        "--compile-buckets",
-        type=buckets,
-        default=DEFAULT_BUCKETS,
-        metavar="N,N,...",
-        help="with --compile: padded token counts, one graph each; larger passes run eagerly "
-        f"(default {','.join(map(str, DEFAULT_BUCKETS))})",
-    )
-
-
-def maybe_compile(args: Any, model: Any) -> None:
-    if getattr(args, "compile", False):
-        from common.model.compiled_forward import compile_model
-
-        compile_model(model, args.compile_buckets)
-
-
-def add_quantize_arg(parser: Any, flag: str = "--quantize") -> None:
-    from common.model.quantized_linear import QUANTIZE_CHOICES
-
-    parser.add_argument(
-        flag,
-        choices=QUANTIZE_CHOICES,
-        default="none",
-        help="int8: int8 weights and dynamically quantized activations, float32 elsewhere, CPU only: "
-        "up to 1.9x faster draft passes; the output is still exactly the target's (default none)",
-    )
-
-
-def add_insecure_arg(parser: Any) -> None:
-    parser.add_argument(
-        "--insecure",
-        action="store_true",
-        help="allow a non-loopback --listen address without TLS and a token",
-    )
-
-
 def check_listen(listen: str, insecure: bool, secured: bool = False) -> None:
     """Loopback is always allowed; another address needs TLS and a token (`secured`), or --insecure."""
     host, _ = split_listen(listen)
@@ -279,90 +184,3 @@ def check_listen(listen: str, insecure: bool, secured: bool = False) -> None:
             f"refusing to listen on {host}: a non-loopback address needs both TLS (--tls-cert and --tls-key) "
             "and a shared token (--auth-token-file); pass --insecure to expose the server without them"
         )
-
-
-def serve_node(
-    args: Any,
-    role: str,
-    servicer: Any,
-    add_to_server: Callable[[Any, grpc.Server], None],
-    service_name: str,
-    make_engine: Callable[[Any], Any],
-    load: Callable[[Any, Path], Any] | None = None,
-) -> int:
-    """Bind first and answer health as NOT_SERVING while the model loads, then serve until a signal.
-
-    `load(args, path)` returns the LoadedModel (the target passes one that can offload)."""
-    from common.model.loading import load_model
-    from common.model.store import resolve_model
-
-    sec = security.ServerSecurity.from_args(args)
-    check_listen(args.listen, args.insecure, sec.complete)
-    configure_logs(args, role)
-    start_metrics_server(args)
-    server = Server(
-        args.listen,
-        [(add_to_server, servicer, service_name)],
-        credentials=sec.credentials(),
-        interceptors=sec.interceptors(),
-    ).start()
-    server.stop_on_signals()
-    host = split_listen(args.listen)[0]
-    print(
-        f"{role} node listening on {host}:{server.port} ({sec.describe()}; loading model)",
-        file=sys.stderr,
-        flush=True,
-    )
-    path = resolve_model(args.model)
-    if load is None:
-        loaded = load_model(
-            path,
-            dtype=args.dtype,
-            device=args.device,
-            repack=args.repack,
-            quantize=getattr(args, "quantize", "none"),
-        )
-    else:
-        loaded = load(args, path)
-    maybe_compile(args, loaded.model)
-    engine = make_engine(loaded)
-    if args.profile:
-        engine.profile()
-    servicer.attach(engine, path)
-    reaper = start_reaper([engine.sessions])
-    server.ready()
-    print(
-        f"{role} node ready: {loaded.name} ({describe_weights(args)}, {args.device}; "
-        f"{memory_report(args.device)})",
-        file=sys.stderr,
-        flush=True,
-    )
-    server.wait()
-    reaper.set()
-    return 0
-
-
-def describe_weights(args: Any) -> str:
-    quantize = getattr(args, "quantize", "none")
-    return args.dtype if quantize == "none" else f"{quantize} linears, {args.dtype} elsewhere"
-
-
-def memory_report(device: str) -> str:
-    """Peak memory so far: what a user sizing a machine for this model needs to know."""
-    import torch
-
-    from common.ops.memory import peak_rss_bytes
-
-    report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
-    if device.startswith("cuda"):
-        report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
-    return report
-
-
-def engine_kwargs(args: Any) -> dict[str, Any]:
-    return dict(
-        max_context=args.max_context,
-        max_tree=args.max_tree,
-        max_sessions=args.max_sessions,
-        idle_timeout=args.idle_timeout,
-    )

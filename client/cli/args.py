@@ -1,0 +1,152 @@
+"""The client commands' flags, and their conversion to the typed parameters the Python API takes."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from client.api import SpecExec, render_chat
+from client.remote import connect
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.store import resolve_model
+from common.options import (
+    DTYPES,
+    add_client_security_args,
+    add_compile_args,
+    add_offload_args,
+    add_quantize_arg,
+    add_repack_arg,
+    client_security,
+    compile_buckets,
+    offload_plan,
+)
+
+
+def add_sampling_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0, help="seeded samples are identical to the target alone's")
+    g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+
+
+def add_tree_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("speculation")
+    g.add_argument("--mode", choices=("specexec", "chain", "autoregressive"), default="specexec")
+    g.add_argument(
+        "--budget",
+        default="auto",
+        help="tree nodes per step, or 'auto' (default): sized from the nodes' forward-time curves, up to "
+        "--max-budget (chain mode: chain length, default 4)",
+    )
+    g.add_argument("--max-budget", type=int, default=256, help="largest tree --budget auto considers")
+    g.add_argument("--max-depth", type=int, default=16)
+    g.add_argument("--max-branch", type=int, default=8)
+    g.add_argument("--expand-batch", type=int, default=16)
+    g.add_argument(
+        "--min-prob",
+        type=float,
+        default=0.0,
+        help="expand only nodes whose cumulative draft probability is at least this, so a step's tree "
+        "follows the draft's confidence (fixed budgets; --budget auto chooses its own)",
+    )
+    g.add_argument(
+        "--min-node-prob",
+        type=float,
+        default=0.0,
+        help="propose only nodes whose cumulative draft probability is at least this, so the target's "
+        "pass is not spent on long shots (fixed budgets; --budget auto chooses its own)",
+    )
+
+
+def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
+    add_client_security_args(p)
+    src = p.add_argument_group("nodes" + (" (remote) or models (in-process)" if in_process else ""))
+    src.add_argument("--target", help="target node HOST:PORT")
+    src.add_argument("--draft", help="draft node HOST:PORT")
+    src.add_argument(
+        "--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)"
+    )
+    if in_process:
+        src.add_argument("--target-model", help="target model: run both models in this process")
+        src.add_argument("--draft-model", help="draft model (in-process mode)")
+        p.add_argument("--dtype", choices=DTYPES, default="float32")
+        p.add_argument("--device", default="cpu")
+        add_repack_arg(p)
+        add_compile_args(p)
+        add_quantize_arg(p, "--draft-quantize")
+        add_offload_args(p)
+
+
+def sampling_from(args: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def auto_budget(args: argparse.Namespace) -> bool:
+    return args.budget == "auto" and args.mode == "specexec"
+
+
+def tree_from(args: argparse.Namespace) -> TreeParams:
+    if args.budget == "auto":
+        budget = args.max_budget if args.mode == "specexec" else 4
+    else:
+        try:
+            budget = int(args.budget)
+        except ValueError:
+            raise ValueError(f"--budget must be a number or 'auto', got {args.budget!r}") from None
+    return TreeParams(
+        budget=budget,
+        max_depth=args.max_depth,
+        max_branch=args.max_branch,
+        expand_batch=args.expand_batch,
+        min_prob=args.min_prob,
+        min_node_prob=args.min_node_prob,
+    )
+
+
+def prompt_from(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
+    """`--chat` renders the prompt as one user turn of the model's chat template (instruct models)."""
+    if getattr(args, "chat", False):
+        return render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
+    return args.prompt
+
+
+def generator_from(args: argparse.Namespace) -> SpecExec:
+    """In-process models when --target-model is given, otherwise the remote nodes."""
+    tree = tree_from(args)
+    if getattr(args, "target_model", None):
+        draft = resolve_model(args.draft_model) if args.draft_model else None
+        return SpecExec.local(
+            draft,
+            resolve_model(args.target_model),
+            dtype=args.dtype,
+            device=args.device,
+            repack=args.repack,
+            offload=offload_plan(args),
+            draft_quantize=args.draft_quantize,
+            compile_buckets=compile_buckets(args),
+            mode=args.mode,
+            tree=tree,
+            auto_budget=auto_budget(args),
+        )
+    return connect(
+        args.draft,
+        args.target,
+        mode=args.mode,
+        tree=tree,
+        auto_budget=auto_budget(args),
+        step_timeout=args.step_timeout,
+        security=client_security(args),
+    )

@@ -1,0 +1,273 @@
+"""The command-line edge shared by nodes and clients: argparse groups, and their conversion to the typed
+settings the layers below take. No argparse namespace travels past this module."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Callable
+
+from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.model.offload import OffloadPlan
+from common.model.quantized_linear import QUANTIZE_CHOICES, draft_dtype
+from common.ops.config import effective_config
+from common.ops.logs import FORMATS, LEVELS, LogSettings
+from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node
+from common.rpc.security import ClientSecurity, ServerSecurity
+
+DTYPES = ("float32", "bfloat16", "float16")
+
+# ------------------------------------------------------------------------------------------------
+# Argument groups
+
+
+def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
+    """Options shared by `specexec draft` and `specexec target`."""
+    parser.add_argument("--model", required=True, help="model directory, .gguf file or default-pair name")
+    parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
+    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    parser.add_argument("--device", default="cpu")
+    add_repack_arg(parser)
+    add_compile_args(parser)
+    parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
+    parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
+    parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument(
+        "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
+    )
+    add_insecure_arg(parser)
+    add_server_security_args(parser)
+    add_metrics_args(parser)
+    add_log_args(parser)
+    parser.add_argument(
+        "--no-profile",
+        dest="profile",
+        action="store_false",
+        help="skip measuring the forward-time curve at start-up (clients then cannot use --budget auto)",
+    )
+
+
+def add_repack_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-repack",
+        dest="repack",
+        action="store_false",
+        help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison)",
+    )
+
+
+def _buckets(text: str) -> tuple[int, ...]:
+    try:
+        return parse_buckets(text)
+    except ValueError as e:  # argparse would replace the message with "invalid value"
+        raise argparse.ArgumentTypeError(str(e)) from e
+
+
+def add_compile_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="compile the forward pass per token-count bucket at start-up; "
+        "off by default: on a CPU it measured 0-6%% faster per pass, -2 to +10%% per generation, after "
+        "minutes of compilation on a cold cache (docs/history.md)",
+    )
+    parser.add_argument(
+        "--compile-buckets",
+        type=_buckets,
+        default=DEFAULT_BUCKETS,
+        metavar="N,N,...",
+        help="with --compile: padded token counts, one graph each; larger passes run eagerly "
+        f"(default {','.join(map(str, DEFAULT_BUCKETS))})",
+    )
+
+
+def add_quantize_arg(parser: argparse.ArgumentParser, flag: str = "--quantize") -> None:
+    parser.add_argument(
+        flag,
+        choices=QUANTIZE_CHOICES,
+        default="none",
+        help="int8: int8 weights and dynamically quantized activations, float32 elsewhere, CPU only: "
+        "up to 1.9x faster draft passes; the output is still exactly the target's (default none)",
+    )
+
+
+def add_insecure_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--insecure",
+        action="store_true",
+        help="allow a non-loopback --listen address without TLS and a token",
+    )
+
+
+def add_offload_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--offload",
+        action="store_true",
+        help="keep decoder layers in host RAM and stream them to --device for every pass",
+    )
+    parser.add_argument(
+        "--resident-layers",
+        type=int,
+        default=0,
+        help="with --offload: keep the first N decoder layers on the device (default 0)",
+    )
+    parser.add_argument(
+        "--prefetch-layers",
+        type=int,
+        default=2,
+        help="with --offload: device buffers in the prefetch ring (default 2)",
+    )
+
+
+def add_server_security_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("security (this server)")
+    g.add_argument("--tls-cert", metavar="PATH", help="serve TLS: certificate chain (PEM)")
+    g.add_argument("--tls-key", metavar="PATH", help="serve TLS: private key (PEM)")
+    g.add_argument(
+        "--tls-client-ca", metavar="PATH", help="require client certificates signed by this CA (mutual TLS)"
+    )
+    g.add_argument(
+        "--auth-token-file",
+        metavar="PATH",
+        help="require 'authorization: Bearer <token>' on every call but health checks",
+    )
+
+
+def add_client_security_args(parser: argparse.ArgumentParser, token: bool = True) -> None:
+    g = parser.add_argument_group("security (connections to nodes)")
+    g.add_argument("--node-tls-ca", metavar="PATH", help="connect to nodes over TLS, trusting this CA (PEM)")
+    g.add_argument("--node-tls-cert", metavar="PATH", help="client certificate for nodes that require one")
+    g.add_argument("--node-tls-key", metavar="PATH", help="private key of --node-tls-cert")
+    if token:
+        g.add_argument(
+            "--node-auth-token-file", metavar="PATH", help="the nodes' shared token (their --auth-token-file)"
+        )
+
+
+def add_metrics_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--metrics-port",
+        metavar="[HOST:]PORT",
+        help="serve Prometheus metrics at http://HOST:PORT/metrics (HOST defaults to 127.0.0.1; off by default)",
+    )
+
+
+def add_log_args(parser: argparse.ArgumentParser, *, prompts: bool = False) -> None:
+    g = parser.add_argument_group("logging")
+    g.add_argument("--log-format", choices=FORMATS, default="text", help="one line per event (default text)")
+    g.add_argument("--log-level", choices=LEVELS, default="info")
+    if prompts:
+        g.add_argument(
+            "--log-prompts",
+            action="store_true",
+            help="include prompt and completion text in request logs (off by default: logs never hold it)",
+        )
+
+
+# ------------------------------------------------------------------------------------------------
+# Namespace -> typed settings
+
+
+def server_security(args: argparse.Namespace) -> ServerSecurity:
+    return ServerSecurity.from_files(
+        getattr(args, "tls_cert", None),
+        getattr(args, "tls_key", None),
+        getattr(args, "tls_client_ca", None),
+        getattr(args, "auth_token_file", None),
+    )
+
+
+def client_security(args: argparse.Namespace) -> ClientSecurity:
+    return ClientSecurity.from_files(
+        getattr(args, "node_tls_ca", None),
+        getattr(args, "node_tls_cert", None),
+        getattr(args, "node_tls_key", None),
+        getattr(args, "node_auth_token_file", None),
+    )
+
+
+def offload_plan(args: argparse.Namespace) -> OffloadPlan | None:
+    if not getattr(args, "offload", False):
+        return None
+    return OffloadPlan(resident_layers=args.resident_layers, prefetch_layers=args.prefetch_layers)
+
+
+def compile_buckets(args: argparse.Namespace) -> tuple[int, ...] | None:
+    return args.compile_buckets if getattr(args, "compile", False) else None
+
+
+def log_settings(args: argparse.Namespace) -> LogSettings:
+    return LogSettings(
+        fmt=getattr(args, "log_format", "text"),
+        level=getattr(args, "log_level", "info"),
+        log_prompts=bool(getattr(args, "log_prompts", False)),
+        startup=effective_config(args),
+    )
+
+
+def node_config(args: argparse.Namespace) -> NodeConfig:
+    return NodeConfig(
+        model=args.model,
+        listen=args.listen,
+        dtype=args.dtype,
+        device=args.device,
+        repack=args.repack,
+        quantize=getattr(args, "quantize", "none"),
+        compile_buckets=compile_buckets(args),
+        offload=offload_plan(args),
+        limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout),
+        profile=args.profile,
+        insecure=args.insecure,
+        security=server_security(args),
+        metrics_port=args.metrics_port,
+        log=log_settings(args),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Node processes
+
+
+def node_main(
+    role: NodeRole, build_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | None
+) -> int:
+    """`python -m target_node` / `python -m draft_node`."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        return serve_node(node_config(build_parser().parse_args(argv)), role)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"{role.name} node: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def offload_flags(plan: OffloadPlan | None) -> list[str]:
+    """The target node's command-line flags for `plan`: `offload_plan` read back."""
+    if plan is None:
+        return []
+    return ["--offload", "--resident-layers", str(plan.resident_layers),
+            "--prefetch-layers", str(plan.prefetch_layers)]  # fmt: skip
+
+
+def node_command(
+    role: str,
+    model: str,
+    port: int,
+    dtype: str,
+    max_tree: int,
+    extra_args: list[str] | None = None,
+    quantize: str = "none",
+) -> list[str]:
+    """A node's command line on loopback. An int8 draft runs its float parts in float32, whatever
+    `dtype` says (its fastest on a CPU)."""
+    if role == "target" and quantize != "none":
+        raise ValueError("only a draft node can be quantized")
+    weights = ["--dtype", draft_dtype(dtype, quantize), *(["--quantize", quantize] if quantize != "none" else [])]
+    return [
+        sys.executable, "-m", f"{role}_node", "--model", model, "--listen", f"127.0.0.1:{port}", *weights,
+        "--max-tree", str(max(max_tree, 1)),
+        # The generated text shares this terminal: nodes report only warnings and errors.
+        "--log-level", "warning",
+        *(extra_args or []),
+    ]  # fmt: skip
+

@@ -1,0 +1,126 @@
+"""A node's life: bind, answer health as NOT_SERVING while the model loads, profile, serve until a signal.
+
+Both nodes start the same way; a `NodeRole` names what differs (engine, servicer, service)."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from common.model.compiled_forward import compile_model
+from common.model.loading import LoadedModel, load_model
+from common.model.offload import OffloadPlan, load_target
+from common.model.store import resolve_model
+from common.ops.logs import LogSettings
+from common.ops.logs import configure as configure_logs
+from common.ops.memory import peak_rss_bytes
+from common.ops.metrics import start_metrics_server
+from common.rpc.security import ServerSecurity
+from common.rpc.server import Server, check_listen, split_listen, start_reaper
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    max_context: int = 4096
+    max_tree: int = 1024
+    max_sessions: int = 8
+    idle_timeout: float = 300.0
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """Everything a node runs with; the CLI builds it from flags (`common.options.node_config`)."""
+
+    model: str
+    listen: str
+    dtype: str = "float32"
+    device: str = "cpu"
+    repack: bool = True
+    quantize: str = "none"
+    compile_buckets: tuple[int, ...] | None = None  # None: run eagerly
+    offload: OffloadPlan | None = None
+    limits: EngineLimits = field(default_factory=EngineLimits)
+    profile: bool = True
+    insecure: bool = False
+    security: ServerSecurity = field(default_factory=ServerSecurity)
+    metrics_port: str | None = None
+    log: LogSettings = field(default_factory=LogSettings)
+
+
+@dataclass(frozen=True)
+class NodeRole:
+    name: str  # "draft" or "target"
+    engine: Callable[..., Any]  # (LoadedModel, **limits) -> NodeEngine
+    servicer: Callable[[], Any]
+    add_to_server: Callable[[Any, grpc.Server], None]
+    service_name: str
+
+
+def load(config: NodeConfig, path: Path) -> LoadedModel:
+    """Resident on the device, or (target) kept in host RAM and streamed under an offload plan."""
+    if config.offload is not None:
+        if config.quantize != "none":
+            raise ValueError("an offloaded target cannot be quantized")
+        return load_target(path, dtype=config.dtype, device=config.device, plan=config.offload)
+    return load_model(
+        path, dtype=config.dtype, device=config.device, repack=config.repack, quantize=config.quantize
+    )
+
+
+def serve_node(config: NodeConfig, role: NodeRole) -> int:
+    """Bind first, so clients and balancers see the node (NOT_SERVING) while its model loads."""
+    check_listen(config.listen, config.insecure, config.security.complete)
+    configure_logs(config.log, role.name)
+    start_metrics_server(config.metrics_port)
+    servicer = role.servicer()
+    server = Server(
+        config.listen,
+        [(role.add_to_server, servicer, role.service_name)],
+        credentials=config.security.credentials(),
+        interceptors=config.security.interceptors(),
+    ).start()
+    server.stop_on_signals()
+    host = split_listen(config.listen)[0]
+    say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
+    path = resolve_model(config.model)
+    loaded = load(config, path)
+    if config.compile_buckets is not None:
+        compile_model(loaded.model, config.compile_buckets)
+    engine = role.engine(loaded, **asdict(config.limits))
+    if config.profile:
+        engine.profile()
+    servicer.attach(engine, path)
+    reaper = start_reaper([engine.sessions])
+    server.ready()
+    say(
+        f"{role.name} node ready: {loaded.name} ({describe_weights(config)}, {config.device}; "
+        f"{memory_report(config.device)})"
+    )
+    server.wait()
+    reaper.set()
+    return 0
+
+
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def describe_weights(config: NodeConfig) -> str:
+    if config.quantize == "none":
+        return config.dtype
+    return f"{config.quantize} linears, {config.dtype} elsewhere"
+
+
+def memory_report(device: str) -> str:
+    """Peak memory so far: what a user sizing a machine for this model needs to know."""
+    report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
+    if device.startswith("cuda"):
+        import torch
+
+        report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
+    return report
