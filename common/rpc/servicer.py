@@ -32,6 +32,8 @@ class NodeServicer:
         """Called once the model is loaded; until then every RPC answers UNAVAILABLE."""
         self.engine, self.model_dir = engine, model_dir
         track_engine(engine)
+        timeout = engine.sessions.idle_timeout
+        engine.sessions.on_expire = lambda sid: session_event("expired", sid, idle_timeout_s=timeout)
 
     def _engine(self) -> Any:
         if self.engine is None:

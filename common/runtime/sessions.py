@@ -27,12 +27,19 @@ class TooManySessions(RuntimeError):
 
 
 class SessionTable(Generic[S]):
-    def __init__(self, max_sessions: int, idle_timeout: float, clock: Callable[[], float] = time.monotonic):
+    def __init__(
+        self,
+        max_sessions: int,
+        idle_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+        on_expire: Callable[[str], None] | None = None,
+    ):
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
         self._clock = clock
+        self.on_expire = on_expire  # told each expired id, e.g. by the node's metrics
         self._lock = threading.Lock()
         self._sessions: dict[str, tuple[S, float, str]] = {}
         self._building: set[str] = set()  # ids reserved by sessions under construction
@@ -94,11 +101,9 @@ class SessionTable(Generic[S]):
         stale = [sid for sid, (_, t, _) in self._sessions.items() if now - t > self.idle_timeout]
         for sid in stale:
             del self._sessions[sid]
-        if stale:
-            from common.ops.metrics import session_event
-
+        if self.on_expire is not None:
             for sid in stale:
-                session_event("expired", sid, idle_timeout_s=self.idle_timeout)
+                self.on_expire(sid)
         return len(stale)
 
 
