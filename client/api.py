@@ -10,7 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from client.budget import BudgetPlanner
 from client.generation import (
@@ -24,9 +24,12 @@ from client.generation import (
 from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-
-if TYPE_CHECKING:
-    from common.model.offload import OffloadPlan
+from common.model.compiled_forward import compile_model
+from common.model.loading import load_model
+from common.model.offload import OffloadPlan, load_target
+from common.model.quantized_linear import draft_dtype
+from draft_node.engine import DraftEngine
+from target_node.engine import TargetEngine
 
 
 @dataclass
@@ -103,12 +106,6 @@ class SpecExec:
         `dtype` says: its fastest configuration on a CPU (common.model.quantized_linear).
         `compile_buckets` compiles both models' passes for those token counts before returning
         (common.model.compiled_forward)."""
-        from common.model.loading import load_model
-        from common.model.offload import load_target
-        from common.model.quantized_linear import draft_dtype
-        from draft_node.engine import DraftEngine
-        from target_node.engine import TargetEngine
-
         target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
@@ -123,8 +120,6 @@ class SpecExec:
             )
             draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=max_tree)
         if compile_buckets is not None:
-            from common.model.compiled_forward import compile_model
-
             compile_model(target_loaded.model, compile_buckets)
             if draft_loaded is not None:
                 compile_model(draft_loaded.model, compile_buckets)

@@ -11,11 +11,13 @@ from typing import Any
 
 import grpc
 
+from client.api import SpecExec
 from client.faults import NodeUnavailable, SessionLost
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair
 from common.model.loading import tokenizer_fingerprint
+from common.model.store import cache_root
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.security import ClientSecurity
@@ -195,8 +197,6 @@ class RemoteTarget(_RemoteNode):
         """The target's tokenizer, fetched once and cached on disk by fingerprint."""
         from transformers import AutoTokenizer
 
-        from common.model.store import cache_root
-
         fingerprint = self.info().tokenizer_fingerprint
         folder = cache_root() / "tokenizers" / fingerprint
         if not (folder / "complete").is_file():
@@ -231,14 +231,12 @@ def connect(
     tree: TreeParams | None = None,
     auto_budget: bool = False,
     **kwargs: Any,
-) -> Any:
+) -> SpecExec:
     """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work.
 
     `security=ClientSecurity.from_files(ca=..., cert=..., key=..., token_file=...)` (common.rpc.security)
     connects over TLS and/or sends the nodes' shared token; other kwargs go to `RemoteTarget`/`RemoteDraft`.
     """
-    from client.api import SpecExec
-
     remote_target = RemoteTarget(target, **kwargs)
     remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
     if remote_draft is not None:

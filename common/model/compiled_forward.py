@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from tqdm import tqdm
 
 from common.model.kv_cache import KVCache
+from common.model.store import cache_root
 from common.model.transformer import Transformer
 
 DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
@@ -47,8 +48,6 @@ def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
 
 
 def inductor_cache_dir() -> Path:
-    from common.model.store import cache_root
-
     return cache_root() / "inductor"
 
 
