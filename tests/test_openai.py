@@ -341,3 +341,129 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_the_sessions(server, g
         time.sleep(0.05)
     assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
     assert finished() == before  # stopped, not run to its end
+
+
+def address(server: OpenAIServer) -> tuple[str, int]:
+    return server.host, server.port
+
+
+def read_answer(sock, limit: float = 5.0) -> bytes:
+    """Everything the server sends until it closes the connection (or `limit` seconds pass)."""
+    import time
+
+    sock.settimeout(0.2)
+    received, deadline = b"", time.monotonic() + limit
+    while time.monotonic() < deadline:
+        try:
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            continue
+        if not chunk:
+            return received
+        received += chunk
+    raise AssertionError(f"the server kept the connection open; it sent {received[:200]!r}")
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
+    """An 8 GiB Content-Length is answered at once and the connection closed: the server neither
+    waits for nor reads the body."""
+    import socket
+    import time
+
+    from client.openai.server import MAX_BODY_BYTES
+
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {MAX_BODY_BYTES * 1024}\r\n\r\n"
+    )
+    with socket.create_connection(address(server), timeout=5) as sock:
+        started = time.monotonic()
+        sock.sendall(head.encode())
+        answer = read_answer(sock)
+    assert time.monotonic() - started < 5
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 413 ")
+    error = json.loads(rest.partition(b"\r\n\r\n")[2])["error"]
+    assert str(MAX_BODY_BYTES) in error["message"] and error["type"] == "invalid_request_error"
+
+
+def test_connections_that_trickle_headers_do_not_hold_up_a_request(server, client):
+    """200 clients that send part of a request slowly, or nothing at all, take no worker from the
+    clients that send whole requests."""
+    import contextlib
+    import socket
+    import threading
+    import time
+
+    silent, partial, trickling = [], [], []
+    stop = threading.Event()
+
+    def trickle() -> None:
+        while not stop.wait(0.1):
+            for sock in trickling:
+                with contextlib.suppress(OSError):
+                    sock.send(b"x")
+
+    try:
+        for i in range(200):
+            sock = socket.create_connection(address(server), timeout=5)
+            if i % 3 == 1:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Le")
+                partial.append(sock)
+            elif i % 3 == 2:
+                sock.sendall(b"POST /v1/completions HTTP/1.1\r\nX-Slow: ")
+                trickling.append(sock)
+            else:
+                silent.append(sock)
+        thread = threading.Thread(target=trickle, daemon=True)
+        thread.start()
+        started = time.monotonic()
+        assert raw(server.url.removesuffix("/v1") + "/health") == (200, {"status": "ok"})
+        out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0)
+        assert out.usage.completion_tokens >= 1
+        assert time.monotonic() - started < 5
+    finally:
+        stop.set()
+        for sock in silent + partial + trickling:
+            sock.close()
+
+
+class FailingAfterFirstChunk:
+    """A generator whose nodes fail after the first step (or before it, with `at=0`)."""
+
+    def __init__(self, gen: SpecExec, at: int = 1) -> None:
+        self.gen, self.at = gen, at
+        self.tokenizer, self.target = gen.tokenizer, gen.target
+
+    def stream(self, prompt, sampling):
+        chunks = self.gen.stream(prompt, sampling)
+        try:
+            for _ in range(self.at):
+                yield next(chunks)
+            raise ConnectionError("the target node went away")
+        finally:
+            chunks.close()
+
+
+def test_a_failure_after_output_is_an_error_event_and_before_it_an_http_error(gen):
+    failing = FailingAfterFirstChunk(gen)
+    srv = OpenAIServer("127.0.0.1:0", failing, model_name=MODEL).start()  # type: ignore[arg-type]
+    try:
+        api = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        request = dict(
+            model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, extra_body={"ignore_eos": True}
+        )
+        stream = api.completions.create(stream=True, **request)
+        with pytest.raises(openai.APIError, match="went away"):
+            for _ in stream:
+                pass
+        failing.at = 0
+        with pytest.raises(openai.InternalServerError, match="went away") as err:
+            api.completions.create(**request)
+        assert err.value.status_code == 503 and err.value.body["type"] == "service_unavailable"
+        with pytest.raises(openai.InternalServerError) as err:
+            api.completions.create(stream=True, **request)
+        assert err.value.status_code == 503
+        assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+    finally:
+        srv.stop()
