@@ -27,16 +27,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
-from client.bench.harness import (
-    SETTINGS,
-    engine_contestant,
-    load_prompts,
-    profiled_default_pair,
-    rank,
-    run_phase,
-    summarize,
-    versus,
-)
+from client.bench.harness import SETTINGS, engine_contestant, load_prompts, profiled_default_pair, run_phase
+from client.bench.stats import rank, summarize, versus
 from client.budget import BudgetPlanner
 from common.decoding.tree import TreeParams
 

@@ -30,9 +30,8 @@ from client.bench.harness import (
     load_prompts,
     profiled_default_pair,
     run_phase,
-    summarize,
-    versus,
 )
+from client.bench.stats import summarize, versus
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 

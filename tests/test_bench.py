@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import subprocess
@@ -10,17 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from client.bench.harness import (
-    SHARES,
-    WARM_UP_TOKENS,
-    Contestant,
-    Run,
-    acceptance_table,
-    load_prompts,
-    rank,
-    run_phase,
-    versus,
-)
+from client.bench.cli import add_bench_parser, bench_config
+from client.bench.harness import WARM_UP_TOKENS, BenchConfig, Contestant, Run, load_prompts, run_phase
+from client.bench.report import acceptance_table
+from client.bench.stats import SHARES, rank, versus
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -234,3 +228,12 @@ def test_each_contestant_warms_up_untimed_before_the_timed_runs():
     assert calls[:2] == [("a", WARM_UP_TOKENS), ("b", WARM_UP_TOKENS)]
     assert sorted(calls[2:]) == [("a", 8), ("a", 8), ("b", 8), ("b", 8)]
     assert len(runs) == 4 and all(len(r.token_ids) == 8 for r in runs)
+
+
+def test_the_flags_defaults_are_the_configs_and_the_settings_keep_their_order():
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers())
+    assert bench_config(parser.parse_args(["bench"])) == BenchConfig()
+    config = bench_config(parser.parse_args(["bench", "--settings", "sampled", "greedy", "--auto-cap", "16"]))
+    assert config.settings == ("greedy", "sampled") and config.auto_budget_cap == 16
+    assert bench_config(parser.parse_args(["bench", "--sampled"])).settings == ("greedy", "sampled")

@@ -1,5 +1,194 @@
-"""`specexec bench`."""
+"""`specexec bench`: SpecExec against the baselines a user would pick, on the same models, prompts,
+dtype, lengths and machine, interleaved prompt by prompt so that drift in machine speed hits every
+contestant alike. Writes raw measurements (JSON), a markdown report and plots to `--out`.
 
-from client.bench.harness import add_bench_parser
+The command line's edge: the flags become a `BenchConfig` here, and nothing below sees them.
+"""
 
-__all__ = ["add_bench_parser"]
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from client.bench.harness import SETTINGS, BenchConfig, families, measure
+from client.bench.report import plot, write_report
+from client.bench.stats import check_exactness, project, rank, summarize
+from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.model.quantized_linear import QUANTIZE_CHOICES
+from common.options import add_offload_args, offload_plan
+
+DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    config = bench_config(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    measured = measure(config)
+    runs, contestants = measured.runs, measured.contestants
+    exact = check_exactness(measured.exact_runs, measured.exact_families)
+    divergence = check_exactness([r for r in runs if r.setting == "greedy"], families(contestants))
+    summary = summarize(runs, contestants)
+    ranking = rank(runs)
+    projection: list[dict] = []
+    if args.target_cost_model:
+        bandwidth = bandwidth_gbps(args.target_cost_model)
+        projection = project(runs, contestants, measured.target_pass_bytes, bandwidth, args.per_token_ms)
+    meta = dict(target=measured.target, draft=measured.draft, prompts=measured.prompts,
+                max_new_tokens=config.max_new_tokens, dtype=config.dtype, threads=config.threads,
+                command="specexec bench " + " ".join(sys.argv[2:]), projection=args.target_cost_model,
+                draft_quantize=config.draft_quantize, settings=list(config.settings),
+                auto_cap=config.auto_budget_cap if config.auto else None, device=config.device,
+                offload=asdict(config.offload) if config.offload else None,
+                peak_rss_scope=measured.peak_rss_scope, peak_rss_mb=measured.peak_rss_mb,
+                grpc_nodes_peak_rss_mb=measured.node_peak_rss_mb)  # fmt: skip
+    raw = dict(meta=meta, runs=[r.__dict__ for r in runs], summary=summary, ranking=ranking, exactness=exact,
+               bf16_divergence=divergence, projection=projection)  # fmt: skip
+    (out / "results.json").write_text(json.dumps(raw, indent=1))
+    report = write_report(out, meta, summary, ranking, exact, projection)
+    plot(out, summary, projection)
+    print(report)
+    failures = [e for e in exact if e["first_divergence"] is not None]
+    if failures:
+        print(
+            f"EXACTNESS FAILURE: {len(failures)} float32 runs differ from the target alone", file=sys.stderr
+        )
+        return 1
+    return 0
+
+
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    return BenchConfig(
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        device=args.device,
+        offload=offload_plan(args),
+        draft_quantize=args.draft_quantize,
+        prompts=args.prompts,
+        categories=tuple(args.categories) if args.categories else None,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        budgets=tuple(args.budgets),
+        chain=tuple(args.chain),
+        min_probs=tuple(args.min_probs),
+        min_node_prob=args.min_node_prob,
+        max_depth=args.max_depth,
+        max_branch=args.max_branch,
+        expand_batch=args.expand_batch,
+        auto=args.auto,
+        auto_cap=args.auto_cap,
+        hf=args.hf,
+        grpc=args.grpc,
+        grpc_budget=args.grpc_budget,
+        settings=bench_settings(args),
+        repeat=args.repeat,
+        exactness=args.exactness,
+        compile=args.compile,
+        compile_buckets=tuple(args.compile_buckets),
+        seed=args.seed,
+        threads=args.threads,
+    )
+
+
+def bench_settings(args: argparse.Namespace) -> tuple[str, ...]:
+    """The settings to time, in SETTINGS order; the float32 exactness pass always checks both."""
+    chosen = set(args.settings or (["greedy", "sampled"] if args.sampled else ["greedy"]))
+    return tuple(name for name in SETTINGS if name in chosen)
+
+
+def bandwidth_gbps(cost_model: str) -> float:
+    """'bandwidth[:GBps]' -> GB/s."""
+    return float(cost_model.split(":")[1]) if ":" in cost_model else DEFAULT_BANDWIDTH_GBPS
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_bench_parser(sub: Any) -> None:
+    b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
+    b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
+    b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1, ...")
+    add_offload_args(b)
+    b.add_argument(
+        "--draft-quantize",
+        choices=QUANTIZE_CHOICES,
+        default="none",
+        help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype",
+    )
+    b.add_argument(
+        "--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)"
+    )
+    b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")
+    b.add_argument("--limit", type=int, help="use the first N prompts (categories kept balanced)")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
+    b.add_argument("--chain", type=int, nargs="+", default=[2, 4, 8])
+    b.add_argument(
+        "--min-probs",
+        type=float,
+        nargs="+",
+        default=[],
+        help="also run every chain and budget expanding only nodes at least this probable",
+    )
+    b.add_argument(
+        "--min-node-prob",
+        type=float,
+        default=0.0,
+        help="also run every floored budget (--min-probs) proposing only nodes at least this probable",
+    )
+    b.add_argument("--max-depth", type=int, default=16)
+    b.add_argument("--max-branch", type=int, default=8)
+    b.add_argument("--expand-batch", type=int, default=16)
+    b.add_argument("--no-auto", dest="auto", action="store_false", help="skip the --budget auto contestant")
+    b.add_argument(
+        "--auto-cap",
+        type=positive_int,
+        help="the largest tree auto may plan (default: the largest of --budgets)",
+    )
+    b.add_argument("--no-hf", dest="hf", action="store_false", help="skip the Hugging Face contestants")
+    b.add_argument(
+        "--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant"
+    )
+    b.add_argument("--grpc-budget", type=int, default=32)
+    which = b.add_mutually_exclusive_group()
+    which.add_argument(
+        "--settings",
+        nargs="+",
+        choices=tuple(SETTINGS),
+        help=f"decoding settings to time (default greedy; sampled is {SETTINGS['sampled']})",
+    )
+    which.add_argument("--sampled", action="store_true", help="short for --settings greedy sampled")
+    b.add_argument(
+        "--repeat",
+        type=positive_int,
+        default=1,
+        help="speed runs per prompt, in separate passes over the prompt set; medians are over all runs",
+    )
+    b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
+    b.add_argument(
+        "--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)"
+    )
+    b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")
+    b.add_argument(
+        "--compile",
+        action="store_true",
+        help="also run every engine contestant with both models compiled (see --compile-buckets)",
+    )
+    b.add_argument("--compile-buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="N,N,...")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--threads", type=int, default=torch.get_num_threads())
+    b.add_argument("--out", default="bench-results")
+    b.set_defaults(func=cmd_bench)
