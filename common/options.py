@@ -46,6 +46,11 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         action="store_false",
         help="skip measuring the forward-time curve at start-up (clients then cannot use --budget auto)",
     )
+    parser.add_argument(
+        "--reprofile",
+        action="store_true",
+        help="measure the forward-time curve even if this build's curve is cached from an earlier start",
+    )
 
 
 def add_repack_arg(parser: argparse.ArgumentParser) -> None:
@@ -218,6 +223,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         offload=offload_plan(args),
         limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout),
         profile=args.profile,
+        reprofile=args.reprofile,
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

@@ -9,9 +9,11 @@ from common.model.loading import load_model
 from common.model.packed_linear import PackedLinear, repack
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
-pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+BF16_REORDER = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+needs_bf16_reorder = pytest.mark.skipif(not BF16_REORDER, reason="needs oneDNN's bf16 reorder (AVX512 or AVX-NE)")
 
 
+@needs_bf16_reorder
 @pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
 def test_repacked_forward_equals_plain_forward(name, model_dirs):
     plain = load_model(model_dirs[name], dtype="bfloat16", repack=False).model
@@ -25,6 +27,7 @@ def test_repacked_forward_equals_plain_forward(name, model_dirs):
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@needs_bf16_reorder
 def test_float32_and_tied_heads_are_left_alone(model_dirs, loaded):
     model = loaded["target"].model
     assert not repack(model) and not model.repacked
@@ -32,3 +35,11 @@ def test_float32_and_tied_heads_are_left_alone(model_dirs, loaded):
     bf16.cfg = type(bf16.cfg)(**{**bf16.cfg.__dict__, "tie_word_embeddings": True})
     assert repack(bf16)
     assert isinstance(bf16.lm_head, torch.nn.Linear)
+
+
+def test_a_cpu_without_bf16_reorder_keeps_row_major_weights(model_dirs, monkeypatch):
+    """oneDNN's bf16 reorder raises on CPUs without AVX512/AVX-NE support: loading must not."""
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: False)
+    model = load_model(model_dirs["target"], dtype="bfloat16").model
+    assert not model.repacked
+    assert isinstance(model.model.layers[0].self_attn.q_proj, torch.nn.Linear)

@@ -25,6 +25,7 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
     max_context: int
     tokenizer_fingerprint: str
+    path: Path | None = None  # the weights' directory: what the forward-time curve cache is keyed by
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -89,6 +90,7 @@ def load_model(
         eos_token_ids=eos_token_ids(path, hf_config, tokenizer),
         max_context=cfg.max_position_embeddings,
         tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        path=path,
     )
 
 

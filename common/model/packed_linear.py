@@ -25,6 +25,9 @@ def repack_supported(model: Transformer) -> bool:
         and model.dtype == torch.bfloat16
         and torch.backends.mkldnn.is_available()
         and torch.backends.mkldnn.enabled
+        # oneDNN's bf16 reorder needs AVX512-BF16-class or AVX-NE-CONVERT CPUs; elsewhere (an AVX2
+        # EPYC, say) it raises, so those keep row-major weights.
+        and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     )
 
 

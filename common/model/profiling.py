@@ -6,13 +6,20 @@ costs about what a pass over 1 does, so large trees pay; on a CPU the cost grows
 
 from __future__ import annotations
 
+import hashlib
 import itertools
+import json
+import os
+import tempfile
 import time
+from pathlib import Path
+from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from common.decoding.tree import TreeStructure, attention_bias
+from common.model.store import cache_root
 from common.model.transformer import Transformer
 
 PREFIX = 64
@@ -83,3 +90,88 @@ def interpolate(curve: list[tuple[int, float]], n: float) -> float:
             return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
     (n0, t0), (n1, t1) = curve[-2], curve[-1]
     return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+
+
+# ------------------------------------------------------------------------------------------------
+# On-disk cache: a curve is the same on every start of the same build on the same machine, and
+# measuring it takes minutes on a slow core.
+
+CURVE_CACHE_VERSION = 1
+
+
+def weights_digest(path: Path) -> str:
+    """SHA-256 over a model directory's weight files, remembered by (path, size, mtime) so a restart
+    does not read gigabytes again."""
+    files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".gguf", ".bin"))
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    memo_path = cache_root() / "profiles" / "digests.json"
+    memo = _read_json(memo_path) or {}
+    if stamp in memo:
+        return memo[stamp]
+    h = hashlib.sha256()
+    for f in files:
+        with f.open("rb") as fh:
+            h.update(hashlib.file_digest(fh, "sha256").digest())
+    memo[stamp] = h.hexdigest()
+    _write_json(memo_path, memo)
+    return memo[stamp]
+
+
+def curve_key(model: Transformer, weights: Path, limit: int, logits_share: float) -> dict[str, Any]:
+    """What a curve depends on. Module types capture int8, repacked and offloaded layers; compiled
+    buckets and offload settings are read off the model."""
+    compiled = getattr(model, "compiled", None)
+    layers = model.model.layers
+    return {
+        "version": CURVE_CACHE_VERSION,
+        "weights": weights_digest(weights),
+        "dtype": str(model.dtype),
+        "device": str(model.device),
+        "modules": sorted({type(m).__name__ for m in model.modules()}),
+        "offload": [len(getattr(layers, "resident", ())), getattr(layers, "ring", None)],
+        "compiled": list(getattr(compiled, "buckets", ())) if compiled is not None else None,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "limit": limit,
+        "logits_share": logits_share,
+    }
+
+
+def cached_forward_curve(
+    model: Transformer,
+    limit: int,
+    logits_share: float,
+    weights: Path | None,
+    *,
+    progress: bool = True,
+    reprofile: bool = False,
+) -> tuple[list[tuple[int, float]], bool]:
+    """The curve from the cache when this build was measured here before, else measured and stored.
+    Returns (curve, whether it came from the cache). Without `weights` nothing is cached."""
+    if weights is None:
+        return forward_curve(model, limit, logits_share, progress), False
+    key = curve_key(model, weights, limit, logits_share)
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
+    path = cache_root() / "profiles" / f"curve-{digest}.json"
+    entry = None if reprofile else _read_json(path)
+    if entry is not None and entry.get("key") == key:
+        return [(int(n), float(t)) for n, t in entry["curve"]], True
+    curve = forward_curve(model, limit, logits_share, progress)
+    _write_json(path, {"key": key, "curve": curve})
+    return curve, False
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None  # absent or torn: measure again
+
+
+def _write_json(path: Path, data: Any) -> None:
+    """Atomic, so two nodes starting at once never read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import torch
 
 from common.model.compiled_forward import compile_model
 from common.model.loading import LoadedModel, load_model
@@ -46,6 +47,7 @@ class NodeConfig:
     offload: OffloadPlan | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
     profile: bool = True
+    reprofile: bool = False  # measure the forward-time curve even if it is cached
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
@@ -93,7 +95,9 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
         compile_model(loaded.model, config.compile_buckets)
     engine = role.engine(loaded, **asdict(config.limits))
     if config.profile:
-        engine.profile()
+        cached = engine.profile(reprofile=config.reprofile)
+        if cached:
+            say(f"{role.name} node: forward-time curve from the cache (--reprofile measures it again)")
     servicer.attach(engine, path)
     reaper = start_reaper([engine.sessions])
     server.ready()
@@ -120,7 +124,5 @@ def memory_report(device: str) -> str:
     """Peak memory so far: what a user sizing a machine for this model needs to know."""
     report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
     if device.startswith("cuda"):
-        import torch
-
         report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
     return report

@@ -9,7 +9,7 @@ from typing import Generic, TypeVar
 from common.decoding.tree import MAX_TREE_DEPTH, check_token_ids
 from common.decoding.types import NodeInfo
 from common.model.loading import LoadedModel
-from common.model.profiling import forward_curve
+from common.model.profiling import cached_forward_curve
 from common.runtime.sessions import SessionTable
 
 S = TypeVar("S")
@@ -54,11 +54,20 @@ class NodeEngine(Generic[S]):
             forward_curve=self.forward_curve,
         )
 
-    def profile(self, progress: bool = True) -> None:
-        """Measure this node's forward-time curve once, before serving (see common.model.profiling)."""
+    def profile(self, progress: bool = True, reprofile: bool = False) -> bool:
+        """This node's forward-time curve, measured once per build and machine and then read from the
+        on-disk cache (common.model.profiling); `reprofile` measures again. True if it was cached."""
         with self._lock:
-            curve = forward_curve(self.loaded.model, self.profile_limit(), self.logits_share, progress)
+            curve, cached = cached_forward_curve(
+                self.loaded.model,
+                self.profile_limit(),
+                self.logits_share,
+                self.loaded.path,
+                progress=progress,
+                reprofile=reprofile,
+            )
             self.forward_curve = tuple(curve)
+        return cached
 
     def check_prompt(self, prompt: list[int]) -> None:
         if len(prompt) > self.max_context:  # before scanning every id of a prompt that cannot fit
