@@ -27,7 +27,7 @@ that planned with the rate and calibration of the code request before it built h
 for ten steps after its first (docs/benchmarks.md, "Per-request learning"). The planner never picks among
 shapes by their measured means, so no shape is chosen because noise flattered it; a fixed floor
 cannot follow the machine or the text as these do.
-K_LEVEL was fitted in `scripts/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
+K_LEVEL was fitted in `benchmarks/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
 own 1: the simulator cannot tell 1 from 3 (about 1% apart), while on the real pair 3 kept chat and prose
 trees at about 2 nodes, behind the fixed node-floored shapes, and nodes of middling q are accepted
 more often than c·q says (docs/benchmarks.md, "The node floor's constant").
@@ -129,7 +129,7 @@ class BudgetPlanner:
     base: TreeParams  # the cap: its budget, depth and branching bound every tree
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
-    k_level: float = K_LEVEL  # per planner, so scripts/auto_constants.py can race variants side by side
+    k_level: float = K_LEVEL  # per planner, so benchmarks/auto_constants.py can race variants side by side
     k_node: float = K_NODE
 
     def __post_init__(self) -> None:

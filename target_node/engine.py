@@ -3,17 +3,28 @@ a single model runs one forward pass at a time."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
+from common.model.loading import LoadedModel
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
-from target_node.session import TargetSession
+from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession
 
 
 class TargetEngine(NodeEngine[TargetSession]):
     role = "target"
     logits_share = 0.5  # only nodes with children need logits, about half of a bushy tree
+
+    def __init__(
+        self, loaded: LoadedModel, *, all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES, **limits: Any
+    ) -> None:
+        """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
+        call (see target_node.session); `limits` are NodeEngine's."""
+        super().__init__(loaded, **limits)
+        self.all_logits_max_nodes = all_logits_max_nodes
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
@@ -26,6 +37,7 @@ class TargetEngine(NodeEngine[TargetSession]):
                 max_tree=self.max_tree + 1,
                 max_depth=MAX_TREE_DEPTH,
                 eos_token_ids=self.loaded.eos_token_ids,
+                all_logits_max_nodes=self.all_logits_max_nodes,
             )
 
         return self.sessions.add(make, owner, session_id)

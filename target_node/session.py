@@ -51,6 +51,7 @@ class TargetSession:
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
+        all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
     ) -> None:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
@@ -60,6 +61,7 @@ class TargetSession:
         self.max_context = max_context
         self.max_tree = max_tree
         self.max_depth = max_depth
+        self.all_logits_max_nodes = all_logits_max_nodes  # 0: inner nodes in one call, each leaf apart
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.committed: list[int] = list(prompt)
         self.cache = model.new_cache(max_context + max_tree)
@@ -154,7 +156,7 @@ class TargetSession:
         """Logits for every node of a small tree, or of every node with children of a large one, come
         from one batched LM-head call; a large tree's leaf gets its own on demand."""
         n = tree.size
-        batched = torch.full((n,), n <= ALL_LOGITS_MAX_NODES, dtype=torch.bool)
+        batched = torch.full((n,), n <= self.all_logits_max_nodes, dtype=torch.bool)
         batched[tree.parents[1:]] = True
         rows = torch.full((n,), -1, dtype=torch.long)
         batch_ids = batched.nonzero().squeeze(1)

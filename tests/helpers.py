@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import importlib.util
 import socket
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import torch
@@ -43,16 +41,6 @@ def free_port() -> int:
 
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def load_script(name: str) -> ModuleType:
-    """A module of `scripts/`, which is not a package: the scripts that judge changes get tests too."""
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses look their module up while the script runs
-    spec.loader.exec_module(module)
-    return module
 
 
 class Proc:

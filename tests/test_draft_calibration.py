@@ -1,4 +1,4 @@
-"""scripts/draft_calibration.py checks the planner's premise; its trials must be the fair ones."""
+"""benchmarks/draft_calibration.py checks the planner's premise; its trials must be the fair ones."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 import pytest
 import torch
 
+from benchmarks import draft_calibration as script
 from common.decoding.tree import TokenTree
-from tests.helpers import load_script
 
 
 def tree() -> TokenTree:
@@ -22,7 +22,6 @@ def tree() -> TokenTree:
 
 
 def test_trials_are_the_children_of_accepted_nodes_with_their_conditional_p_and_rank():
-    script = load_script("draft_calibration")
     t = tree()
     path = t.walk([10, 13, 99])
     assert path == [0, 1, 4]
@@ -37,7 +36,6 @@ def test_trials_are_the_children_of_accepted_nodes_with_their_conditional_p_and_
 
 
 def test_table_bins_by_p_and_counts_ranks():
-    script = load_script("draft_calibration")
     lines = script.table([(0.7, 0, True), (0.2, 1, False), (0.1, 2, False), (0.9, 0, True), (1.0, 0, True)])
     body = "\n".join(lines)
     assert "| 0.70–0.80 | 1 | 0.700 | 1.000 |" in body
@@ -48,5 +46,4 @@ def test_table_bins_by_p_and_counts_ranks():
 
 @pytest.mark.parametrize("p", [0.0, 0.019, 0.5, 0.999])
 def test_every_p_lands_in_one_bin(p):
-    script = load_script("draft_calibration")
     assert sum("| 1 |" in line for line in script.table([(p, 0, False)])) == 1

@@ -97,7 +97,7 @@ def test_target_command_accepts_offload_flags():
 
 def test_offload_timing_script_runs_and_reports_every_layout(tmp_path):
     out = tmp_path / "offload.json"
-    cmd = [sys.executable, str(ROOT / "scripts/bench_offload.py"), "--shape", "tiny", "--device", "cpu",
+    cmd = [sys.executable, "-m", "benchmarks.bench_offload", "--shape", "tiny", "--device", "cpu",
            "--ks", "1", "8", "--resident-layers", "0", "2", "--seconds", "0.05", "--out", str(out)]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 0, run.stderr[-2000:]

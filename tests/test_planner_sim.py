@@ -1,14 +1,14 @@
-"""scripts/planner_sim.py judges planner changes; it must decode what it claims to."""
+"""benchmarks/planner_sim.py judges planner changes; it must decode what it claims to."""
 
 from __future__ import annotations
 
 import random
 
-from tests.helpers import ROOT, load_script
+from benchmarks import planner_sim as sim
+from tests.helpers import ROOT
 
 
 def test_every_contestant_decodes_each_whole_reply_and_no_more():
-    sim = load_script("planner_sim")
     timing = sim.curves(ROOT / "docs" / "forward.json", "repacked", "int8")
     results = sim.simulate(seeds=1, requests=1, new_tokens=40, timing=timing)
     assert {name for name, _ in results} == set(sim.CONTESTANTS)
@@ -20,7 +20,6 @@ def test_every_contestant_decodes_each_whole_reply_and_no_more():
 
 
 def test_the_reply_is_never_guessed_on_its_opening_step():
-    sim = load_script("planner_sim")
     for category in sim.CATEGORIES:
         text = sim.reply(random.Random(0), category, 64)
         assert text.tokens[0] == sim.MISS and len(text.tokens) == len(text.confidence) == 64

@@ -13,13 +13,15 @@ from target_node.session import ALL_LOGITS_MAX_NODES
 from tests.test_exactness import PROMPT
 
 
-def lm_head_calls_and_steps(loaded, monkeypatch, budget: int) -> tuple[int, int, int]:
+def lm_head_calls_and_steps(
+    loaded, monkeypatch, budget: int, cap: int = ALL_LOGITS_MAX_NODES
+) -> tuple[int, int, int]:
     """Greedy steps with the target as its own draft, so walks run to the leaves the tree has."""
     model = loaded["target"].model
     rows: list[int] = []
     logits = model.logits
     monkeypatch.setattr(model, "logits", lambda hidden: rows.append(hidden.shape[0]) or logits(hidden))
-    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64, all_logits_max_nodes=cap)
     drafter = DraftEngine(loaded["self"], max_context=256, max_tree=64)
     tid, did = target.open_session(PROMPT), drafter.open_session(PROMPT)
     params, new, steps = TreeParams(budget=budget, max_depth=8, max_branch=4, expand_batch=8), [], 4
@@ -38,6 +40,11 @@ def test_a_large_tree_computes_its_leaves_logits_only_when_the_walk_ends_on_one(
     assert ALL_LOGITS_MAX_NODES < 48
     calls, steps, single_rows = lm_head_calls_and_steps(loaded, monkeypatch, budget=48)
     assert calls > steps and single_rows == calls - steps  # a self-draft's walk ends on a leaf
+
+
+def test_the_cap_is_the_engines_to_set_and_zero_gives_every_small_tree_its_leaf_apart(loaded, monkeypatch):
+    calls, steps, single_rows = lm_head_calls_and_steps(loaded, monkeypatch, budget=8, cap=0)
+    assert calls > steps and single_rows == calls - steps
 
 
 @pytest.mark.parametrize("budget", [8, 48])

@@ -5,29 +5,26 @@ that decodes and validates the tree exactly as the target node does (but runs no
 decode + validate cost alone. Prints a markdown table; the forward-time column, if a model is given,
 is one target forward over a tree of that size, for scale.
 
-    .venv/bin/python scripts/bench_network.py [--target-model DIR] [--sizes 16 256 1024 4096]
+    .venv/bin/python -m benchmarks.bench_network [--target-model DIR] [--sizes 16 256 1024 4096]
 """
 
 from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
 from concurrent import futures
-from pathlib import Path
 
 import grpc
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.decoding.tree import TokenTree, attention_bias  # noqa: E402
-from common.pb.specexec.v1 import specexec_pb2 as pb  # noqa: E402
-from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc  # noqa: E402
-from common.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS  # noqa: E402
-from common.rpc.wire import tree_from_proto, tree_to_proto  # noqa: E402
+from common.decoding.tree import TokenTree, attention_bias
+from common.model.loading import load_model
+from common.model.store import resolve_model
+from common.pb.specexec.v1 import specexec_pb2 as pb
+from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+from common.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS
+from common.rpc.wire import tree_from_proto, tree_to_proto
 
 VOCAB = 151936
 
@@ -79,9 +76,6 @@ def main() -> None:
 
     model = None
     if args.target_model:
-        from common.model.loading import load_model
-        from common.model.store import resolve_model
-
         model = load_model(resolve_model(args.target_model), dtype=args.dtype).model
 
     print(

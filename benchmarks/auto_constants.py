@@ -1,16 +1,16 @@
 """`--budget auto` with different planner constants against fixed node-floored shapes, on the real pair.
 
-The constants of `client/budget.py` were first fitted in `scripts/planner_sim.py`; this checks them
+The constants of `client/budget.py` were first fitted in `benchmarks/planner_sim.py`; this checks them
 on the real models. It runs the bench's own loop (`client.bench.harness.run_phase`: the bench's balanced
 first N prompts, contestants taking turns in a rotating order), which `specexec bench` cannot do
 here because its auto contestant has one planner with the module's constants. Writes every run to
 `--out` and prints median tok/s and draft nodes a step per category, the bench's ranking, and each
 auto variant against every other contestant, paired run by run.
 
-    .venv/bin/python scripts/auto_constants.py --limit 12 --constants 1.25,3 1.25,1 --out runs.json
-    .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 --repeat 2 \
+    .venv/bin/python -m benchmarks.auto_constants --limit 12 --constants 1.25,3 1.25,1 --out runs.json
+    .venv/bin/python -m benchmarks.auto_constants --categories code prose --limit 16 --repeat 2 \
         --constants 1.25,1 1.25,0.5 --budgets 8 16 --out runs.json
-    .venv/bin/python scripts/auto_constants.py --categories code prose --limit 16 \
+    .venv/bin/python -m benchmarks.auto_constants --categories code prose --limit 16 \
         --constants 1.25,1 --shared --budgets 8 16 --out runs.json
 """
 
@@ -18,13 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.api import SpecExec
 from client.bench.harness import SETTINGS, engine_contestant, load_prompts, profiled_default_pair, run_phase

@@ -1,47 +1,37 @@
 """The target's LM head in one call per tree against one call for the inner nodes plus one for the leaf
 a walk ends on, interleaved on the real pair.
 
-`target_node.session.ALL_LOGITS_MAX_NODES` decides which trees get every node's logits in one call;
-each contestant sets it before its run (0: the former inner-nodes-only call), so both variants take
-turns on the same prompts in the bench's rotating order (`client.bench.harness.run_phase`). Prints median
+A target engine's `all_logits_max_nodes` (default `target_node.session.ALL_LOGITS_MAX_NODES`) decides
+which trees get every node's logits in one call; the leaf-apart variant runs a second engine over the
+same loaded model with the cap at 0 (the former inner-nodes-only call), so both variants take turns
+on the same prompts in the bench's rotating order (`client.bench.harness.run_phase`). Prints median
 tok/s per category and each new variant against its former self, paired run by run.
 
-    .venv/bin/python scripts/logits_ab.py --categories code prose --limit 16 --out runs.json
+    .venv/bin/python -m benchmarks.logits_ab --categories code prose --limit 16 --out runs.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import target_node.session as target_session
 from client.api import SpecExec
-from client.bench.harness import (
-    SETTINGS,
-    Contestant,
-    Run,
-    engine_contestant,
-    load_prompts,
-    profiled_default_pair,
-    run_phase,
-)
+from client.bench.harness import SETTINGS, engine_contestant, load_prompts, profiled_default_pair, run_phase
 from client.bench.stats import summarize, versus
-from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
+from target_node.engine import TargetEngine
 
 
-def with_logits_cap(contestant: Contestant, cap: int) -> Contestant:
-    def run(ids: list[int], sampling: SamplingParams) -> Run:
-        target_session.ALL_LOGITS_MAX_NODES = cap
-        return contestant.run(ids, sampling)
-
-    return Contestant(contestant.name, contestant.family, run)
+def leaf_apart(target: TargetEngine) -> TargetEngine:
+    """`target`'s model and forward-time curve, with every tree's leaves' logits computed apart."""
+    twin = TargetEngine(
+        target.loaded, all_logits_max_nodes=0, max_context=target.max_context, max_tree=target.max_tree
+    )
+    twin.forward_curve = target.forward_curve
+    return twin
 
 
 def main() -> None:
@@ -52,20 +42,19 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     torch.set_num_threads(2)
-    cap = target_session.ALL_LOGITS_MAX_NODES
     target, draft, tokenizer = profiled_default_pair()
+    targets = {"one call": target, "leaf apart": leaf_apart(target)}
     shapes = {"b=8 p=0.6 q=0.05": TreeParams(budget=8, min_prob=0.6, min_node_prob=0.05), "auto": None}
     contestants = []
     for name, shape in shapes.items():
-        for variant, logits_cap in (("one call", cap), ("leaf apart", 0)):
+        for variant, engine in targets.items():
             gen = SpecExec(
-                target, draft, tokenizer, tree=shape or TreeParams(budget=16), auto_budget=shape is None
+                engine, draft, tokenizer, tree=shape or TreeParams(budget=16), auto_budget=shape is None
             )
-            contestants.append(with_logits_cap(engine_contestant(f"{name}, {variant}", gen), logits_cap))
+            contestants.append(engine_contestant(f"{name}, {variant}", gen))
     prompts = load_prompts(None, args.limit, args.categories)
     runs = run_phase(prompts, contestants, tokenizer, SETTINGS,
                      args.max_new_tokens, 0, "logits a/b")  # fmt: skip
-    target_session.ALL_LOGITS_MAX_NODES = cap
     args.out.write_text(json.dumps([r.__dict__ for r in runs]))
     for row in summarize(runs, contestants):
         print(

@@ -8,7 +8,7 @@ its parent) is taken about p of the time, at every p. Here every step of a fixed
 was a fair trial (its parent was accepted), and it succeeded if the target took it. Children are
 binned by p, and counted by rank among their siblings.
 
-    .venv/bin/python scripts/draft_calibration.py --limit 9 --budget 16
+    .venv/bin/python -m benchmarks.draft_calibration --limit 9 --budget 16
 """
 
 from __future__ import annotations
@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import sys
 from collections import defaultdict
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from client.bench.harness import SETTINGS, encode, load_prompts, profiled_default_pair
 from client.generation import GenerationStats, Sequence

@@ -18,8 +18,8 @@ The world:
   the nodes it expanded).
 - requests alternate code and prose, as a gateway's traffic might; auto's planner carries over.
 
-    .venv/bin/python scripts/planner_sim.py              # the table
-    .venv/bin/python scripts/planner_sim.py --seeds 1 --requests 2   # a quick look
+    .venv/bin/python -m benchmarks.planner_sim              # the table
+    .venv/bin/python -m benchmarks.planner_sim --seeds 1 --requests 2   # a quick look
 """
 
 from __future__ import annotations
@@ -28,21 +28,18 @@ import argparse
 import json
 import random
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import Tensor
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from client.budget import GREEDY, BudgetPlanner
+from common.decoding.tree import DraftedTree, TreeParams
+from common.model.profiling import interpolate, profile_sizes
+from draft_node.tree_builder import TreeBuilder
 
-from client.budget import GREEDY, BudgetPlanner  # noqa: E402
-from common.decoding.tree import DraftedTree, TreeParams  # noqa: E402
-from common.model.profiling import interpolate, profile_sizes  # noqa: E402
-from draft_node.tree_builder import TreeBuilder  # noqa: E402
-
+ROOT = Path(__file__).resolve().parents[1]  # the repository: docs/forward.json
 VOCAB = 8
 MISS = VOCAB  # a token the draft never proposes
 SHARES = torch.tensor([0.5, 0.2, 0.1, 0.08, 0.05, 0.04, 0.03])  # how the draft splits 1 - confidence

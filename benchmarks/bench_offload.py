@@ -9,27 +9,23 @@ host-to-device copy sets (streamed bytes / measured pinned-copy bandwidth), and 
 memory and peak RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
 where a GPU is).
 
-    python3 scripts/bench_offload.py --shape qwen2.5-14b --out offload.json       # on a GPU
-    .venv/bin/python scripts/bench_offload.py --shape tiny --device cpu --ks 1 8 --resident-layers 0 2  # a dry run here
+    python3 -m benchmarks.bench_offload --shape qwen2.5-14b --out offload.json       # on a GPU
+    .venv/bin/python -m benchmarks.bench_offload --shape tiny --device cpu --ks 1 8 --resident-layers 0 2  # a dry run here
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.model.offload import offload  # noqa: E402
-from common.model.profiling import time_tree_forward  # noqa: E402
-from common.model.transformer import ModelConfig, Transformer  # noqa: E402
-from common.ops.memory import peak_rss_bytes  # noqa: E402
+from common.model.offload import offload
+from common.model.profiling import time_tree_forward
+from common.model.transformer import ModelConfig, Transformer
+from common.ops.memory import peak_rss_bytes
 
 
 def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int, tied: bool) -> ModelConfig:

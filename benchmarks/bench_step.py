@@ -3,14 +3,13 @@
 Bookkeeping is everything outside the two models' forward passes and LM heads: tree growth, masks,
 sampling, acceptance and KV-cache pruning. It is measured by timing the model calls and subtracting.
 
-    .venv/bin/python scripts/bench_step.py --target-model DIR --draft-model DIR --budget 16 64 256
-    .venv/bin/python scripts/bench_step.py --tiny     # random tiny models, no download
+    .venv/bin/python -m benchmarks.bench_step --target-model DIR --draft-model DIR --budget 16 64 256
+    .venv/bin/python -m benchmarks.bench_step --tiny     # random tiny models, no download
 """
 
 from __future__ import annotations
 
 import argparse
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -18,16 +17,14 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from client.api import SpecExec  # noqa: E402
-from common.decoding.sampling import SamplingParams  # noqa: E402
-from common.decoding.tree import TreeParams  # noqa: E402
-from common.model.loading import load_model  # noqa: E402
-from common.model.transformer import Transformer  # noqa: E402
-from draft_node.engine import DraftEngine  # noqa: E402
-from target_node.engine import TargetEngine  # noqa: E402
+from client.api import SpecExec
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.loading import load_model
+from common.model.store import resolve_model
+from common.model.transformer import Transformer
+from draft_node.engine import DraftEngine
+from target_node.engine import TargetEngine
 
 PROMPTS = [
     'def quicksort(items):\n    """Sort a list of numbers."""\n',
@@ -158,8 +155,6 @@ def main() -> None:
     if not args.target_model or not args.draft_model:
         p.error("give --target-model and --draft-model, or --tiny")
     if not args.tiny:
-        from common.model.store import resolve_model
-
         args.target_model, args.draft_model = (
             resolve_model(args.target_model),
             resolve_model(args.draft_model),

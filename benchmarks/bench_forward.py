@@ -16,14 +16,13 @@ The floor is the bytes one pass must read (decoder weights plus the LM head) ove
 bandwidth. Also reports each int8 variant's top-1 agreement with bf16 over 64 greedy positions on each
 of three prompts (code, chat, prose).
 
-    .venv/bin/python scripts/bench_forward.py --out docs/forward.json
+    .venv/bin/python -m benchmarks.bench_forward --out docs/forward.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -31,15 +30,13 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from common.model.compiled_forward import compile_model  # noqa: E402
-from common.model.loading import load_model  # noqa: E402
-from common.model.packed_linear import replace_projections  # noqa: E402
-from common.model.profiling import time_tree_forward  # noqa: E402
-from common.model.store import resolve_model  # noqa: E402
-from common.model.transformer import Transformer  # noqa: E402
+from common.decoding.tree import attention_bias
+from common.model.compiled_forward import compile_model
+from common.model.loading import load_model
+from common.model.packed_linear import replace_projections
+from common.model.profiling import time_tree_forward
+from common.model.store import resolve_model
+from common.model.transformer import Transformer
 
 AGREEMENT_PROMPTS = (
     "def fibonacci(n):\n    ",
@@ -87,8 +84,6 @@ def top1_agreement(reference: Transformer, other: Transformer, prompt: list[int]
     """Greedy-decode with `reference` and count positions where `other` picks the same next token."""
     cache_r, cache_o = reference.new_cache(len(prompt) + steps), other.new_cache(len(prompt) + steps)
     tokens, agree = list(prompt), 0
-    from common.decoding.tree import attention_bias
-
     for i in range(steps):
         new = tokens if i == 0 else tokens[-1:]
         start = len(tokens) - len(new)
