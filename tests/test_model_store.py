@@ -127,34 +127,72 @@ def test_join_parts_rejects_truncated_chunk(tmp_path: Path) -> None:
     assert list(dest.parent.iterdir()) == []
 
 
-def test_locate_part_reads_wheel_record(tmp_path: Path) -> None:
-    mod = tmp_path / "foo_model_part3"
-    (mod / "data").mkdir(parents=True)
-    (mod / "__init__.py").write_text("raise AssertionError('must not be imported')\n")
-    (mod / "data" / "part03.bin").write_bytes(b"abc")
-    info = tmp_path / "foo_model_part3-1.0.dist-info"
+def _part_package(target: Path, module: str, version: str, files: dict[str, bytes], init: str = "") -> None:
+    """A part package as `pip install --target` leaves it: the module's files, and a dist-info whose
+    RECORD lists them beside the bytecode and metadata pip adds."""
+    for rel, data in {"__init__.py": init.encode(), **files}.items():
+        path = target / module / rel
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    info = target / f"{module}-{version}.dist-info"
     info.mkdir()
+    (info / "INSTALLER").write_text("pip\n")
     (info / "RECORD").write_text(
-        "foo_model_part3/__init__.py,sha256=x,10\n"
-        "foo_model_part3/data/part03.bin,sha256=y,3\n"
-        "foo_model_part3-1.0.dist-info/RECORD,,\n"
+        "".join(f"{module}/{rel},sha256=x,{len(data)}\n" for rel, data in files.items())
+        + f"{module}/__init__.py,sha256=x,{len(init)}\n"
+        f"{module}/__pycache__/__init__.cpython-311.pyc,,\n"
+        f"{info.name}/INSTALLER,sha256=x,4\n{info.name}/RECORD,,\n"
     )
-    assert ms.locate_part(tmp_path, "foo-model-part3", "1.0") == mod / "data" / "part03.bin"
 
 
-def test_locate_part_falls_back_to_get_part_path(tmp_path: Path) -> None:
-    mod = tmp_path / "foo_part1"
-    (mod / "data").mkdir(parents=True)
-    (mod / "data" / "a.bin").write_bytes(b"a")
-    (mod / "data" / "b.bin").write_bytes(b"b")
-    (mod / "__init__.py").write_text(
-        "import os\ndef get_part_path():\n"
-        "    return os.path.join(os.path.dirname(__file__), 'data', 'b.bin')\n"
-    )
-    info = tmp_path / "foo_part1-2.0.dist-info"
-    info.mkdir()
-    (info / "RECORD").write_text("foo_part1/data/a.bin,,\nfoo_part1/data/b.bin,,\nfoo_part1/__init__.py,,\n")
-    assert ms.locate_part(tmp_path, "foo-part1", "2.0") == mod / "data" / "b.bin"
+# An __init__.py that leaves a trace if anything runs it: a downloaded package is never imported.
+SIDE_EFFECT = "import pathlib\npathlib.Path(__file__).with_name('IMPORTED').write_text('ran')\n"
+
+
+def test_locate_part_reads_wheel_record_without_importing(tmp_path: Path) -> None:
+    _part_package(tmp_path, "foo_model_part3", "1.0", {"data/part03.bin": b"abc"}, init=SIDE_EFFECT)
+    path = ms.locate_part(tmp_path, "foo-model-part3", "1.0")
+    assert path == tmp_path / "foo_model_part3" / "data" / "part03.bin" and path.read_bytes() == b"abc"
+    assert not (tmp_path / "foo_model_part3" / "IMPORTED").exists()
+
+
+def test_an_ambiguous_part_package_is_an_error_naming_it_and_is_never_imported(tmp_path: Path) -> None:
+    files = {"data/a.bin": b"a", "data/b.bin": b"b"}
+    init = SIDE_EFFECT + "def get_part_path():\n    return __file__\n"
+    _part_package(tmp_path, "foo_part1", "2.0", files, init=init)
+    with pytest.raises(
+        ms.ModelStoreError,
+        match=r"foo-part1==2\.0 .*ambiguous.*found 2: foo_part1/data/a\.bin, foo_part1/data/b\.bin",
+    ):
+        ms.locate_part(tmp_path, "foo-part1", "2.0")
+    assert not (tmp_path / "foo_part1" / "IMPORTED").exists()
+
+
+def test_a_part_package_without_a_chunk_is_an_error(tmp_path: Path) -> None:
+    _part_package(tmp_path, "foo_part2", "2.0", {}, init=SIDE_EFFECT)
+    with pytest.raises(ms.ModelStoreError, match=r"foo-part2==2\.0 .*holds no chunk file"):
+        ms.locate_part(tmp_path, "foo-part2", "2.0")
+    assert not (tmp_path / "foo_part2" / "IMPORTED").exists()
+
+
+def test_a_part_package_whose_chunk_is_missing_or_outside_its_directory_is_an_error(tmp_path: Path) -> None:
+    _part_package(tmp_path, "foo_part4", "1.0", {"data/part04.bin": b"d"})
+    (tmp_path / "foo_part4" / "data" / "part04.bin").unlink()
+    with pytest.raises(ms.ModelStoreError, match=r"foo-part4==1\.0 lists chunk foo_part4/data/part04\.bin"):
+        ms.locate_part(tmp_path, "foo-part4", "1.0")
+    target = tmp_path / "target"
+    _part_package(target, "foo_part5", "1.0", {})
+    (tmp_path / "secret").write_bytes(b"s")
+    (target / "foo_part5-1.0.dist-info" / "RECORD").write_text("../secret,,\n")
+    with pytest.raises(ms.ModelStoreError, match="lists a chunk outside"):
+        ms.locate_part(target, "foo-part5", "1.0")
+
+
+def test_a_part_package_that_is_not_installed_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        ms.ModelStoreError, match=r"foo-part9==1\.0 is not installed .*foo_part9-1\.0\.dist-info"
+    ):
+        ms.locate_part(tmp_path, "foo-part9", "1.0")
 
 
 # --- installed state + resolve ----------------------------------------------------------------------

@@ -23,7 +23,6 @@ import copy
 import fcntl
 import gc
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -33,6 +32,7 @@ import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -367,37 +367,44 @@ def download_parts(source: ModelSource, target: Path, *, progress: bool = True) 
 
 
 def locate_part(target: Path, package: str, version: str) -> Path:
-    """Find a part package's chunk through its wheel RECORD, importing it only if RECORD is ambiguous.
+    """Find a part package's chunk through its installed distribution's file list (the wheel's RECORD).
 
-    RECORD lists exactly what the wheel installed, so the chunk is its one non-Python payload file.
+    The package is never imported: its code is untrusted until the joined file's hash is checked, and
+    importing it would run that code first. The chunk is the one file the wheel installed that is
+    neither Python nor metadata (`<module>/data/partNN.bin` in the published parts); none, or more
+    than one, is a ModelStoreError naming the package and what it holds.
     """
-    dist = _normalise(package)
-    record = target / f"{dist}-{version}.dist-info" / "RECORD"
-    if not record.is_file():
-        raise ModelStoreError(f"part package {package}=={version} is not installed in {target} (no {record})")
-    payload = []
-    for line in record.read_text().splitlines():
-        rel = line.rsplit(",", 2)[0]
-        if rel and ".dist-info/" not in rel and not rel.endswith((".py", ".pyc")):
-            payload.append(target / rel)
-    if len(payload) == 1 and payload[0].is_file():
-        return payload[0]
-    return _part_path_by_import(target, package)
-
-
-def _part_path_by_import(target: Path, package: str) -> Path:
-    """Fallback: ask the package itself via its documented `get_part_path()`."""
-    module = _normalise(package)
-    init = target / module / "__init__.py"
-    spec = importlib.util.spec_from_file_location(f"_specexec_part_{module}", init)
-    if spec is None or spec.loader is None:
-        raise ModelStoreError(f"cannot load part package {package} from {init}")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    path = Path(mod.get_part_path())
+    label = f"part package {package}=={version}"
+    info = target / f"{_normalise(package)}-{version}.dist-info"
+    if not (info / "RECORD").is_file():
+        raise ModelStoreError(f"{label} is not installed in {target} (no {info.name}/RECORD)")
+    dist = metadata.Distribution.at(info)
+    payload = [f for f in dist.files or () if _is_payload(f)]
+    if not payload:
+        raise ModelStoreError(
+            f"{label} in {target} holds no chunk file: RECORD lists only Python and metadata"
+        )
+    if len(payload) > 1:
+        raise ModelStoreError(
+            f"{label} in {target} is ambiguous: expected one chunk file besides Python and metadata, "
+            f"found {len(payload)}: {', '.join(map(str, payload))}"
+        )
+    path = Path(dist.locate_file(payload[0]))
+    if not path.resolve().is_relative_to(target.resolve()):
+        raise ModelStoreError(f"{label} lists a chunk outside {target}: {payload[0]}")
     if not path.is_file():
-        raise ModelStoreError(f"part package {package} reports a chunk that does not exist: {path}")
+        raise ModelStoreError(f"{label} lists chunk {payload[0]}, but {path} is not a file")
     return path
+
+
+def _is_payload(file: metadata.PackagePath) -> bool:
+    """Whether a RECORD entry could be a chunk: not the dist-info, Python code, bytecode or a marker."""
+    parts = file.parts
+    return not (
+        any(p.endswith(".dist-info") or p == "__pycache__" for p in parts[:-1])
+        or file.suffix in (".py", ".pyc", ".pyi")
+        or file.name == "py.typed"
+    )
 
 
 def _convert(
