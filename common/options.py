@@ -224,6 +224,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout),
         profile=args.profile,
         reprofile=args.reprofile,
+        lookahead=getattr(args, "lookahead", False),
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,
@@ -263,9 +264,11 @@ def node_command(
     max_tree: int,
     extra_args: list[str] | None = None,
     quantize: str = "none",
+    lookahead: bool = False,
 ) -> list[str]:
     """A node's command line on loopback. An int8 draft runs its float parts in float32, whatever
-    `dtype` says (its fastest on a CPU)."""
+    `dtype` says (its fastest on a CPU). Without `lookahead` a draft node only works when asked: on
+    one machine its idle-time search would take cores from the target."""
     if role == "target" and quantize != "none":
         raise ValueError("only a draft node can be quantized")
     weights = ["--dtype", draft_dtype(dtype, quantize), *(["--quantize", quantize] if quantize != "none" else [])]
@@ -274,6 +277,7 @@ def node_command(
         "--max-tree", str(max(max_tree, 1)),
         # The generated text shares this terminal: nodes report only warnings and errors.
         "--log-level", "warning",
+        *(["--no-lookahead"] if role == "draft" and not lookahead else []),
         *(extra_args or []),
     ]  # fmt: skip
 

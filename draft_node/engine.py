@@ -3,14 +3,25 @@ both call it; it knows nothing of transport."""
 
 from __future__ import annotations
 
+import contextlib
+from typing import Any
+
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
+from common.model.loading import LoadedModel
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
+from draft_node.lookahead import Lookahead
 from draft_node.session import DraftSession
 
 
 class DraftEngine(NodeEngine[DraftSession]):
     role = "draft"
+
+    def __init__(self, loaded: LoadedModel, *, lookahead: bool = False, **limits: Any) -> None:
+        """`lookahead`: grow each tree's search further while the target verifies it, for a draft
+        with a machine of its own (on a shared CPU it would slow the target down)."""
+        super().__init__(loaded, **limits)
+        self.lookahead = Lookahead(self._lock) if lookahead else None
 
     def profile_limit(self) -> int:
         """The draft's forwards are expansion batches, never larger than this."""
@@ -19,7 +30,9 @@ class DraftEngine(NodeEngine[DraftSession]):
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
         return self.sessions.add(
-            lambda: DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree),
+            lambda: DraftSession(
+                self.loaded.model, prompt, self.max_context, self.max_tree, self.lookahead is not None
+            ),
             owner,
             session_id,
         )
@@ -38,9 +51,20 @@ class DraftEngine(NodeEngine[DraftSession]):
         check_token_ids(new_tokens, self.loaded.model.cfg.vocab_size, "new_tokens")
         if params.budget > self.max_tree:
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
-        with timed_lock(self._lock, timing):
+        with self._request(), timed_lock(self._lock, timing):
             check_step(session.step, step_id)
             session.update(new_tokens, truncate_to)
-            built = session.build_tree(params)
+            built, reused = session.build_tree(params)
             session.step = step_id if step_id is not None else session.step + 1
-        return DraftedTree(built.tree, built.draft_forwards)
+        if self.lookahead is not None:
+            self.lookahead.schedule(session)
+        return DraftedTree(built.tree, built.draft_forwards, reused=reused)
+
+    def _request(self) -> contextlib.AbstractContextManager[None]:
+        return self.lookahead.request() if self.lookahead is not None else contextlib.nullcontext()
+
+    def close_session(self, session_id: str, owner: str = "") -> bool:
+        if self.lookahead is not None:
+            with contextlib.suppress(KeyError):
+                self.lookahead.forget(self.sessions.get(session_id, owner))
+        return super().close_session(session_id, owner)

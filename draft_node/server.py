@@ -11,7 +11,12 @@ from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 
 ROLE = NodeRole(
-    "draft", DraftEngine, DraftServicer, pb_grpc.add_DraftServiceServicer_to_server, "specexec.v1.DraftService"
+    "draft",
+    DraftEngine,
+    DraftServicer,
+    pb_grpc.add_DraftServiceServicer_to_server,
+    "specexec.v1.DraftService",
+    engine_options=lambda config: {"lookahead": config.lookahead},
 )
 
 
@@ -19,6 +24,13 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec draft", description=__doc__)
     add_node_args(parser, default_port=50052)
     add_quantize_arg(parser)
+    parser.add_argument(
+        "--no-lookahead",
+        dest="lookahead",
+        action="store_false",
+        help="do not grow the next tree while the target verifies (for a draft sharing the target's "
+        "cores, where that work would slow the target down)",
+    )
     return parser
 
 

@@ -35,4 +35,5 @@ class DraftServicer(NodeServicer, pb_grpc.DraftServiceServicer):
             draft_forwards=drafted.draft_forwards,
             build_seconds=timing.compute_seconds,
             queue_seconds=timing.queue_seconds,
+            reused=drafted.reused,
         )

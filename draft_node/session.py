@@ -3,11 +3,16 @@
 Committed tokens whose KV is missing ("pending") are run as one causal chain at the start of the next
 build; the last of them is the new root. KV computed for tree nodes that turn out accepted is moved
 into place instead of recomputed, so the prefix is never run twice.
+
+With lookahead, the search behind a tree outlives the request: it keeps more nodes than it ships and
+grows while the target verifies (`idle_step`). When the verified tokens end on one of its expanded
+nodes, that node becomes the root and its subtree, KV and all, the start of the next tree.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -20,7 +25,9 @@ MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switc
 
 
 class DraftSession:
-    def __init__(self, model: Transformer, prompt: list[int], max_context: int, max_tree: int) -> None:
+    def __init__(
+        self, model: Transformer, prompt: list[int], max_context: int, max_tree: int, lookahead: bool = False
+    ) -> None:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) > max_context:
@@ -32,6 +39,8 @@ class DraftSession:
         self.max_tree = max_tree
         self._builders: OrderedDict[TreeParams, TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
+        self.lookahead = lookahead
+        self._search: TreeBuilder | None = None  # lookahead: the search below the last tree's root
         self.step = 0
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
@@ -50,8 +59,13 @@ class DraftSession:
         """Append tokens accepted since the last tree, reusing that tree's KV along the matched path."""
         if len(self.committed) + len(tokens) > self.max_context:
             raise ValueError(f"sequence would exceed the context limit of {self.max_context} tokens")
-        if self._last is not None and tokens and self.cache.length == len(self.committed):
-            self._salvage(tokens)
+        if tokens and self.cache.length == len(self.committed):
+            if self._search is not None:
+                self.cache.length += self._search.reroot(tokens, self)
+                if self._search.used == 0:
+                    self._search = None
+            elif self._last is not None:
+                self._salvage(tokens)
         self._last = None
         self.committed.extend(tokens)
 
@@ -61,20 +75,40 @@ class DraftSession:
         del self.committed[length:]
         self.cache.truncate(length)
         self._last = None
+        self._search = None
 
     def _check_truncate(self, length: int) -> None:
         if not 1 <= length <= len(self.committed):
             raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
 
-    def build_tree(self, params: TreeParams) -> BuiltTree:
-        root_logprobs = self._catch_up()
-        shape = params.shape  # `--budget auto` moves the floors every step; the arrays fit any floors
+    def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
+        """The tree, and whether it grew from the lookahead search (re-rooted, no catch-up)."""
+        if not self.lookahead:
+            builder = self._builder(params.shape)
+            self._last = builder.build(self.committed[-1], self._catch_up(), self, params)
+            return self._last, False
+        shape = replace(params.shape, budget=self.max_tree)
+        reused = self._search is not None and self._search.params == shape
+        if reused:
+            assert self._search is not None
+            self._search.set_floors(params)
+        else:
+            self._search = self._builder(shape)
+            self._search.start(self.committed[-1], self._catch_up(), params)
+        forwards = self._search.grow(self, params.budget)
+        return self._search.take(params.budget, forwards), reused
+
+    def idle_step(self) -> bool:
+        """One more expansion of the lookahead search; False when it has nothing left to grow."""
+        return self._search is not None and self._search.step(self)
+
+    def _builder(self, shape: TreeParams) -> TreeBuilder:
+        """`--budget auto` moves the floors every step; a builder's arrays fit any floors."""
         builder = self._builders.pop(shape, None) or TreeBuilder(shape)
         self._builders[shape] = builder
         if len(self._builders) > MAX_BUILDERS:
             self._builders.popitem(last=False)
-        self._last = builder.build(self.committed[-1], root_logprobs, self, params)
-        return self._last
+        return builder
 
     def _catch_up(self) -> Tensor:
         """Run the pending chain (ending with the root) and return the root's next-token log-probs."""

@@ -19,7 +19,7 @@ KV slots when the node arrays are compacted. Node `i` (i >= 1) of the working ar
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -68,35 +68,135 @@ class TreeBuilder:
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
 
-    def _set_floors(self, params: TreeParams) -> None:
-        self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
-        self.node_floor = math.log(params.min_node_prob) if params.min_node_prob > 0 else -math.inf
-
     def build(
         self, root_token: int, root_logprobs: Tensor, expander: Expander, params: TreeParams | None = None
     ) -> BuiltTree:
         """`params`, if given, must have this builder's shape; its floors apply to this tree only."""
-        if params is not None and params.shape != self.params.shape:
-            raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
-        self._set_floors(params or self.params)
-        p = self.params
+        self.start(root_token, root_logprobs, params)
+        return self.take(self.params.budget, self.grow(expander, self.params.budget))
+
+    def start(self, root_token: int, root_logprobs: Tensor, params: TreeParams | None = None) -> None:
+        self.set_floors(params or self.params)
         self._reset(root_token)
         self._add_children(torch.zeros(1, dtype=torch.long), root_logprobs[None])
+
+    def set_floors(self, params: TreeParams) -> None:
+        """A request's floors, for this search from now on; any budget up to the builder's fits."""
+        fits = replace(params.shape, budget=self.params.budget) == self.params.shape
+        if not fits or params.budget > self.params.budget:
+            raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
+        self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
+        self.node_floor = math.log(params.min_node_prob) if params.min_node_prob > 0 else -math.inf
+
+    def grow(self, expander: Expander, budget: int) -> int:
+        """Expand until the `budget` best nodes are final; returns the draft forwards it took. A search
+        that keeps more nodes than `budget` (the draft node's lookahead) goes on later with `step`."""
         forwards = 0
-        while True:
-            nodes = self._next_batch()
-            if nodes.numel() == 0:
-                break
-            if self.used + min(nodes.numel() * p.max_branch, p.budget) > self.capacity:
-                self._compact(expander)
-                nodes = self._next_batch()
-            logprobs = expander.expand(
-                nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used]
-            )
+        while self.step(expander, budget):
             forwards += 1
-            self.expanded[nodes] = True
-            self._add_children(nodes, logprobs)
-        return self._result(forwards)
+        return forwards
+
+    def step(self, expander: Expander, budget: int | None = None) -> bool:
+        """One batched expansion of the best open nodes; False once none could still place a child
+        among the `budget` best (default: every node this search keeps)."""
+        p = self.params
+        budget = p.budget if budget is None else budget
+        nodes = self._next_batch(budget)
+        if nodes.numel() == 0:
+            return False
+        if self.used + min(nodes.numel() * p.max_branch, p.budget) > self.capacity:
+            self._compact(expander)
+            nodes = self._next_batch(budget)
+        logprobs = expander.expand(
+            nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used]
+        )
+        self.expanded[nodes] = True
+        self._add_children(nodes, logprobs)
+        return True
+
+    def take(self, budget: int, forwards: int) -> BuiltTree:
+        """The `budget` best nodes at or above the node floor, with the root: closed under ancestors,
+        since a child never scores above its parent and ties go to the older node."""
+        best = self._best(budget)
+        best = best[self.scores[best] >= self.node_floor]
+        keep = torch.cat((torch.zeros(1, dtype=torch.long), best.sort().values))
+        n = self.used
+        remap = torch.full((n,), -1, dtype=torch.long)
+        remap[keep] = torch.arange(keep.numel())
+        parents = self.parents[keep]
+        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
+        tree = TokenTree(self.tokens[keep].clone(), parents, self.scores[keep].clone())
+        return BuiltTree(tree, keep - 1, self.expanded[keep].clone(), forwards)
+
+    def reroot(self, tokens: list[int], expander: Expander) -> int:
+        """Follow `tokens` down from the root. If they end on an expanded node, make it the root: its
+        path's KV becomes committed prefix, its subtree (KV included) the search, and the number of
+        tokens whose KV was moved is returned. Otherwise the KV of the path's leading expanded nodes
+        is moved into the prefix, the search is dropped (`used` = 0), and their count returned."""
+        path = self._walk(tokens)
+        if len(path) == len(tokens) and path and bool(self.expanded[path[-1]]):
+            self._reroot_at(path, expander)
+            return len(path)
+        ids = torch.tensor(path, dtype=torch.long)
+        unexpanded = (~self.expanded[ids]).nonzero()
+        if unexpanded.numel():
+            ids = ids[: int(unexpanded[0])]
+        if ids.numel():
+            expander.move(ids - 1, torch.arange(ids.numel()))
+        self.used = 0
+        return ids.numel()
+
+    def _walk(self, tokens: list[int]) -> list[int]:
+        """Ids of the alive nodes spelling `tokens` below the root, as far as they exist."""
+        n, node, path = self.used, 0, []
+        if n == 0:
+            return path
+        for token in tokens:
+            children = ((self.parents[:n] == node) & self.alive[:n] & (self.tokens[:n] == token)).nonzero()
+            if children.numel() == 0:
+                break
+            node = int(children[0])
+            path.append(node)
+        return path
+
+    def _reroot_at(self, path: list[int], expander: Expander) -> None:
+        n, root = self.used, path[-1]
+        d = len(path)
+        below = self.ancestors[:n, root] & self.alive[:n]
+        below[root] = False
+        sub = below.nonzero().squeeze(1)  # increasing ids: parents before children
+        # KV: the path to the prefix's end, the subtree after it (src >= dst, both increasing).
+        moved = sub[self.expanded[sub]]
+        ids = torch.tensor(path, dtype=torch.long)
+        new_ids = torch.arange(1, sub.numel() + 1)
+        remap = torch.full((n,), -1, dtype=torch.long)
+        remap[root] = 0
+        remap[sub] = new_ids
+        expander.move(torch.cat((ids - 1, moved - 1)), torch.cat((torch.arange(d), d + remap[moved] - 1)))
+        keep = torch.cat((torch.tensor([root]), sub))
+        m = keep.numel()
+        self.tokens[:m] = self.tokens[keep]
+        parents = self.parents[keep]
+        self.parents[:m] = torch.where(parents >= 0, remap[parents.clamp(min=0)], -1)
+        self.parents[0] = -1
+        self.depths[:m] = self.depths[keep] - self.depths[root]
+        self.scores[:m] = self.scores[keep] - self.scores[root]
+        self.expanded[:m] = self.expanded[keep]
+        self.alive[:m] = True
+        self.alive[m:n] = False
+        self.expanded[m:n] = False
+        anc = self.ancestors[keep][:, keep]
+        self.ancestors[:n, :n] = False
+        self.ancestors[:m, :m] = anc
+        self.used = m
+
+    def _best(self, budget: int) -> Tensor:
+        """Ids of the `budget` best alive nodes besides the root, best first (ties: older first)."""
+        n = self.used
+        ids = self.alive[1:n].nonzero().squeeze(1) + 1
+        if ids.numel() <= budget:
+            return ids
+        return ids[torch.sort(-self.scores[ids], stable=True).indices[:budget]]
 
     def _reset(self, root_token: int) -> None:
         self.alive.zero_()
@@ -107,17 +207,16 @@ class TreeBuilder:
         self.ancestors[0, 0] = True
         self.used = 1
 
-    def _next_batch(self) -> Tensor:
-        """The best unexpanded nodes that could still have a child in the final tree."""
+    def _next_batch(self, budget: int) -> Tensor:
+        """The best unexpanded nodes that could still have a child among the `budget` best."""
         p, n = self.params, self.used
         open_ = self.alive[:n] & ~self.expanded[:n] & (self.depths[:n] < p.max_depth)
         open_ &= self.scores[:n] >= self.floor
-        kept = int(self.alive[:n].sum()) - 1
-        if kept >= p.budget:
+        kept = self.scores[1:n][self.alive[1:n]]
+        if kept.numel() >= budget:
             # A child scores at most its parent and loses ties to older nodes, so a node no
-            # better than the worst kept one can never place a child in the tree.
-            worst = self.scores[1:n][self.alive[1:n]].min()
-            open_ &= self.scores[:n] > worst
+            # better than the `budget`-th best one can never place a child among them.
+            open_ &= self.scores[:n] > (kept.min() if kept.numel() == budget else kept.topk(budget).values[-1])
         candidates = open_.nonzero().squeeze(1)
         if candidates.numel() > p.expand_batch:
             order = torch.sort(-self.scores[candidates], stable=True).indices[: p.expand_batch]
@@ -181,13 +280,3 @@ class TreeBuilder:
         self.ancestors[:n, :n] = False
         self.ancestors[:m, :m] = anc
         self.used = m
-
-    def _result(self, forwards: int) -> BuiltTree:
-        n = self.used
-        keep = self.alive[:n].nonzero().squeeze(1)
-        remap = torch.full((n,), -1, dtype=torch.long)
-        remap[keep] = torch.arange(keep.numel())
-        parents = self.parents[keep]
-        parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        tree = TokenTree(self.tokens[keep].clone(), parents, self.scores[keep].clone())
-        return BuiltTree(tree, keep - 1, self.expanded[keep].clone(), forwards)

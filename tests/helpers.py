@@ -60,11 +60,11 @@ class Proc:
     def output(self) -> str:
         return self.log.read_text(errors="replace")[-4000:]
 
-    def wait_serving(self, address: str, security: Any = None) -> None:
+    def wait_serving(self, address: str, security: Any = None, timeout: float = 120) -> None:
         from client.remote import wait_until_serving
 
         try:
-            wait_until_serving(address, timeout=120, alive=self.alive, security=security)
+            wait_until_serving(address, timeout=timeout, alive=self.alive, security=security)
         except Exception as exc:
             raise AssertionError(f"{self.name} did not start: {exc}\n{self.output()}") from exc
 

@@ -334,7 +334,8 @@ def test_compiled_nodes_equal_target_alone(model_dirs, env, reference, tmp_path)
             args += ["--max-tree", str(BUDGET), "--compile", "--compile-buckets", "1,4,32"]
             procs[name] = Proc(name, args, env, tmp_path)
         for name, proc in procs.items():
-            proc.wait_serving(addresses[name])
+            # Two processes compile at once: on a 2-core AVX2 machine a bucket took 40 s each.
+            proc.wait_serving(addresses[name], timeout=900)
         for sampling in SAMPLINGS:
             with remote(addresses) as gen:
                 got = gen.generate(PROMPT, SamplingParams(**SAMPLINGS[sampling]))

@@ -188,3 +188,4 @@ class DraftedTree:
     tree: TokenTree
     draft_forwards: int
     node_seconds: float | None = None  # the node's own (queue and build), as it reported it; None in process
+    reused: bool = False  # grown from the search behind the previous tree (the draft node's lookahead)

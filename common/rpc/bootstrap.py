@@ -48,6 +48,7 @@ class NodeConfig:
     limits: EngineLimits = field(default_factory=EngineLimits)
     profile: bool = True
     reprofile: bool = False  # measure the forward-time curve even if it is cached
+    lookahead: bool = False  # draft: grow the next tree while the target verifies
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
@@ -61,6 +62,7 @@ class NodeRole:
     servicer: Callable[[], Any]
     add_to_server: Callable[[Any, grpc.Server], None]
     service_name: str
+    engine_options: Callable[[NodeConfig], dict[str, Any]] = lambda config: {}
 
 
 def load(config: NodeConfig, path: Path) -> LoadedModel:
@@ -93,7 +95,7 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     loaded = load(config, path)
     if config.compile_buckets is not None:
         compile_model(loaded.model, config.compile_buckets)
-    engine = role.engine(loaded, **asdict(config.limits))
+    engine = role.engine(loaded, **asdict(config.limits), **role.engine_options(config))
     if config.profile:
         cached = engine.profile(reprofile=config.reprofile)
         if cached:

@@ -135,16 +135,18 @@ class BuildTreeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., params: _Optional[_Union[TreeParams, _Mapping]] = ...) -> None: ...
 
 class BuildTreeResponse(_message.Message):
-    __slots__ = ("tree", "draft_forwards", "build_seconds", "queue_seconds")
+    __slots__ = ("tree", "draft_forwards", "build_seconds", "queue_seconds", "reused")
     TREE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
     BUILD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     tree: TokenTree
     draft_forwards: int
     build_seconds: float
     queue_seconds: float
-    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., build_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    reused: bool
+    def __init__(self, tree: _Optional[_Union[TokenTree, _Mapping]] = ..., draft_forwards: _Optional[int] = ..., build_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class TokenizerFiles(_message.Message):
     __slots__ = ("files", "fingerprint")

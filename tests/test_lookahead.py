@@ -1,0 +1,131 @@
+"""The draft node's lookahead: the search behind a tree keeps growing while the target verifies, and
+the next tree starts from the verified node's subtree, KV included. Output never changes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from client.api import SpecExec
+from common.decoding.sampling import SamplingParams
+from draft_node.engine import DraftEngine
+from draft_node.session import DraftSession
+from draft_node.tree_builder import TreeBuilder, TreeParams
+from target_node.engine import TargetEngine
+from tests.test_exactness import PROMPT
+from tests.test_kv_cache import assert_cache_prefix_equal, recomputed
+from tests.test_tree_builder import ToyExpander, brute_force, toy_logprobs
+
+PARAMS = TreeParams(budget=8, max_depth=8, max_branch=4, expand_batch=4)
+
+
+def paths_of(tree) -> dict[tuple[int, ...], float]:
+    paths: dict[int, tuple[int, ...]] = {0: ()}
+    for i in range(1, tree.size):
+        paths[i] = (*paths[int(tree.parents[i])], int(tree.tokens[i]))
+    return {paths[i]: float(tree.logprobs[i]) for i in range(1, tree.size)}
+
+
+@pytest.mark.parametrize("budget", [4, 16])
+def test_a_larger_search_ships_the_same_best_nodes(budget):
+    """Settled for `budget` and then grown much further, the search still ships exactly the
+    `budget` most probable nodes (brute force), at each point."""
+    shape = TreeParams(budget=64, max_depth=6, max_branch=3, expand_batch=4)
+    builder, expander = TreeBuilder(shape), ToyExpander()
+    builder.start(0, toy_logprobs((0,)), shape)
+    want = brute_force(TreeParams(budget=budget, max_depth=6, max_branch=3))
+    first = paths_of(builder.take(budget, builder.grow(expander, budget)).tree)
+    while builder.step(expander):
+        pass
+    later = paths_of(builder.take(budget, 0).tree)
+    for got in (first, later):
+        assert set(got) == set(want)
+        for path, score in want.items():
+            assert got[path] == pytest.approx(score, abs=1e-5)
+
+
+def deepest_expanded_path(session: DraftSession, tree) -> list[int]:
+    """Tokens of the deepest node of `tree` whose subtree the search has expanded."""
+    search = session._search
+    assert search is not None
+    best: list[int] = []
+    for path in paths_of(tree):
+        ids = search._walk(list(path))
+        if len(ids) == len(path) and bool(search.expanded[ids[-1]]) and len(path) > len(best):
+            best = list(path)
+    return best
+
+
+def test_a_verified_node_in_the_search_becomes_the_next_root(loaded):
+    model = loaded["target"].model  # the draft is the target itself: long accepted paths
+    session = DraftSession(model, PROMPT, max_context=256, max_tree=64, lookahead=True)
+    tree, reused = session.build_tree(PARAMS)
+    assert not reused and tree.tree.size == PARAMS.budget + 1
+    while session.idle_step():
+        pass
+    path = deepest_expanded_path(session, tree.tree)
+    assert len(path) >= 2, "the test needs an expanded node below the root's children"
+
+    session.commit(path)
+    next_tree, reused = session.build_tree(PARAMS)
+    assert reused and int(next_tree.tree.tokens[0]) == path[-1]
+    # The moved KV is the KV of the committed tokens...
+    assert session.cache.length == len(session.committed)
+    assert_cache_prefix_equal(session.cache, recomputed(model, session.committed), session.cache.length)
+    # ...and the subtree's KV is each node's own: scores match a fresh search from the same tokens.
+    fresh = DraftSession(model, session.committed, max_context=256, max_tree=64)
+    want, _ = fresh.build_tree(PARAMS)
+    got, ref = paths_of(next_tree.tree), paths_of(want.tree)
+    common = set(got) & set(ref)
+    assert len(common) >= PARAMS.budget // 2
+    for p in common:
+        assert got[p] == pytest.approx(ref[p], abs=1e-4)
+
+
+def test_tokens_off_the_search_start_a_fresh_tree(loaded):
+    model = loaded["target"].model
+    session = DraftSession(model, PROMPT, max_context=256, max_tree=64, lookahead=True)
+    tree, _ = session.build_tree(PARAMS)
+    children = {int(t) for t in tree.tree.tokens[tree.tree.parents == 0]}
+    off = next(t for t in range(model.cfg.vocab_size) if t not in children)
+    session.commit([off, 5])
+    next_tree, reused = session.build_tree(PARAMS)
+    assert not reused and int(next_tree.tree.tokens[0]) == 5
+    assert_cache_prefix_equal(session.cache, recomputed(model, session.committed), session.cache.length)
+
+
+def test_the_worker_grows_the_search_between_requests_and_stands_aside(loaded):
+    engine = DraftEngine(loaded["truncated"], max_context=256, max_tree=64, lookahead=True)
+    assert engine.lookahead is not None
+    sid = engine.open_session(PROMPT)
+    engine.build_tree(sid, [], PARAMS)
+    assert engine.lookahead.idle(timeout=60)
+    assert engine.lookahead.forwards > 0
+    assert engine.close_session(sid)
+
+
+@pytest.mark.parametrize("sampling", [dict(temperature=0.0), dict(temperature=0.9, top_p=0.95, seed=11)])
+def test_lookahead_output_equals_the_target_alone(loaded, sampling):
+    """Every shipped tree is rooted at the last committed token: a tree for a position the target
+    did not reach is never verified, so the text is the target's own."""
+    params = SamplingParams(max_new_tokens=48, ignore_eos=True, **sampling)
+    target = TargetEngine(loaded["target"], max_context=512, max_tree=64)
+    alone = SpecExec(target, None, loaded["target"].tokenizer, mode="autoregressive")
+    want = alone.generate(PROMPT, params).token_ids
+    for draft in ("truncated", "self"):
+        engine = DraftEngine(loaded[draft], max_context=512, max_tree=64, lookahead=True)
+        roots: list[tuple[int, int]] = []
+        build = engine.build_tree
+
+        def checked(sid, new_tokens, p, *args, _build=build, **kwargs):
+            drafted = _build(sid, new_tokens, p, *args, **kwargs)
+            roots.append((int(drafted.tree.tokens[0]), engine.sessions.get(sid).committed[-1]))
+            return drafted
+
+        engine.build_tree = checked  # type: ignore[method-assign]
+        gen = SpecExec(target, engine, loaded["target"].tokenizer, tree=PARAMS)
+        out = gen.generate(PROMPT, params)
+        assert out.token_ids == want
+        assert roots and all(root == last for root, last in roots)
+        if draft == "self":
+            assert out.stats.tokens_per_step > 2
