@@ -4,7 +4,6 @@ the next tree starts from the verified node's subtree, KV included. Output never
 from __future__ import annotations
 
 import pytest
-import torch
 
 from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
@@ -117,9 +116,9 @@ def test_lookahead_output_equals_the_target_alone(loaded, sampling):
         roots: list[tuple[int, int]] = []
         build = engine.build_tree
 
-        def checked(sid, new_tokens, p, *args, _build=build, **kwargs):
+        def checked(sid, new_tokens, p, *args, _build=build, _engine=engine, _roots=roots, **kwargs):
             drafted = _build(sid, new_tokens, p, *args, **kwargs)
-            roots.append((int(drafted.tree.tokens[0]), engine.sessions.get(sid).committed[-1]))
+            _roots.append((int(drafted.tree.tokens[0]), _engine.sessions.get(sid).committed[-1]))
             return drafted
 
         engine.build_tree = checked  # type: ignore[method-assign]
