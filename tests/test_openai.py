@@ -209,8 +209,11 @@ def test_a_body_a_route_does_not_read_is_not_taken_for_the_next_request(server):
 def test_bearer_token(gen):
     srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="s3cret").start()
     try:
-        with pytest.raises(openai.AuthenticationError):
+        with pytest.raises(openai.AuthenticationError) as err:
             openai.OpenAI(base_url=srv.url, api_key="wrong", max_retries=0).models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        status, body = raw(srv.url + "/completions", json.dumps(dict(model=MODEL, prompt=PROMPT)).encode())
+        assert status == 401 and body["error"]["type"] == "invalid_request_error"
         good = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
         assert good.models.list().data[0].id == MODEL
         assert raw(srv.url.removesuffix("/v1") + "/health")[0] == 200  # probes need no token
@@ -231,13 +234,13 @@ def test_https_with_the_servers_tls_flags(gen, tmp_path):
     import argparse
     import ssl
 
-    from client.openai.server import tls_context
+    from client.openai.server import tls_files
     from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
     cert, key = issued.servers["localhost"]
     args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_client_ca=None)
-    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="t0k", tls=tls_context(args)).start()
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="t0k", tls=tls_files(args)).start()
     try:
         assert srv.url.startswith("https://")
         trust = ssl.create_default_context(cafile=str(issued.ca))
@@ -258,18 +261,21 @@ def test_a_tls_client_that_leaves_mid_stream_is_not_a_generation_error(gen, tmp_
     import ssl
     import time
 
-    from client.openai.server import tls_context
+    from client.openai.server import tls_files
     from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
     cert, key = issued.servers["localhost"]
     args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_client_ca=None)
-    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, tls=tls_context(args)).start()
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, tls=tls_files(args)).start()
     host, port = srv.url.removeprefix("https://").removesuffix("/v1").split(":")
     body = json.dumps(
         dict(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True, stream=True)
     ).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     trust = ssl.create_default_context(cafile=str(issued.ca))
     try:
         with caplog.at_level(logging.WARNING, logger="specexec.openai"):
@@ -329,7 +335,10 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_the_sessions(server, g
     body = json.dumps(
         dict(model=MODEL, prompt=PROMPT, max_tokens=500, temperature=0, ignore_eos=True)
     ).encode()
-    head = f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Length: {len(body)}\r\n\r\n"
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    )
     with socket.create_connection((host, int(port)), timeout=5) as sock:
         sock.sendall(head.encode() + body)
         deadline = time.monotonic() + 10
@@ -370,7 +379,7 @@ def test_a_body_over_the_limit_is_refused_before_it_is_read(server):
     import socket
     import time
 
-    from client.openai.server import MAX_BODY_BYTES
+    from client.openai.app import MAX_BODY_BYTES
 
     head = (
         "POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
@@ -457,6 +466,9 @@ def test_a_failure_after_output_is_an_error_event_and_before_it_an_http_error(ge
         with pytest.raises(openai.APIError, match="went away"):
             for _ in stream:
                 pass
+        with pytest.raises(openai.InternalServerError, match="went away") as err:
+            api.completions.create(**request)  # not streamed: nothing was sent yet
+        assert err.value.status_code == 503
         failing.at = 0
         with pytest.raises(openai.InternalServerError, match="went away") as err:
             api.completions.create(**request)
@@ -467,3 +479,89 @@ def test_a_failure_after_output_is_an_error_event_and_before_it_an_http_error(ge
         assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
     finally:
         srv.stop()
+
+
+def test_a_chunked_body_is_read_up_to_the_limit_and_no_further(server):
+    """Without a Content-Length the limit holds while the body arrives: 413 once it is passed, and the
+    connection is closed rather than read to its end. A chunked body under the limit is served."""
+    import socket
+
+    from client.openai.app import MAX_BODY_BYTES
+
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    small = json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)).encode()
+    with socket.create_connection(address(server), timeout=30) as sock:
+        sock.sendall(head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(small), small))
+        answer = b""
+        while b'"usage"' not in answer:
+            answer += sock.recv(65536) or pytest.fail(f"the server closed the connection: {answer!r}")
+    assert answer.startswith(b"HTTP/1.1 200 ") and b'"text_completion"' in answer
+
+    piece = b" " * (1 << 20)
+    with socket.create_connection(address(server), timeout=30) as sock:
+        sock.sendall(head + b"1\r\n{\r\n")
+        for _ in range(MAX_BODY_BYTES // len(piece)):
+            sock.sendall(b"%x\r\n%s\r\n" % (len(piece), piece))
+        answer = read_answer(sock, limit=10)
+    status, _, rest = answer.partition(b"\r\n")
+    assert status.startswith(b"HTTP/1.1 413 ") and b"connection: close" in rest.lower()
+    assert str(MAX_BODY_BYTES) in json.loads(rest.partition(b"\r\n\r\n")[2])["error"]["message"]
+
+
+@pytest.mark.parametrize("content_type", [None, "text/plain", "application/x-www-form-urlencoded"])
+def test_a_body_not_sent_as_json_is_refused(server, gen, content_type):
+    """A browser may send these from any web page without a CORS preflight: a page the user opens must
+    not be able to drive an endpoint that listens on loopback without a token."""
+    import http.client
+
+    body = json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=2)).encode()
+    connection = http.client.HTTPConnection(*address(server), timeout=30)
+    try:
+        connection.request(
+            "POST", "/v1/completions", body, {"Content-Type": content_type} if content_type else {}
+        )
+        response = connection.getresponse()
+        error = json.loads(response.read())["error"]
+    finally:
+        connection.close()
+    assert response.status == 400 and "Content-Type: application/json" in error["message"]
+    assert len(gen.target.sessions) == 0
+
+
+def test_client_certificates_with_the_client_ca_flag(gen, tmp_path):
+    import argparse
+    import ssl
+
+    from client.openai.server import tls_files
+    from common.rpc.certs import generate
+
+    issued = generate(tmp_path / "pki", ["localhost"])
+    cert, key = issued.servers["localhost"]
+    args = argparse.Namespace(tls_cert=str(cert), tls_key=str(key), tls_client_ca=str(issued.ca))
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, tls=tls_files(args)).start()
+    try:
+        trust = ssl.create_default_context(cafile=str(issued.ca))
+        refused = (urllib.error.URLError, ssl.SSLError, ConnectionError)
+        with (
+            pytest.raises(refused),
+            urllib.request.urlopen(srv.url + "/models", timeout=30, context=trust) as r,
+        ):
+            r.read()
+        trust.load_cert_chain(*map(str, issued.client))
+        with urllib.request.urlopen(srv.url + "/models", timeout=30, context=trust) as response:
+            assert json.loads(response.read())["data"][0]["id"] == MODEL
+    finally:
+        srv.stop()
+
+
+def test_a_model_that_is_not_served_and_routes_that_do_not_exist(server):
+    base = server.url.removesuffix("/v1")
+    status, body = raw(base + "/v1/models/gpt-4o")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+    status, body = raw(base + "/v1/embeddings", b"{}")
+    assert status == 404 and "/v1/completions" in body["error"]["message"]
+    status, body = raw(base + "/v1/completions", b"")
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"

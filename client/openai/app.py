@@ -1,0 +1,418 @@
+"""The endpoint's HTTP side as a FastAPI app: routes, bearer-token auth, the body limit, metrics, and
+the bridge from `SpecExec.stream` (a blocking iterator) to the event loop.
+
+Every step of a generation runs in a worker thread, so the event loop keeps serving other connections
+while the nodes compute. A generation is closed, and its sessions on both nodes freed, however its
+request ends: finished, failed, or abandoned by a client that closed the connection (a streamed answer
+notices at once, through ASGI's `http.disconnect`; a whole answer checks after every step).
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from typing import Annotated, Any
+
+import anyio
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from starlette.concurrency import run_in_threadpool
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.responses import Response, StreamingResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from client.api import Chunk, SpecExec
+from client.openai.protocol import (
+    Answer,
+    ApiError,
+    ChatCompletionRequest,
+    CompletionRequest,
+    Job,
+    validation_error,
+)
+from common.ops.logs import event
+from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
+
+log = logging.getLogger("specexec.openai")
+
+MAX_BODY_BYTES = 8 * 1024 * 1024
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
+CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
+
+
+def json_text(payload: dict[str, Any]) -> str:
+    """UTF-8 where it can be: a lone surrogate (JSON allows it in a request's strings, and an error
+    message may echo one) cannot be encoded, so that answer escapes everything instead."""
+    text = json.dumps(payload, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(payload)
+    return text
+
+
+class JSONAnswer(Response):
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return json_text(content).encode("utf-8")
+
+
+def sse(payload: dict[str, Any]) -> bytes:
+    return f"data: {json_text(payload)}\n\n".encode()
+
+
+# ------------------------------------------------------------------------------------------------
+# Generations
+
+
+class Generation:
+    """A started generation, stepped from the event loop.
+
+    Each step runs in a worker thread. A request cancelled meanwhile (its client left, or the server
+    is stopping) may stop awaiting that thread, but the step runs on: the lock makes `close()` wait for
+    it, since a running generator cannot be closed. `close()` runs in a thread too (closing sessions is
+    an RPC to each node), so even a close whose awaiting is cancelled still frees both nodes' sessions.
+    """
+
+    def __init__(
+        self, answer: Answer, chunks: Iterator[Chunk], first: Chunk, stopping: threading.Event
+    ) -> None:
+        self.answer, self._chunks, self._first, self._stopping = answer, chunks, first, stopping
+        self._lock = threading.Lock()
+        self._closed = False
+
+    async def next(self) -> Chunk | None:
+        if self._first is not None:
+            first, self._first = self._first, None
+            return first
+        return await run_in_threadpool(self._step)
+
+    async def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            with anyio.CancelScope(shield=True):
+                await run_in_threadpool(self._close)
+
+    def _step(self) -> Chunk | None:
+        if self._stopping.is_set():
+            raise ApiError(503, "the server is shutting down", type="service_unavailable")
+        with self._lock:
+            return next(self._chunks, None)
+
+    def _close(self) -> None:
+        with self._lock:
+            self._chunks.close()
+
+    async def whole(self, request: Request) -> Response:
+        """The whole answer, or nothing if the client leaves first: one that timed out (and may be
+        retrying) must not keep both nodes busy for the rest of its max_tokens."""
+        texts, count, finish = [], 0, None
+        try:
+            while (chunk := await self.next()) is not None:
+                if await request.is_disconnected():
+                    event(log, "client_gone", request=self.answer.id)
+                    return Response(status_code=CLIENT_CLOSED)
+                texts.append(chunk.text)
+                count += len(chunk.token_ids)
+                finish = chunk.finish_reason or finish
+        finally:
+            await self.close()
+        return JSONAnswer(self.answer.whole("".join(texts), finish, count))
+
+    async def events(self) -> AsyncIterator[bytes]:
+        """The server-sent events. A failure after the first event cannot change the status any more:
+        it is reported in-band, as OpenAI does."""
+        answer, count = self.answer, 0
+        try:
+            if answer.job.chat:
+                yield sse(answer.event(None, None, role=True))
+            while (chunk := await self.next()) is not None:
+                count += len(chunk.token_ids)
+                if chunk.finish_reason is not None or chunk.text:
+                    yield sse(answer.event(chunk.text, chunk.finish_reason))
+            if answer.job.include_usage:
+                yield sse(answer.usage_event(count))
+        except Exception as exc:
+            error = ApiError.from_exception(exc)
+            log.warning("generation %s failed mid-stream: %s", answer.id, error.message)
+            yield sse(error.body())
+        yield b"data: [DONE]\n\n"
+
+
+class EventStream(StreamingResponse):
+    """A streamed answer that closes its generation when the response ends, whatever ends it: the
+    last event, a failure, or the client leaving.
+
+    The client's `http.disconnect` is always listened for, concurrently with the stream: Starlette
+    does so only under ASGI spec < 2.4, and some uvicorn releases announce 2.4 yet drop writes to a
+    gone client silently, so a stream nobody reads would otherwise run to its max_tokens."""
+
+    def __init__(self, generation: Generation) -> None:
+        self.generation = generation
+        headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+        super().__init__(generation.events(), media_type="text/event-stream", headers=headers)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def stream(done: anyio.CancelScope) -> None:
+            await self.stream_response(send)
+            done.cancel()
+
+        try:
+            async with anyio.create_task_group() as group:
+                group.start_soon(stream, group.cancel_scope)
+                await self.listen_for_disconnect(receive)
+                group.cancel_scope.cancel()
+        except* OSError:  # a server whose send() raises once the client is gone
+            pass
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.body_iterator.aclose()  # type: ignore[attr-defined]
+            await self.generation.close()
+
+
+class Service:
+    """What the routes do, given a validated request. `stopping` ends the running generations at
+    their next step (a stream with an error event, a whole answer with 503) when the server stops."""
+
+    def __init__(self, gen: SpecExec, model_name: str, default_max_tokens: int = 1024) -> None:
+        self.gen, self.model_name, self.default_max_tokens = gen, model_name, default_max_tokens
+        self.created = int(time.time())
+        self.stopping = threading.Event()
+
+    def model_card(self) -> dict[str, Any]:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specexec"}
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise ApiError(
+                404,
+                f"The model '{model}' does not exist: this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
+
+    def start(self, request: CompletionRequest | ChatCompletionRequest) -> Generation:
+        """Tokenizes, opens the sessions and runs the first step, in the calling (worker) thread: errors
+        before any output (a prompt over the context limit, a node that is down) stay HTTP errors."""
+        job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
+        answer = Answer(job, self.model_name)
+        chunks = track_generation(
+            self.gen.stream(job.prompt_ids, job.sampling),
+            request_id=answer.id,
+            endpoint="chat" if job.chat else "completions",
+            prompt_tokens=len(job.prompt_ids),
+            prompt=job.prompt_text,
+        )
+        try:
+            first = next(chunks)
+        except StopIteration:
+            raise ApiError(500, "generation ended without output", type="server_error") from None
+        except BaseException:
+            chunks.close()
+            raise
+        return Generation(answer, chunks, first, self.stopping)
+
+    async def answer(self, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
+        """A failure before the response starts is an HTTP error, by the gRPC status it maps to."""
+        self.check_model(request.model)
+        try:
+            generation = await run_in_threadpool(self.start, request)
+            if generation.answer.job.stream:
+                return EventStream(generation)
+            return await generation.whole(http)
+        except ApiError:
+            raise
+        except Exception as exc:
+            error = ApiError.from_exception(exc)
+            if error.status >= 500:
+                log.exception("generation failed")
+            raise error from exc
+
+
+# ------------------------------------------------------------------------------------------------
+# Errors, auth, middleware
+
+
+def error_response(request: Request, error: ApiError) -> Response:
+    level = logging.WARNING if error.status >= 500 else logging.INFO
+    event(log, "http_error", level, path=request.url.path, status=error.status, message=error.message)
+    return JSONAnswer(error.body(), status_code=error.status)
+
+
+async def on_api_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, ApiError)
+    return error_response(request, exc)
+
+
+async def on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    return error_response(request, validation_error(exc.errors()))
+
+
+async def on_http_exception(request: Request, exc: Exception) -> Response:
+    """Starlette's own errors (no route, wrong method, an unreadable body) in OpenAI's format."""
+    assert isinstance(exc, HTTPException)
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        message = f"no route {method} {path}; this server offers {', '.join(ROUTES)}"
+    elif exc.status_code == 405:
+        message = (
+            f"{method} is not allowed on {path}: use {(exc.headers or {}).get('Allow', 'another method')}"
+        )
+    elif isinstance(exc.__cause__, RecursionError):
+        message = "the request body is nested too deeply"
+    elif isinstance(exc.__cause__, UnicodeDecodeError):
+        message = f"the request body is not valid JSON: {exc.__cause__}"
+    else:
+        message = str(exc.detail)
+    response = error_response(request, ApiError(exc.status_code, message))
+    response.headers.update(exc.headers or {})
+    return response
+
+
+BEARER = HTTPBearer(auto_error=False, description="the server's --auth-token-file")
+
+
+def bearer_auth(token: str) -> Any:
+    """The OpenAI client's api_key, checked in constant time."""
+
+    async def authorize(credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(BEARER)]) -> None:
+        given = credentials.credentials if credentials is not None else ""
+        if not hmac.compare_digest(given.encode(), token.encode()):
+            raise ApiError(
+                401,
+                "missing or invalid API key: send 'Authorization: Bearer <token>' (the server's --auth-token-file)",
+                code="invalid_api_key",
+            )
+
+    return Depends(authorize)
+
+
+def _header(scope: Scope, name: bytes) -> bytes | None:
+    return next((value for key, value in scope["headers"] if key == name), None)
+
+
+def _route_label(path: str) -> str:
+    path = path.rstrip("/") or "/"
+    if path in ROUTES:
+        return path
+    return "/v1/models/{id}" if path.startswith("/v1/models/") else "other"
+
+
+class BodyLimit:
+    """Refuses a request body over `limit` bytes: from its Content-Length before reading a byte of
+    it, or, for a body without one (chunked), as soon as the bytes read pass the limit. The 413 closes
+    the connection, so the unread rest is never read, nor taken for a next request."""
+
+    def __init__(self, app: ASGIApp, limit: int = MAX_BODY_BYTES) -> None:
+        self.app, self.limit = app, limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        message = f"request body over {self.limit} bytes"
+        length = _header(scope, b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.limit:
+            response = error_response(Request(scope), ApiError(413, message))
+            response.headers["Connection"] = "close"
+            return await response(scope, receive, send)
+        received, tripped = 0, False
+
+        async def limited() -> Message:
+            nonlocal received, tripped
+            incoming = await receive()
+            if incoming["type"] == "http.request":
+                received += len(incoming.get("body", b""))
+                if received > self.limit:
+                    tripped = True
+                    raise HTTPException(413, message)
+            return incoming
+
+        async def closing(outgoing: Message) -> None:
+            if outgoing["type"] == "http.response.start" and tripped:
+                outgoing = {**outgoing, "headers": [*outgoing.get("headers", []), (b"connection", b"close")]}
+            await send(outgoing)
+
+        await self.app(scope, limited, closing)
+
+
+class Metrics:
+    """Counts and times every request by route and status; a stream is timed to its last event."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        start, status = time.perf_counter(), 500
+
+        async def observed(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, observed)
+        finally:
+            label, seconds = _route_label(scope["path"]), time.perf_counter() - start
+            HTTP_REQUESTS.labels(label, str(status)).inc()
+            HTTP_SECONDS.labels(label).observe(seconds)
+            client = (scope.get("client") or ("-",))[0]
+            event(log, "http", logging.DEBUG, client=client, method=scope["method"], path=scope["path"],
+                  status=status, seconds=seconds)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------
+# The app
+
+
+def create_app(service: Service, *, token: str | None = None) -> FastAPI:
+    """The endpoint for `service`; with `token`, every route but /health needs it as a bearer token."""
+    app = FastAPI(
+        title="specexec OpenAI-compatible API",
+        default_response_class=JSONAnswer,
+        middleware=[Middleware(Metrics), Middleware(BodyLimit, limit=MAX_BODY_BYTES)],
+        exception_handlers={
+            ApiError: on_api_error,
+            RequestValidationError: on_validation_error,
+            HTTPException: on_http_exception,
+        },
+        openapi_url=None,
+    )
+    v1 = APIRouter(prefix="/v1", dependencies=[bearer_auth(token)] if token is not None else [])
+
+    @app.get("/health")
+    async def health() -> Response:
+        return JSONAnswer({"status": "ok"})
+
+    @v1.get("/models")
+    async def models() -> Response:
+        return JSONAnswer({"object": "list", "data": [service.model_card()]})
+
+    @v1.get("/models/{model_id:path}")
+    async def model(model_id: str) -> Response:
+        if model_id != service.model_name:
+            raise ApiError(
+                404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
+            )
+        return JSONAnswer(service.model_card())
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await service.answer(body, request)
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await service.answer(body, request)
+
+    app.include_router(v1)
+    return app

@@ -1,0 +1,423 @@
+"""What OpenAI clients send and get back, apart from HTTP: the request bodies as pydantic models, errors
+in OpenAI's JSON shape, and the JSON of answers and of stream events.
+
+The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
+that would change the output and cannot be served (`logprobs`, `echo`, `best_of`, penalties,
+`logit_bias`, tools, a non-text `response_format`, `n` > 1) is a 400, not silently ignored; `user`
+and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Annotated, Any
+
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+)
+from pydantic_core import PydanticCustomError
+
+from client.api import render_chat
+from common.decoding.sampling import MAX_SEED, MAX_STOP_CHARS, SamplingParams
+from common.rpc.server import status_for
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_STOP_STRINGS = 4
+MAX_TOKENS = 1 << 31
+GRPC_TO_HTTP = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
+    "UNAVAILABLE": (503, "service_unavailable"),
+    "DEADLINE_EXCEEDED": (504, "timeout"),
+    "UNAUTHENTICATED": (502, "server_error"),  # a node refused this gateway: a deployment problem
+    "PERMISSION_DENIED": (502, "server_error"),
+}
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+class ApiError(Exception):
+    """An error answered in OpenAI's format."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        *,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    @staticmethod
+    def from_exception(exc: BaseException) -> ApiError:
+        """A generation's failure, by the gRPC status the gateway would give it."""
+        if isinstance(exc, ApiError):
+            return exc
+        status, kind = GRPC_TO_HTTP.get(status_for(exc).name, (500, "server_error"))
+        return ApiError(status, str(exc) or type(exc).__name__, type=kind)
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param=param)
+
+
+# ------------------------------------------------------------------------------------------------
+# Validation errors
+#
+# Field checks raise one of two pydantic error types of ours: FIELD messages read after the field's
+# path ("'top_p' must be between 0.0 and 1.0, got 1.5"), SENTENCE messages stand alone ("only n=1 is
+# supported: ..."). `validation_error` turns the first error of a failed validation into the 400.
+
+FIELD, SENTENCE = "openai_field", "openai_sentence"
+
+
+def field_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError(FIELD, message)
+
+
+def sentence_error(message: str) -> PydanticCustomError:
+    return PydanticCustomError(SENTENCE, message)
+
+
+def _path(loc: Sequence[str | int]) -> str:
+    out = ""
+    for part in loc:
+        out += f"[{part}]" if isinstance(part, int) else (f".{part}" if out else part)
+    return out
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_error(errors: Sequence[Any]) -> ApiError:
+    """OpenAI answers one message per error: the first, with `param` the top-level field it concerns."""
+    error = errors[0]
+    loc = list(error.get("loc", ()))
+    if loc[:1] == ["body"]:
+        loc = loc[1:]
+    kind, message = error.get("type"), error.get("msg", "invalid request")
+    if kind == "json_invalid":
+        reason = (error.get("ctx") or {}).get("error", message)
+        at = f" (at character {loc[0]})" if loc and isinstance(loc[0], int) else ""
+        return bad(f"the request body is not valid JSON: {reason}{at}")
+    if not loc:
+        if kind == "missing":
+            return bad("a JSON request body is required")
+        if isinstance(error.get("input"), bytes):  # FastAPI did not read it as JSON
+            return bad("the request body must be JSON (send it with Content-Type: application/json)")
+        return bad("the request body must be a JSON object")
+    param = next((p for p in loc if isinstance(p, str)), None)
+    path = _path(loc)
+    if kind == SENTENCE:
+        return bad(message, param)
+    if kind == FIELD:
+        return bad(f"'{path}' {message}", param)
+    if kind == "missing":
+        return bad(f"'{path}' is required", param)
+    return bad(f"'{path}': {message}, got {_shown(error.get('input'))}", param)
+
+
+# ------------------------------------------------------------------------------------------------
+# Field types
+
+
+def between(lo: float, hi: float) -> AfterValidator:
+    def check(value: Any) -> Any:
+        if value is not None and not lo <= value <= hi:  # NaN fails too
+            raise field_error(f"must be between {lo} and {hi}, got {value}")
+        return value
+
+    return AfterValidator(check)
+
+
+def refused(accepts: Callable[[Any], bool]) -> AfterValidator:
+    """A field this server cannot honour: allowed only with a value that changes nothing."""
+
+    def check(value: Any) -> Any:
+        if not accepts(value):
+            raise field_error("is not supported by this server")
+        return value
+
+    return AfterValidator(check)
+
+
+Integer = Annotated[int | None, Field(strict=True)]
+Number = Annotated[float | None, Field(strict=True)]
+Flag = Annotated[bool | None, Field(strict=True)]
+MaxTokens = Annotated[Integer, between(1, MAX_TOKENS)]
+
+
+def _only_one(value: Any) -> Any:
+    if value is not None and (isinstance(value, bool) or value != 1):
+        raise sentence_error("only n=1 is supported: one completion per request")
+    return value
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+        raise field_error("must be a string or a list of strings")
+    if len(items) > MAX_STOP_STRINGS:
+        raise field_error(f"takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
+    if any(not s for s in items):
+        raise field_error("strings must not be empty")
+    if any(len(s) > MAX_STOP_CHARS for s in items):
+        raise field_error(f"strings must be at most {MAX_STOP_CHARS} characters long")
+    return tuple(items)
+
+
+def _one_prompt(prompt: Any) -> Any:
+    """A string, token ids, or a one-element list of either (what the OpenAI client sends)."""
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise field_error("is empty")
+        return prompt
+    if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        return prompt
+    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
+        raise sentence_error("only one prompt per request is supported")
+    raise field_error("must be a non-empty string or a list of token ids")
+
+
+def _text_content(content: Any) -> str:
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
+    ):
+        return "".join(p["text"] for p in content)
+    raise field_error("must be a string or a list of text parts: only text is supported")
+
+
+def _role(role: Any) -> str:
+    if role == "developer":  # OpenAI's newer name for the system prompt
+        return "system"
+    if role not in CHAT_ROLES:
+        raise field_error(f"must be one of {', '.join(CHAT_ROLES)} (or developer), got {_shown(role)}")
+    return role
+
+
+def _non_empty(messages: Any) -> Any:
+    if not isinstance(messages, list) or not messages:
+        raise field_error("must be a non-empty list")
+    return messages
+
+
+# ------------------------------------------------------------------------------------------------
+# Requests
+
+
+class StreamOptions(BaseModel):
+    include_usage: Flag = None
+
+
+class SamplingRequest(BaseModel):
+    """The fields both routes share."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str | None, Field(strict=True)] = None
+    max_tokens: MaxTokens = None
+    temperature: Annotated[Number, between(0.0, 2.0)] = None
+    top_p: Annotated[Number, between(0.0, 1.0)] = None
+    top_k: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # vLLM's extension; -1 or 0: off
+    seed: Annotated[Integer, between(0, MAX_SEED)] = None
+    stop: Annotated[tuple[str, ...], BeforeValidator(_stop)] = ()
+    n: Annotated[Integer, BeforeValidator(_only_one)] = None
+    ignore_eos: Flag = None  # vLLM's extension
+    stream: Flag = None
+    stream_options: StreamOptions | None = None
+    user: Any = None
+
+    best_of: Annotated[Any, refused(lambda v: v in (None, 1))] = None
+    echo: Annotated[Any, refused(lambda v: not v)] = None
+    logprobs: Annotated[Any, refused(lambda v: v in (None, False, 0))] = None
+    top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None
+    suffix: Annotated[Any, refused(lambda v: v is None)] = None
+    presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
+    frequency_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
+    logit_bias: Annotated[Any, refused(lambda v: not v)] = None
+    tools: Annotated[Any, refused(lambda v: not v)] = None
+    functions: Annotated[Any, refused(lambda v: not v)] = None
+    tool_choice: Annotated[Any, refused(lambda v: v in (None, "none"))] = None
+    response_format: Annotated[
+        Any, refused(lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
+    ] = None
+
+    @field_validator("stream_options")
+    @classmethod
+    def _options_need_stream(cls, options: StreamOptions | None, info: ValidationInfo) -> Any:
+        if options is not None and options.model_fields_set and not info.data.get("stream"):
+            raise sentence_error("'stream_options' is only allowed with 'stream': true")
+        return options
+
+    def max_new_tokens(self, default: int) -> int:
+        return self.max_tokens if self.max_tokens is not None else default
+
+    def sampling(self, default_max_tokens: int) -> SamplingParams:
+        """OpenAI's defaults: temperature 1 (sampling), a random seed when none is given."""
+        top_p, top_k = self.top_p if self.top_p is not None else 1.0, max(self.top_k or 0, 0)
+        if top_p == 0:  # OpenAI allows 0: only the most probable token
+            top_p, top_k = 1.0, 1
+        try:
+            return SamplingParams(
+                temperature=self.temperature if self.temperature is not None else 1.0,
+                top_p=top_p,
+                top_k=top_k,
+                seed=secrets.randbits(63) if self.seed is None else self.seed,
+                max_new_tokens=self.max_new_tokens(default_max_tokens),
+                stop=self.stop,
+                ignore_eos=bool(self.ignore_eos),
+            )
+        except ValueError as exc:
+            raise bad(str(exc)) from exc
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingRequest):
+    """POST /v1/completions: one prompt, as text or token ids."""
+
+    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        return list(tokenizer.encode(self.prompt)) if isinstance(self.prompt, str) else list(self.prompt)
+
+
+class ChatMessage(BaseModel):
+    """A text turn; other keys (`name`, ...) are ignored."""
+
+    role: Annotated[str, BeforeValidator(_role)]
+    content: Annotated[str, BeforeValidator(_text_content)] = ""
+
+
+class ChatCompletionRequest(SamplingRequest):
+    """POST /v1/chat/completions: the conversation is rendered with the target tokenizer's chat
+    template, as `client.api.Chat` renders a turn."""
+
+    messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
+    max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
+
+    def max_new_tokens(self, default: int) -> int:
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return super().max_new_tokens(default)
+
+    def prompt_ids(self, tokenizer: Any) -> list[int]:
+        try:
+            return render_chat(tokenizer, self.rendered())
+        except Exception as exc:  # no template, or one that refuses this conversation
+            raise bad(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
+
+    def rendered(self) -> list[dict[str, str]]:
+        return [{"role": m.role, "content": m.content} for m in self.messages]
+
+
+@dataclass
+class Job:
+    """One validated request: what to run, and how to answer."""
+
+    chat: bool
+    prompt_ids: list[int]
+    prompt_text: Any  # for --log-prompts only
+    sampling: SamplingParams
+    stream: bool
+    include_usage: bool
+
+    @staticmethod
+    def of(request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, chat_max_tokens: int) -> Job:
+        """Tokenizes the prompt: slow for a long one, so callers run this off the event loop."""
+        if isinstance(request, ChatCompletionRequest):
+            chat, prompt, default_max_tokens = True, request.rendered(), chat_max_tokens
+        else:
+            chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
+        sampling = request.sampling(default_max_tokens)
+        ids = request.prompt_ids(tokenizer)
+        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage)
+
+
+# ------------------------------------------------------------------------------------------------
+# Answers
+
+
+@dataclass
+class Answer:
+    """The JSON objects of one request's answer: the whole completion, or its stream's events."""
+
+    job: Job
+    model: str
+    id: str = ""
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
+
+    def _envelope(self, chunk: bool) -> dict[str, Any]:
+        kind = "chat.completion" if self.job.chat else "text_completion"
+        if chunk and self.job.chat:
+            kind += ".chunk"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
+
+    def usage(self, completion_tokens: int) -> dict[str, int]:
+        prompt = len(self.job.prompt_ids)
+        return {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt + completion_tokens,
+        }
+
+    def whole(self, text: str, finish: str | None, completion_tokens: int) -> dict[str, Any]:
+        out = self._envelope(chunk=False)
+        if self.job.chat:
+            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        else:
+            choice = {"index": 0, "text": text}
+        choice.update(logprobs=None, finish_reason=finish)
+        out.update(choices=[choice], usage=self.usage(completion_tokens))
+        return out
+
+    def event(self, text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
+        """One stream event; a chat stream opens with the assistant's role and no text."""
+        out = self._envelope(chunk=True)
+        if self.job.chat:
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if text:
+                delta["content"] = text
+            choice: dict[str, Any] = {"index": 0, "delta": delta}
+        else:
+            choice = {"index": 0, "text": text or ""}
+        choice.update(logprobs=None, finish_reason=finish)
+        out["choices"] = [choice]
+        if self.job.include_usage:
+            out["usage"] = None
+        return out
+
+    def usage_event(self, completion_tokens: int) -> dict[str, Any]:
+        """The last event with `stream_options.include_usage`: no choices, the usage."""
+        out = self._envelope(chunk=True)
+        out.update(choices=[], usage=self.usage(completion_tokens))
+        return out
