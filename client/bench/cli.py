@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -16,7 +17,9 @@ from typing import Any
 
 import torch
 
+from client.bench import home_lab
 from client.bench.harness import SETTINGS, BenchConfig, families, measure
+from client.bench.home_lab import HomeLabConfig
 from client.bench.report import plot, write_report
 from client.bench.stats import check_exactness, project, rank, summarize
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
@@ -27,6 +30,8 @@ DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    if args.home_lab:
+        return cmd_home_lab(args)
     config = bench_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -191,4 +196,50 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())
     b.add_argument("--out", default="bench-results")
+    lab = b.add_argument_group("home lab (two machines emulated: each node pinned to its own cores)")
+    lab.add_argument(
+        "--home-lab",
+        action="store_true",
+        help="time the target alone, the sequential and the pipelined split and one process, with the "
+        "nodes pinned to --draft-cores and --target-cores (one thread per core), --budget auto",
+    )
+    lab.add_argument("--draft-cores", type=cores, default=(0,), metavar="N,N,...")
+    lab.add_argument("--target-cores", type=cores, default=(1,), metavar="N,N,...")
     b.set_defaults(func=cmd_bench)
+
+
+def cores(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(c) for c in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"cores must be integers separated by commas, got {text!r}") from None
+    available = os.sched_getaffinity(0)
+    if not values or not set(values) <= available:
+        raise argparse.ArgumentTypeError(f"cores {text!r} are not all among this machine's {sorted(available)}")
+    return values
+
+
+def cmd_home_lab(args: argparse.Namespace) -> int:
+    config = HomeLabConfig(
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        draft_quantize=args.draft_quantize,
+        draft_cores=args.draft_cores,
+        target_cores=args.target_cores,
+        prompts=args.prompts,
+        categories=tuple(args.categories) if args.categories else None,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        max_budget=args.auto_cap or 256,
+        settings=tuple(bench_settings(args)),
+        seed=args.seed,
+        out=Path(args.out),
+    )
+    if set(config.draft_cores) & set(config.target_cores):
+        raise ValueError("--draft-cores and --target-cores must not share a core")
+    runs = home_lab.run(config)
+    rows = home_lab.summarize(runs)
+    home_lab.write_report(config.out, config, runs, rows)
+    print((config.out / "report.md").read_text())
+    return 0

@@ -1,0 +1,44 @@
+"""`specexec bench --home-lab` end to end on the tiny models: pinned nodes, every contestant, a report."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the nodes apart")
+def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
+    out = tmp_path / "lab"
+    cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab",
+           "--draft-model", str(model_dirs["truncated"]), "--target-model", str(model_dirs["target"]),
+           "--dtype", "float32", "--limit", "2", "--max-new-tokens", "12", "--auto-cap", "16",
+           "--settings", "greedy", "sampled", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    contestants = {r["contestant"] for r in results["runs"]}
+    assert contestants == {"target alone", "split, sequential", "split, pipelined", "one process"}
+    assert len(results["runs"]) == 2 * 2 * 4
+    # float32: every contestant's tokens are the target alone's, greedy and seeded.
+    assert all(row["same_tokens"] for row in results["summary"])
+    assert "| split, pipelined |" in (out / "report.md").read_text()
+    assert (out / "home-lab.png").stat().st_size > 0
+
+
+def test_home_lab_refuses_shared_or_missing_cores(tmp_path):
+    cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab", "--draft-cores", "0",
+           "--target-cores", "0", "--out", str(tmp_path)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "must not share a core" in run.stderr
+    cmd[cmd.index("--target-cores") + 1] = "4096"
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 2 and "are not all among this machine's" in run.stderr
