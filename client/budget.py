@@ -1,36 +1,10 @@
 """`--budget auto`: grow each step's tree while a node is worth what it costs at the running rate.
 
-A step returns 1 + (accepted nodes) tokens in (draft time + target time), and decoding runs at R
-tokens per second overall. By Dinkelbach's argument for maximising a ratio, anything a step spends
-t seconds on pays when it brings more than R·t expected tokens. A tree node the draft gives
-cumulative probability q is accepted with probability about c·q, where c is the running
-calibration (tokens the target accepted over the draft probability the trees proposed). That makes
-SpecExec's budget two thresholds on q, set afresh every step:
-
-- a node is expanded (`min_prob`) when its children repay a draft forward and their places in the
-  target's pass: c·q > K_LEVEL · R · (level + children · slope);
-- a node is proposed (`min_node_prob`) when it repays its place in the target's pass:
-  c·q > K_NODE · R · slope;
-
-with `level` the draft's forward at the batch it expands, `children` the nodes proposed per node
-expanded and `slope` the target's cost per extra tree token, all read off the forward-time curves
-the nodes measured at start-up and scaled by what the steps measured. The user's budget
-(`--max-budget`) stays the cap.
-
-On an offloaded GPU target a pass costs the same for 1 and 1000 tokens: the slope is near zero and
-R is small next to a draft forward's cost, so both thresholds fall towards zero and trees grow to
-the cap. On a CPU a pass grows with the tree, and trees stop where the draft's confidence runs out.
-The planner keeps two running quantities per sampling regime, the rate and the calibration, each
-averaged over about 20 steps. Each request starts from its regime's and learns its own, its own
-steps outweighing the regime's after PRIOR_STEPS: both depend on the text, and a prose request
-that planned with the rate and calibration of the code request before it built half-size trees
-for ten steps after its first (docs/benchmarks.md, "Per-request learning"). The planner never picks among
-shapes by their measured means, so no shape is chosen because noise flattered it; a fixed floor
-cannot follow the machine or the text as these do.
-K_LEVEL was fitted in `benchmarks/planner_sim.py` (1-1.5 stay within 4% there). K_NODE is the rule's
-own 1: the simulator cannot tell 1 from 3 (about 1% apart), while on the real pair 3 kept chat and prose
-trees at about 2 nodes, behind the fixed node-floored shapes, and nodes of middling q are accepted
-more often than c·q says (docs/benchmarks.md, "The node floor's constant").
+Every step sets two thresholds on a node's cumulative draft probability q, from the running rate R
+(tokens per second), the calibration c (accepted over proposed probability) and the nodes'
+forward-time curves: expand a node when c·q > K_LEVEL·R·(level + children·slope), propose it when
+c·q > K_NODE·R·slope; `--max-budget` stays the cap. The design, its constants and the runs behind
+them: docs/planner.md.
 """
 
 from __future__ import annotations
