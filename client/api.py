@@ -7,6 +7,7 @@ print(gen.generate("def fib(n):", max_new_tokens=64).text)
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -15,10 +16,12 @@ from typing import Any
 from client.budget import BudgetPlanner
 from client.generation import (
     DraftBackend,
+    DraftLink,
     GenerationStats,
     Recovery,
     Sequence,
     TargetBackend,
+    needs_curve,
     tree_params_for,
 )
 from client.text import TextAssembler
@@ -68,19 +71,62 @@ class SpecExec:
         mode: str = "specexec",
         tree: TreeParams | None = None,
         auto_budget: bool = False,
+        recovery: Recovery | None = None,
+        link: DraftLink | None = None,
     ) -> None:
         """`auto_budget` sizes each tree from the nodes' forward-time curves; `tree.budget` is then the
-        largest size considered."""
+        largest size considered. `recovery` is the streams' unless one brings its own; its `notify`
+        also hears of a draft that is down now. `link` shares another generator's view of the same
+        draft (`variant`).
+
+        The draft is optional: one that is down now is waited for while the target generates alone;
+        one that is up but mismatched (or, for `auto_budget`, unprofiled) is refused here."""
         self.target, self.draft, self.tokenizer = target, draft, tokenizer
         self.mode = mode
         self.tree = tree_params_for(mode, tree or TreeParams())
         if self.tree is not None and draft is None:
             raise ValueError(f"mode {mode!r} needs a draft model")
+        self.recovery = recovery or Recovery()
+        self.auto_budget = auto_budget and mode == "specexec" and draft is not None
+        if self.auto_budget:
+            needs_curve(target.info())
+        self.link: DraftLink | None = None
+        if self.tree is not None and draft is not None:
+            self.link = link or DraftLink(draft, target, auto_budget=self.auto_budget)
+            if link is None:
+                self.link.check(self.recovery.notify)
         self.planner: BudgetPlanner | None = None
-        if auto_budget and mode == "specexec" and draft is not None and self.tree is not None:
-            self.planner = BudgetPlanner(
-                list(target.info().forward_curve), list(draft.info().forward_curve), base=self.tree
-            )
+        self._planner_lock = threading.Lock()
+        self.current_planner()
+
+    def current_planner(self) -> BudgetPlanner | None:
+        """`--budget auto`'s planner, built once both forward-time curves are known: with the draft
+        down at start, when it first comes up, in whichever request sees that first."""
+        info = self.link.info if self.link is not None else None
+        if self.planner is None and self.auto_budget and info is not None and self.tree is not None:
+            with self._planner_lock:
+                if self.planner is None:
+                    self.planner = BudgetPlanner(
+                        list(self.target.info().forward_curve), list(info.forward_curve), base=self.tree
+                    )
+        return self.planner
+
+    def variant(self, mode: str, tree: TreeParams | None) -> SpecExec:
+        """Another mode or tree on the same nodes, sharing this generator's view of the draft: a down
+        draft is probed once per retry period for both, and reported once."""
+        return SpecExec(
+            self.target,
+            self.draft,
+            self.tokenizer,
+            mode=mode,
+            tree=tree,
+            recovery=self.recovery,
+            link=self.link,
+        )
+
+    def sequence(self, prompt: list[int], recovery: Recovery | None = None) -> Sequence:
+        draft = self.draft if self.link is not None else None
+        return Sequence(self.target, draft, prompt, recovery or self.recovery, self.link)
 
     @classmethod
     def local(
@@ -144,7 +190,7 @@ class SpecExec:
     ) -> Iterator[Chunk]:
         """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
         sampling = sampling or SamplingParams(**kwargs)
-        sequence = Sequence(self.target, self.draft, self.encode(prompt), recovery)
+        sequence = self.sequence(self.encode(prompt), recovery)
         try:
             yield from self._run(sequence, sampling)
         finally:
@@ -160,7 +206,7 @@ class SpecExec:
         text = TextAssembler(self.tokenizer, sampling.stop)
         started = time.perf_counter()
         finish = "length"
-        for result in sequence.steps(sampling, self.tree, stats, self.planner):
+        for result in sequence.steps(sampling, self.tree, stats, self.current_planner):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
             yield Chunk(piece, result.tokens)
@@ -194,7 +240,7 @@ class Chat:
         self.messages.append({"role": "user", "content": text})
         ids = render_chat(self.gen.tokenizer, self.messages)
         if self.sequence is None:
-            self.sequence = Sequence(self.gen.target, self.gen.draft, ids)
+            self.sequence = self.gen.sequence(ids)
         else:
             self.sequence.reset_to(ids)
         reply: list[str] = []

@@ -40,9 +40,11 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     @rpc_method
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.GatewayInfo:
+        """The draft's part is the one the generator checked, and absent while the draft is down."""
         info = pb.GatewayInfo(target=node_info_to_proto(self.base.target.info(), "", 0, 0))
-        if self.base.draft is not None:
-            info.draft.CopyFrom(node_info_to_proto(self.base.draft.info(), "", 0, 0))
+        draft = self.base.link.info if self.base.link is not None else None
+        if draft is not None:
+            info.draft.CopyFrom(node_info_to_proto(draft, "", 0, 0))
         return info
 
     def Generate(

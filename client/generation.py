@@ -7,16 +7,20 @@ adapters in `client.remote`, so the same loop drives one process or two machines
 from __future__ import annotations
 
 import logging
+import math
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from client.budget import BudgetPlanner, regime
+from client.budget import BudgetPlanner, RegimeStats, regime
 from client.faults import NodeFault, NodeUnavailable
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair
+
+PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
 
 MODES = ("specexec", "chain", "autoregressive")
 log = logging.getLogger("specexec.client")
@@ -100,8 +104,8 @@ def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:
 class Recovery:
     """How a sequence rides out node faults.
 
-    Draft down: keep generating with the target alone (root-only trees: correct, slower) and try to
-    reopen a draft session every `draft_retry_seconds`. Target down or restarted: reopen a session by
+    Draft down, at start or later: keep generating with the target alone (root-only trees: correct,
+    slower) and try to reach it again every `draft_retry_seconds` (`DraftLink`). Target down or restarted: reopen a session by
     replaying the committed tokens, for up to `target_retry_seconds`. A step past its deadline is
     retried once on a fresh session, then reported. Output is unchanged by any of this: draws depend
     only on (seed, position), and no token is committed until the target has returned it.
@@ -113,11 +117,130 @@ class Recovery:
     notify: Callable[[str], None] = field(default=lambda message: log.warning("%s", message))
 
 
+def needs_curve(info: NodeInfo) -> None:
+    """`--budget auto` plans from both nodes' forward-time curves; a node started without profiling has none."""
+    if not info.forward_curve:
+        raise ValueError(
+            f"--budget auto needs forward-time curves from both nodes; the {info.role} node "
+            f"({info.model_id}) has none (start it with profiling on)"
+        )
+
+
+class DraftLink:
+    """The draft node as every sequence of a generator sees it: usable (up, and checked against the
+    target), down, or refused. It is optional at every moment: down at start, dying mid-step, coming
+    back, or coming back as another model, the target alone goes on, with the same output.
+
+    Shared by the sequences, so a down draft costs one probe (`info()`, which a remote draft bounds
+    with a short deadline) per `Recovery.draft_retry_seconds`, not one per request, and each change
+    is reported once. `epoch` counts the draft's comebacks: a session opened in an earlier epoch may
+    be gone with the process that held it, so each sequence reopens its own when the epoch moves.
+    Every comeback is checked again: a draft that restarted may serve another model, and a draft
+    whose token ids mean other text than the target's must never propose a token.
+    """
+
+    def __init__(self, draft: DraftBackend, target: TargetBackend, *, auto_budget: bool = False) -> None:
+        self.draft, self.target, self.auto_budget = draft, target, auto_budget
+        self.name = getattr(draft, "address", "in-process")
+        self.info: NodeInfo | None = None  # the draft's, while it is usable
+        self.epoch = 0
+        self._failed_at = -math.inf  # the last probe that failed, or the last step the draft failed
+        self._refused = ""  # the last refusal reported
+        self._probing = threading.Lock()
+
+    def check(self, notify: Callable[[str], None]) -> None:
+        """At start: a draft that is down is reported and waited for; one that is up but does not fit
+        the target (or refuses this client) is the caller's error, raised."""
+        with self._probing:
+            refusal = self._probe(notify)
+        if refusal is not None:
+            raise refusal
+
+    def ready(self, recovery: Recovery) -> NodeInfo | None:
+        """The draft's info if it may be used now. While it is not, probes at most once per retry
+        period; a sequence that finds another one probing goes on without waiting for it. A running
+        generator must outlive whatever the draft answers, so a refusal is reported, not raised."""
+        info = self.info
+        if info is not None or time.monotonic() - self._failed_at < recovery.draft_retry_seconds:
+            return info
+        if not self._probing.acquire(blocking=False):
+            return None
+        try:
+            refusal = self._probe(recovery.notify)
+        finally:
+            self._probing.release()
+        if refusal is not None and str(refusal) != self._refused:
+            self._refused = str(refusal)
+            recovery.notify(f"draft node {self.name} refused: {refusal}; generating with the target alone")
+        return self.info
+
+    def lost(self, epoch: int) -> None:
+        """A call to the draft failed: it counts as down until a probe says otherwise. A failure on a
+        session of an earlier epoch says nothing about the draft that came back since."""
+        if epoch == self.epoch and self.info is not None:
+            self._failed_at = time.monotonic()
+            self.info = None
+
+    def _probe(self, notify: Callable[[str], None]) -> Exception | None:
+        """Read and check the draft's info; returns why a draft that answered is refused. Whatever it
+        answered: a mismatch, a refusal of this client's credentials, an error of its own; the target
+        alone is still correct, so it is for the caller to raise (at start) or report (later)."""
+        first = self._failed_at == -math.inf and self.epoch == 0
+        try:
+            info = self.draft.info()
+            check_pair(info, self.target.info())
+            if self.auto_budget:
+                needs_curve(info)
+        except NodeFault as exc:
+            self._failed_at = time.monotonic()
+            if first:
+                notify(f"{exc}; generating with the target alone until it comes up")
+            return None
+        except Exception as exc:
+            self._failed_at = time.monotonic()
+            return exc
+        if not first:
+            verb = "resumes" if self.epoch else "starts"
+            notify(f"draft node {self.name} is up: speculative decoding {verb}")
+        self._refused = ""
+        self.epoch += 1  # before `info`: a sequence that sees the info sees the epoch it belongs to
+        self.info = info
+        return None
+
+
+class StepBudget:
+    """Each step's tree: the planner's choice (`--budget auto`) once there is a planner, else the fixed
+    shape. The planner may come from a callable: with the draft down at start it is built when the
+    draft comes up, in the middle of a request."""
+
+    def __init__(self, tree: TreeParams | None, planner: PlannerSource, sampling: SamplingParams) -> None:
+        self.tree, self.kind = tree, regime(sampling)
+        self._source = planner if callable(planner) else lambda: planner
+        self._planner: BudgetPlanner | None = None
+        self._request: RegimeStats | None = None
+
+    def params(self) -> TreeParams | None:
+        if self.tree is None:
+            return None
+        if self._planner is None:
+            self._planner = self._source()
+            if self._planner is not None:
+                self._request = self._planner.start(self.kind)
+        if self._planner is None:
+            return self.tree
+        return self._planner.choose(self.kind, self._request)
+
+    def observe(self, drafted: DraftedTree, tokens: list[int], draft_s: float, target_s: float) -> None:
+        if self._planner is not None:
+            self._planner.observe(drafted, tokens, draft_s, target_s, self.kind, self._request)
+
+
 class Sequence:
     """One token sequence mirrored on the target (and the draft, if any), extended step by step.
 
     Nodes learn about changes lazily: tokens appended, or a rollback for a chat turn that rewrites
-    the end, ride along with the next request to that node.
+    the end, ride along with the next request to that node. The draft's session is opened lazily
+    too, at the first step the draft is usable: it is optional, and may be down at start.
     """
 
     def __init__(
@@ -126,26 +249,25 @@ class Sequence:
         draft: DraftBackend | None,
         prompt: list[int],
         recovery: Recovery | None = None,
+        link: DraftLink | None = None,
     ) -> None:
+        """`link` is the generator's, shared by its sequences; without one the sequence checks the
+        draft itself."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
-        if draft is not None:
-            check_pair(draft.info(), target.info())
         self.target, self.draft = target, draft
         self.recovery = recovery or Recovery()
+        if link is None and draft is not None:
+            link = DraftLink(draft, target)
+            link.check(self.recovery.notify)
+        self.link = link if draft is not None else None
         self.tokens = list(prompt)
-        # A draft whose context is shorter than the target's drafts as far as it reaches.
-        self._draft_context = draft.info().max_context if draft is not None else 0
         self.target_session = target.open_session(prompt)
-        try:
-            self.draft_session = draft.open_session(prompt) if draft and self._draft_fits() else ""
-        except BaseException:
-            target.close_session(self.target_session)
-            raise
+        self.draft_session = ""
+        self._draft_epoch = -1  # the link's epoch the draft session was opened in
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.
         self._valid = {"target": len(prompt), "draft": len(prompt)}
         self._length = dict(self._valid)
-        self._draft_down_since: float | None = None
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -180,36 +302,55 @@ class Sequence:
             self.draft_session = session
         self._valid[node] = self._length[node] = len(self.tokens)
 
+    def _draft_step(self, budget: StepBudget, stats: GenerationStats) -> tuple[DraftedTree | None, bool]:
+        """This step's tree, or None to run it on the target alone; and whether the step is a steady
+        one, its times free of a draft session's first pass over the history."""
+        if self.link is None or budget.tree is None:
+            return None, False
+        held = self._draft_epoch
+        if not self._draft_ready(stats):
+            return None, False
+        params = budget.params()  # after `_draft_ready`: a draft that just came up may bring the planner
+        assert params is not None
+        drafted = self._draft_tree(params, stats)
+        if drafted is not None:
+            stats.budgets.append(drafted.tree.size - 1)
+            stats.chain_steps += params.is_chain
+        return drafted, self._draft_epoch == held
+
+    def _draft_ready(self, stats: GenerationStats) -> bool:
+        """Whether this step can draft: the draft is usable, the sequence fits its context, and this
+        sequence holds a session opened since the draft last came up."""
+        assert self.link is not None
+        info = self.link.ready(self.recovery)
+        if info is None or len(self.tokens) > info.max_context:
+            return False
+        epoch = self.link.epoch
+        if self._draft_epoch == epoch:
+            return True
+        try:
+            self._reopen("draft")
+        except NodeFault as exc:
+            self._draft_failed(exc, epoch, stats)
+            return False
+        self._draft_epoch = epoch
+        return True
+
     def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> DraftedTree | None:
-        """The draft's tree, or None while the draft is down or the sequence is past its context (the
-        step then runs on the target alone)."""
+        """The draft's tree, or None if the draft failed (the step then runs on the target alone)."""
         assert self.draft is not None
-        if not self._draft_fits():
-            return None
-        down = self._draft_down_since
-        # No session: the draft was down, or the prompt was past its context and now fits (reset_to).
-        if down is not None or not self.draft_session:
-            if down is not None and time.monotonic() - down < self.recovery.draft_retry_seconds:
-                return None
-            try:
-                self._reopen("draft")
-            except NodeFault:
-                self._draft_down_since = time.monotonic()
-                return None
-            if down is not None:
-                self._draft_down_since = None
-                self.recovery.notify("draft node is back: speculative decoding resumes")
         try:
             truncate_to, append = self._sync("draft")
             return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
         except NodeFault as exc:
-            stats.draft_failures += 1
-            self._draft_down_since = time.monotonic()
-            self.recovery.notify(f"{exc}; continuing with the target alone")
+            self._draft_failed(exc, self._draft_epoch, stats)
             return None
 
-    def _draft_fits(self) -> bool:
-        return len(self.tokens) <= self._draft_context
+    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
+        assert self.link is not None
+        stats.draft_failures += 1
+        self.link.lost(epoch)
+        self.recovery.notify(f"{exc}; continuing with the target alone")
 
     def _verify(self, tree: TokenTree, sampling: SamplingParams, max_tokens: int) -> VerifyResult:
         deadline = time.monotonic() + self.recovery.target_retry_seconds
@@ -244,21 +385,15 @@ class Sequence:
         sampling: SamplingParams,
         tree: TreeParams | None,
         stats: GenerationStats,
-        planner: BudgetPlanner | None = None,
+        planner: PlannerSource = None,
     ) -> Iterator[VerifyResult]:
-        """`planner`, if given, picks each step's tree size (`--budget auto`) instead of `tree`."""
+        """`planner`, if given (or once its callable returns one), picks each step's tree size
+        (`--budget auto`) instead of `tree`."""
         generated = 0
-        kind = regime(sampling)
-        request = planner.start(kind) if planner is not None else None
+        budget = StepBudget(tree, planner, sampling)
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
-            drafted: DraftedTree | None = None
-            params = planner.choose(kind, request) if planner is not None else tree
-            if params is not None and self.draft is not None:
-                drafted = self._draft_tree(params, stats)
-                if drafted is not None:
-                    stats.budgets.append(drafted.tree.size - 1)
-                    stats.chain_steps += params.is_chain
+            drafted, steady = self._draft_step(budget, stats)
             verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
             mid = time.perf_counter()
             result = self._verify(verified, sampling, sampling.max_new_tokens - generated)
@@ -270,8 +405,8 @@ class Sequence:
             stats.network_seconds += draft_wire + target_wire
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
-            if planner is not None and drafted is not None and generated > 0 and not result.finish_reason:
-                planner.observe(drafted, result.tokens, draft_s, target_s, kind, request)
+            if drafted is not None and steady and generated > 0 and not result.finish_reason:
+                budget.observe(drafted, result.tokens, draft_s, target_s)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)
@@ -281,10 +416,11 @@ class Sequence:
                 return
 
     def close(self) -> None:
-        """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the rest)."""
-        for backend, session in ((self.target, self.target_session), (self.draft, self.draft_session)):
-            if backend is not None:
-                _close_quietly(backend, session)
+        """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the
+        rest), so a draft known to be down is not asked."""
+        _close_quietly(self.target, self.target_session)
+        if self.draft is not None and self.link is not None and self.link.info is not None:
+            _close_quietly(self.draft, self.draft_session)
 
 
 def wire_seconds(call_seconds: float, node_seconds: float | None) -> float:

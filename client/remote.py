@@ -13,9 +13,10 @@ import grpc
 
 from client.api import SpecExec
 from client.faults import NodeUnavailable, SessionLost
+from client.generation import Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.decoding.types import NodeInfo, VerifyResult, check_pair
+from common.decoding.types import NodeInfo, VerifyResult
 from common.model.loading import tokenizer_fingerprint
 from common.model.store import cache_root
 from common.pb.specexec.v1 import specexec_pb2 as pb
@@ -33,6 +34,10 @@ from common.rpc.wire import (
 
 DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
+DEFAULT_PROBE_TIMEOUT = 3.0  # the draft's Info: a draft that does not answer by then counts as down
+# A channel backs off between attempts to reach a node that is down, by default up to 120 s; a node
+# that comes back is then only seen that long after. Capped, a draft that returns is used soon.
+RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
 class NodeError(RuntimeError):
@@ -89,9 +94,10 @@ def _call(
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+    options = CHANNEL_OPTIONS + RECONNECT_OPTIONS
     if credentials is None:
-        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return grpc.secure_channel(address, credentials, options=CHANNEL_OPTIONS)
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, credentials, options=options)
 
 
 class _RemoteNode:
@@ -144,9 +150,15 @@ class _RemoteNode:
 class RemoteDraft(_RemoteNode):
     role = "draft"
 
-    def __init__(self, address: str, **kwargs: Any) -> None:
+    def __init__(self, address: str, *, probe_timeout: float = DEFAULT_PROBE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(address, **kwargs)
         self.stub = pb_grpc.DraftServiceStub(self.channel)
+        self.probe_timeout = probe_timeout
+
+    def info(self) -> NodeInfo:
+        """Asked afresh each time, under a short deadline: `DraftLink` probes a draft that may be down
+        with it, and a draft that came back may serve another model. The link keeps what it checked."""
+        return node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest(), self.probe_timeout))
 
     def build_tree(
         self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
@@ -230,19 +242,26 @@ def connect(
     mode: str = "specexec",
     tree: TreeParams | None = None,
     auto_budget: bool = False,
+    recovery: Recovery | None = None,
     **kwargs: Any,
 ) -> SpecExec:
-    """A `SpecExec` whose nodes are remote; the tokenizer pair is checked before any work.
+    """A `SpecExec` whose nodes are remote. The target must be up; the draft is optional: one that is
+    down is reported (through `recovery.notify`) and used once it comes up, while one that is up
+    must share the target's tokenizer, or this raises `TokenizerMismatch`.
 
     `security=ClientSecurity.from_files(ca=..., cert=..., key=..., token_file=...)` (common.rpc.security)
     connects over TLS and/or sends the nodes' shared token; other kwargs go to `RemoteTarget`/`RemoteDraft`.
     """
     remote_target = RemoteTarget(target, **kwargs)
     remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
-    if remote_draft is not None:
-        check_pair(remote_draft.info(), remote_target.info())
     return SpecExec(
-        remote_target, remote_draft, remote_target.tokenizer(), mode=mode, tree=tree, auto_budget=auto_budget
+        remote_target,
+        remote_draft,
+        remote_target.tokenizer(),
+        mode=mode,
+        tree=tree,
+        auto_budget=auto_budget,
+        recovery=recovery,
     )
 
 

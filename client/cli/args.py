@@ -6,6 +6,7 @@ import argparse
 from typing import Any
 
 from client.api import SpecExec, render_chat
+from client.generation import Recovery
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -70,6 +71,13 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
     src.add_argument("--draft", help="draft node HOST:PORT")
     src.add_argument(
         "--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)"
+    )
+    src.add_argument(
+        "--draft-retry",
+        type=float,
+        default=Recovery.draft_retry_seconds,
+        help="seconds between attempts to reach a draft node that is down (the target generates alone "
+        "meanwhile, with the same output)",
     )
     if in_process:
         src.add_argument("--target-model", help="target model: run both models in this process")
@@ -149,4 +157,5 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
         auto_budget=auto_budget(args),
         step_timeout=args.step_timeout,
         security=client_security(args),
+        recovery=Recovery(draft_retry_seconds=args.draft_retry),
     )

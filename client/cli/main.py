@@ -105,7 +105,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         """The gateway's own generator (with its --budget auto planner) unless a request overrides it."""
         if mode == base.mode and tree == base.tree:
             return base
-        return SpecExec(base.target, base.draft, base.tokenizer, mode=mode, tree=tree)
+        return base.variant(mode, tree)
 
     server = Server(
         args.listen,
@@ -149,7 +149,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     args.budget = "auto"
     gen = generator_from(args)
     if gen.planner is None:
-        raise ValueError("profile needs --mode specexec and a draft")
+        raise ValueError("profile needs --mode specexec and a draft that is up")
     for role, curve in (("target", gen.planner.target_curve), ("draft", gen.planner.draft_curve)):
         print(f"{role} forward pass: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in curve))
     out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)
