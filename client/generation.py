@@ -63,6 +63,7 @@ class GenerationStats:
         default_factory=list
     )  # nodes drafted per step: a floor or a small tree stops short
     chain_steps: int = 0  # steps whose draft proposal was a plain chain
+    reused_trees: int = 0  # trees grown from the draft's lookahead search (re-rooted, no catch-up)
     draft_failures: int = 0
 
     @property
@@ -86,6 +87,7 @@ class GenerationStats:
             "draft_failures": self.draft_failures,
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
             "chain_steps": self.chain_steps,
+            "reused_trees": self.reused_trees,
         }
 
 
@@ -316,6 +318,7 @@ class Sequence:
         if drafted is not None:
             stats.budgets.append(drafted.tree.size - 1)
             stats.chain_steps += params.is_chain
+            stats.reused_trees += drafted.reused
         return drafted, self._draft_epoch == held
 
     def _draft_ready(self, stats: GenerationStats) -> bool:

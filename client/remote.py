@@ -172,7 +172,9 @@ class RemoteDraft(_RemoteNode):
         )
         response = self._rpc(self.stub.BuildTree, request, self.step_timeout)
         node_seconds = response.build_seconds + response.queue_seconds
-        return DraftedTree(tree_from_proto(response.tree), response.draft_forwards, node_seconds)
+        return DraftedTree(
+            tree_from_proto(response.tree), response.draft_forwards, node_seconds, reused=response.reused
+        )
 
 
 class RemoteTarget(_RemoteNode):
