@@ -234,7 +234,7 @@ def test_https_with_the_servers_tls_flags(gen, tmp_path):
     import argparse
     import ssl
 
-    from client.openai.server import tls_files
+    from client.cli.args import tls_files
     from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
@@ -261,7 +261,7 @@ def test_a_tls_client_that_leaves_mid_stream_is_not_a_generation_error(gen, tmp_
     import ssl
     import time
 
-    from client.openai.server import tls_files
+    from client.cli.args import tls_files
     from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])
@@ -535,7 +535,7 @@ def test_client_certificates_with_the_client_ca_flag(gen, tmp_path):
     import argparse
     import ssl
 
-    from client.openai.server import tls_files
+    from client.cli.args import tls_files
     from common.rpc.certs import generate
 
     issued = generate(tmp_path / "pki", ["localhost"])

@@ -7,6 +7,7 @@ from typing import Any
 
 from client.api import SpecExec, render_chat
 from client.generation import Recovery
+from client.openai.server import TlsFiles
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -159,3 +160,25 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
         security=client_security(args),
         recovery=Recovery(draft_retry_seconds=args.draft_retry),
     )
+
+
+def add_openai_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("OpenAI-compatible HTTP endpoint")
+    g.add_argument(
+        "--openai", metavar="HOST:PORT", help="also (or only) serve /v1/completions, /v1/chat/completions"
+    )
+    g.add_argument("--served-model-name", help="the model id clients send (default: the target's model id)")
+    g.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=1024,
+        help="chat max_tokens when a request omits it (completions: 16, as OpenAI)",
+    )
+
+
+def tls_files(args: argparse.Namespace) -> TlsFiles | None:
+    """HTTPS from the same --tls-cert/--tls-key (and --tls-client-ca) as the gRPC port."""
+    cert = getattr(args, "tls_cert", None)
+    if not cert:
+        return None
+    return TlsFiles(cert, getattr(args, "tls_key", None), getattr(args, "tls_client_ca", None) or None)

@@ -10,20 +10,21 @@ from typing import Any
 from client.api import Chat, SpecExec
 from client.bench.cli import add_bench_parser
 from client.cli.args import (
+    add_openai_args,
     add_remote_args,
     add_sampling_args,
     add_tree_args,
     generator_from,
     prompt_from,
     sampling_from,
+    tls_files,
 )
 from client.cli.certs import add_certs_args, cmd_certs
 from client.cli.local import run_local
 from client.cli.output import print_stream
 from client.cli.status import add_status_args
 from client.gateway import GenerationServicer
-from client.openai.server import add_openai_args, serve_until_signal
-from client.openai.server import start_from_args as start_openai
+from client.openai.server import serve_until_signal, start_openai
 from common.model.store import DEFAULT_MODELS, ModelStoreError, install_model, list_models
 from common.ops import config
 from common.ops.config import add_config_option
@@ -96,7 +97,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logs(log_settings(args), "gateway")
     start_metrics_server(args.metrics_port)
     base = generator_from(args)
-    http = start_openai(args, base, sec.token) if args.openai else None
+    http = None
+    if args.openai:
+        http = start_openai(
+            args.openai,
+            base,
+            model_name=args.served_model_name,
+            default_max_tokens=args.default_max_tokens,
+            token=sec.token,
+            tls=tls_files(args),
+        )
     if not args.listen:
         serve_until_signal(http)
         return 0

@@ -38,7 +38,6 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
 
 import uvicorn
 
@@ -150,37 +149,18 @@ def _bind(host: str, port: int) -> socket.socket:
     return sock
 
 
-def add_openai_args(parser: Any) -> None:
-    g = parser.add_argument_group("OpenAI-compatible HTTP endpoint")
-    g.add_argument(
-        "--openai", metavar="HOST:PORT", help="also (or only) serve /v1/completions, /v1/chat/completions"
-    )
-    g.add_argument("--served-model-name", help="the model id clients send (default: the target's model id)")
-    g.add_argument(
-        "--default-max-tokens",
-        type=int,
-        default=1024,
-        help="chat max_tokens when a request omits it (completions: 16, as OpenAI)",
-    )
-
-
-def tls_files(args: Any) -> TlsFiles | None:
-    """HTTPS from the same --tls-cert/--tls-key (and --tls-client-ca) as the gRPC port."""
-    cert = getattr(args, "tls_cert", None)
-    if not cert:
-        return None
-    return TlsFiles(cert, getattr(args, "tls_key", None), getattr(args, "tls_client_ca", None) or None)
-
-
-def start_from_args(args: Any, gen: SpecExec, token: str | None) -> OpenAIServer:
-    """`specexec serve --openai HOST:PORT`: start the endpoint in front of `gen`."""
+def start_openai(
+    listen: str,
+    gen: SpecExec,
+    *,
+    model_name: str | None = None,
+    default_max_tokens: int = 1024,
+    token: str | None = None,
+    tls: TlsFiles | None = None,
+) -> OpenAIServer:
+    """`specexec serve --openai HOST:PORT`: start the endpoint in front of `gen`, and say where."""
     server = OpenAIServer(
-        args.openai,
-        gen,
-        model_name=args.served_model_name,
-        default_max_tokens=args.default_max_tokens,
-        token=token,
-        tls=tls_files(args),
+        listen, gen, model_name=model_name, default_max_tokens=default_max_tokens, token=token, tls=tls
     ).start()
     auth = "token required" if token is not None else "no token"
     print(f"OpenAI-compatible endpoint at {server.url} ({auth})", file=sys.stderr, flush=True)
