@@ -86,10 +86,11 @@ class Lab:
             port = free_port()
             cmd = node_command(role, model, port, config.dtype, config.max_budget, [], quantize, lookahead)
             argv, env = pinned(cmd, cores)
-            self.procs.append(subprocess.Popen(argv, env=env))
+            proc = subprocess.Popen(argv, env=env)
+            self.procs.append(proc)
             self.addrs[name] = f"127.0.0.1:{port}"
-        for proc, addr in zip(self.procs, self.addrs.values(), strict=True):
-            wait_until_serving(addr, timeout=1800, alive=lambda p=proc: p.poll() is None)
+            # One at a time: two drafts profiling on one core at once would each measure half a core.
+            wait_until_serving(self.addrs[name], timeout=1800, alive=lambda p=proc: p.poll() is None)
         argv, env = pinned([sys.executable, "-m", "client.bench.home_lab", json.dumps(asdict(config), default=str)],
                            config.target_cores)  # fmt: skip
         self.worker = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
