@@ -22,6 +22,10 @@ from common.model.transformer import Transformer
 from draft_node.tree_builder import BuiltTree, TreeBuilder
 
 MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switches among a few
+# The lookahead search keeps this many times the largest tree: the next root is a node just outside
+# the tree it shipped, so the search must hold (and expand) nodes beyond it.
+LOOKAHEAD_FACTOR = 4
+MAX_LOOKAHEAD_NODES = 4096
 
 
 class DraftSession:
@@ -35,8 +39,10 @@ class DraftSession:
         self.model = model
         self.max_context = max_context
         self.committed: list[int] = list(prompt)
-        self.cache = model.new_cache(max_context + 2 * max_tree + 1)
         self.max_tree = max_tree
+        self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, MAX_LOOKAHEAD_NODES), max_tree)
+        # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
+        self.cache = model.new_cache(max_context + 2 * (self.search_nodes if lookahead else max_tree) + 1)
         self._builders: OrderedDict[TreeParams, TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
         self.lookahead = lookahead
@@ -87,7 +93,7 @@ class DraftSession:
             builder = self._builder(params.shape)
             self._last = builder.build(self.committed[-1], self._catch_up(), self, params)
             return self._last, False
-        shape = replace(params.shape, budget=self.max_tree)
+        shape = replace(params.shape, budget=max(self.search_nodes, params.budget))
         reused = self._search is not None and self._search.params == shape
         if reused:
             assert self._search is not None
