@@ -5,6 +5,11 @@ Every step sets two thresholds on a node's cumulative draft probability q, from 
 forward-time curves: expand a node when c·q > K_LEVEL·R·(level + children·slope), propose it when
 c·q > K_NODE·R·slope; `--max-budget` stays the cap. The design, its constants and the runs behind
 them: docs/planner.md.
+
+With a draft node that searches ahead while the target verifies (its lookahead), the draft's work on
+a tree it re-roots is hidden behind the target's pass up to that pass's length: the level cost then
+counts only the exposed share of the draft's time, learned from the re-root hit rate. In one process
+nothing is hidden, no tree is re-rooted, and the share stays 1.
 """
 
 from __future__ import annotations
@@ -42,6 +47,7 @@ class RegimeStats:
     batch: float = 1.0  # nodes per expansion forward
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
+    reused: float = 0.0  # share of trees the draft grew from its lookahead search (re-rooted)
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
 
@@ -72,6 +78,7 @@ class RegimeStats:
         if shape.batch is not None:
             self.batch += w * (shape.batch - self.batch)
         self.children += w * (shape.children - self.children)
+        self.reused += w * (shape.reused - self.reused)
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,7 @@ class StepShape:
     size: int
     batch: float | None  # nodes per expansion forward, if it expanded any
     children: float  # nodes proposed per node expanded
+    reused: bool = False  # grown from the draft's lookahead search
 
 
 @dataclass(frozen=True)
@@ -94,6 +102,7 @@ class Thresholds:
     level_seconds: float
     slope_seconds: float
     params: TreeParams
+    exposed: float = 1.0  # share of the draft's time not hidden behind the target's pass
 
 
 @dataclass
@@ -144,7 +153,8 @@ class BudgetPlanner:
         span = min(max(s.size, float(SLOPE_SPAN)), float(self.base.budget))
         grown = interpolate(self.target_curve, span + 1) - interpolate(self.target_curve, 1)
         slope = self.target_scale * max(grown, 0.0) / span
-        level = self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
+        exposed = self._exposed(s)
+        level = exposed * self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
         value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node
         min_prob = min(MAX_FLOOR, self.k_level * value * level)
         params = replace(
@@ -153,7 +163,20 @@ class BudgetPlanner:
             min_prob=round(min_prob, 4),
             min_node_prob=round(min(min_prob, self.k_node * value * slope), 4),
         )
-        return Thresholds(s.rate, s.calibration, level, slope, params)
+        return Thresholds(s.rate, s.calibration, level, slope, params, exposed)
+
+    def _exposed(self, s: RegimeStats) -> float:
+        """The share of the draft's time a step waits for. A re-rooted tree was grown while the target
+        verified the last one, so its draft time is hidden up to the target's pass; beyond it, and on
+        every tree the search missed, the step waits for all of it. Both times are the mean tree's."""
+        if s.reused <= 0.0:
+            return 1.0
+        batch = max(s.batch, 1.0)
+        forwards = s.size / max(s.children, 1.0) / batch  # expansions of the mean tree
+        draft = self.draft_scale * forwards * interpolate(self.draft_curve, batch)
+        target = self.target_scale * interpolate(self.target_curve, s.size + 1)
+        beyond = max(0.0, draft - target) / draft if draft > 0 else 0.0
+        return (1.0 - s.reused) + s.reused * beyond
 
     def choose(self, regime: str = GREEDY, request: RegimeStats | None = None) -> TreeParams:
         return self.thresholds(regime, request).params
@@ -181,8 +204,9 @@ class BudgetPlanner:
                 accepted=len(tokens) - 1,
                 predicted=float(tree.logprobs[1:].double().exp().sum()),
                 size=n,
-                batch=expanded / forwards if forwards and expanded else None,
+                batch=expanded / forwards if forwards and expanded and not drafted.reused else None,
                 children=n / (1 + expanded),
+                reused=drafted.reused,
             )
         with self._lock:
             for s in (self._stats(regime), request):
@@ -190,9 +214,10 @@ class BudgetPlanner:
                     s.learn(len(tokens), draft_seconds + target_seconds, shape)
             if shape is None:
                 return
-            batch = shape.batch if shape.batch is not None else 1.0
-            modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
-            self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
+            if not shape.reused:  # a re-rooted tree's draft time is only what the search had left to do
+                batch = shape.batch if shape.batch is not None else 1.0
+                modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
+                self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
             modelled = interpolate(self.target_curve, n + 1)
             self.target_scale *= _ema_ratio(target_seconds, self.target_scale * modelled)
 

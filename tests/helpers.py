@@ -33,11 +33,21 @@ def reference_decode(
     return out
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A loopback port nobody listens on now (tests start their servers on it right away)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A loopback port nobody listens on now, never the same one twice in a test run.
+
+    Servers start on it a little later, so without the memory two calls in a row can return one port.
+    """
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -95,6 +95,50 @@ def test_time_scales_settle_on_what_steps_measure():
     assert slow.target_scale == pytest.approx(2.0, rel=0.01)
 
 
+def observe_pipelined(plan: BudgetPlanner, reused: bool, draft_s: float, target_s: float) -> None:
+    """60 steps over an 8-node chain, each tree re-rooted from the draft's lookahead or built fresh."""
+    tree = chain_tree(8, 0.8)
+    for _ in range(60):
+        plan.observe(DraftedTree(tree, 7, reused=reused), [1, 2, 3, 4], draft_s, target_s)
+
+
+def test_a_draft_hidden_behind_verification_costs_nothing():
+    """Re-rooted trees whose search fits inside the target's pass: the step never waits for the
+    draft, so expanding is as cheap as the target's share alone and the floors fall."""
+    fast_draft = [(n, t / 4) for n, t in DRAFT]  # 8 expansions take 0.031 s, the target's pass 0.083 s
+    sequential, pipelined = BudgetPlanner(CPU, fast_draft, base=BASE), BudgetPlanner(CPU, fast_draft, base=BASE)
+    observe_pipelined(sequential, reused=False, draft_s=8 * fast_draft[0][1], target_s=0.0851)
+    observe_pipelined(pipelined, reused=True, draft_s=0.002, target_s=0.0851)
+    assert sequential.thresholds().exposed == 1.0
+    assert pipelined.thresholds().exposed == pytest.approx(1 - pipelined.stats().reused)  # the misses
+    assert pipelined.thresholds().exposed < 0.1
+    assert pipelined.choose().min_prob < 0.5 * sequential.choose().min_prob
+
+
+def test_a_draft_slower_than_the_target_pays_for_what_sticks_out():
+    """A draft slower than the target's pass is hidden only up to that pass: the exposed share is
+    the rest, and a search that never re-roots exposes all of it."""
+    slow_draft = [(n, 10 * t) for n, t in DRAFT]
+    plan = BudgetPlanner(CPU, slow_draft, base=BASE)
+    observe_pipelined(plan, reused=True, draft_s=0.01, target_s=0.0851)
+    t = plan.thresholds()
+    draft = plan.draft_scale * 8 * slow_draft[0][1]  # the mean tree: 8 one-node expansions
+    target = plan.target_scale * 0.0851
+    hit = plan.stats().reused
+    assert hit > 0.9
+    assert t.exposed == pytest.approx(1 - hit + hit * (draft - target) / draft, rel=0.02)
+    missed = BudgetPlanner(CPU, slow_draft, base=BASE)
+    observe_pipelined(missed, reused=False, draft_s=8 * slow_draft[0][1], target_s=0.0851)
+    assert missed.thresholds().exposed == 1.0
+
+
+def test_re_rooted_trees_leave_the_draft_time_scale_alone():
+    """A re-rooted tree's foreground time is what the search had left: not a measure of the curve."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    observe_pipelined(plan, reused=True, draft_s=1e-4, target_s=0.0851)
+    assert plan.draft_scale == 1.0
+
+
 def test_greedy_and_sampled_requests_learn_separately():
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     observe(plan, accepted=6, seconds=0.2, regime=GREEDY)

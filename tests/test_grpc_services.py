@@ -13,7 +13,7 @@ import pytest
 
 from common.decoding.sampling import SamplingParams
 from common.pb.specexec.v1 import specexec_pb2 as pb
-from common.rpc.server import SERVER_VERSION
+from common.rpc.server import SERVER_VERSION, Server
 from common.rpc.servicer import CLIENT_KEY
 from common.rpc.wire import tree_from_proto
 from draft_node.engine import DraftEngine
@@ -390,6 +390,16 @@ def test_not_ready_until_an_engine_is_attached(loaded, model_dirs, role):
     servicer.attach(engine, model_dirs[role if role == "target" else "truncated"])
     assert node.ok("Info", pb.InfoRequest()).role == role
     open_session(node)
+
+
+def test_a_second_server_on_a_busy_port_fails_clearly():
+    """gRPC shares ports by default (SO_REUSEPORT); two nodes on one port would split the traffic between them."""
+    first = Server("127.0.0.1:0", [])
+    try:
+        with pytest.raises(OSError, match=f"--listen 127.0.0.1:{first.port}: could not bind"):
+            Server(f"127.0.0.1:{first.port}", [])
+    finally:
+        first.server.stop(None)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
     cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab",
            "--draft-model", str(model_dirs["truncated"]), "--target-model", str(model_dirs["target"]),
            "--dtype", "float32", "--limit", "2", "--max-new-tokens", "12", "--auto-cap", "16",
-           "--settings", "greedy", "sampled", "--out", str(out)]  # fmt: skip
+           "--settings", "greedy", "sampled", "--rtt-ms", "20", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
@@ -30,7 +30,8 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
     assert len(results["runs"]) == 2 * 2 * 4
     # float32: every contestant's tokens are the target alone's, greedy and seeded.
     assert all(row["same_tokens"] for row in results["summary"])
-    assert "| split, pipelined |" in (out / "report.md").read_text()
+    report = (out / "report.md").read_text()
+    assert "| split, pipelined |" in report and "round trip 20 ms (delaying relay)" in report
     assert (out / "home-lab.png").stat().st_size > 0
 
 
@@ -42,3 +43,42 @@ def test_home_lab_refuses_shared_or_missing_cores(tmp_path):
     cmd[cmd.index("--target-cores") + 1] = "4096"
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "are not all among this machine's" in run.stderr
+
+
+def test_relay_delays_each_way_and_keeps_the_bytes(tmp_path):
+    """An echo server behind the relay: what goes through comes back whole, in order, a round trip
+    later at the least (the relay holds each chunk half the round trip, each way)."""
+    import socket
+    import threading
+    import time
+
+    from tests.helpers import free_port
+
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    port = free_port()
+    relay = subprocess.Popen([sys.executable, "-m", "client.bench.relay", str(port),
+                              f"127.0.0.1:{echo.getsockname()[1]}", "200"], cwd=ROOT, stdout=subprocess.PIPE,
+                             text=True)  # fmt: skip
+    try:
+        assert relay.stdout.readline().strip() == "ready"
+        payload = os.urandom(300_000)  # several chunks in flight at once
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            start = time.monotonic()
+            sock.sendall(payload)
+            got = b""
+            while len(got) < len(payload):
+                got += sock.recv(65536)
+            elapsed = time.monotonic() - start
+        assert got == payload
+        assert elapsed >= 0.2
+    finally:
+        relay.kill()
+        echo.close()

@@ -205,6 +205,14 @@ def add_bench_parser(sub: Any) -> None:
     )
     lab.add_argument("--draft-cores", type=cores, default=(0,), metavar="N,N,...")
     lab.add_argument("--target-cores", type=cores, default=(1,), metavar="N,N,...")
+    lab.add_argument(
+        "--rtt-ms",
+        type=non_negative_float,
+        default=0.0,
+        metavar="MS",
+        help="round trip between the client (beside the draft) and the target node, added by a delaying "
+        "relay: a home network's latency on loopback",
+    )
     b.set_defaults(func=cmd_bench)
 
 
@@ -217,6 +225,16 @@ def cores(text: str) -> tuple[int, ...]:
     if not values or not set(values) <= available:
         raise argparse.ArgumentTypeError(f"cores {text!r} are not all among this machine's {sorted(available)}")
     return values
+
+
+def non_negative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value <= 1000:
+        raise argparse.ArgumentTypeError(f"must be in [0, 1000] ms, got {value:g}")
+    return value
 
 
 def cmd_home_lab(args: argparse.Namespace) -> int:
@@ -234,6 +252,7 @@ def cmd_home_lab(args: argparse.Namespace) -> int:
         max_budget=args.auto_cap or 256,
         settings=tuple(bench_settings(args)),
         seed=args.seed,
+        rtt_ms=args.rtt_ms,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

@@ -229,10 +229,18 @@ def hf_contestants(
     return [make("hf generate", None)] + ([] if offload else [make("hf assisted", draft)])
 
 
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never one handed out before: nodes bind theirs only after start-up."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port not in _HANDED_OUT:
+            _HANDED_OUT.add(port)
+            return port
 
 
 class GrpcNodes:

@@ -50,6 +50,7 @@ class HomeLabConfig:
     max_budget: int = 256  # --budget auto's cap, and the nodes' --max-tree
     settings: tuple[str, ...] = ("greedy",)
     seed: int = 0
+    rtt_ms: float = 0.0  # client-target round trip, through client.bench.relay
     out: Path = field(default_factory=lambda: Path("bench-results/home-lab"))
 
 
@@ -91,6 +92,16 @@ class Lab:
             self.addrs[name] = f"127.0.0.1:{port}"
             # One at a time: two drafts profiling on one core at once would each measure half a core.
             wait_until_serving(self.addrs[name], timeout=1800, alive=lambda p=proc: p.poll() is None)
+        self.target = self.addrs["target"]
+        if config.rtt_ms:
+            port = free_port()
+            relay = [sys.executable, "-m", "client.bench.relay", str(port), self.target, str(config.rtt_ms)]
+            argv, env = pinned(relay, config.draft_cores)
+            self.relay = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+            self.procs.append(self.relay)
+            if self.relay.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
+                raise RuntimeError("the delaying relay did not start")
+            self.target = f"127.0.0.1:{port}"
         argv, env = pinned([sys.executable, "-m", "client.bench.home_lab", json.dumps(asdict(config), default=str)],
                            config.target_cores)  # fmt: skip
         self.worker = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -100,7 +111,7 @@ class Lab:
 
     def generators(self) -> dict[str, Callable[[list[int], SamplingParams], Completion]]:
         tree = TreeParams(budget=self.config.max_budget)
-        t = self.addrs["target"]
+        t = self.target  # through the relay, with --rtt-ms
         alone = connect(None, t, mode="autoregressive")
         seq = connect(self.addrs["draft-seq"], t, tree=tree, auto_budget=True)
         pipe = connect(self.addrs["draft-pipe"], t, tree=tree, auto_budget=True)
@@ -231,7 +242,8 @@ def write_report(out: Path, config: HomeLabConfig, runs: list[LabRun], rows: lis
         "# Home lab: draft and target on separate cores, one thread each", "",
         f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens} tokens, "
-        f"--budget auto (cap {config.max_budget}).", "",
+        f"--budget auto (cap {config.max_budget}), client-target round trip "
+        f"{config.rtt_ms:g} ms{' (delaying relay)' if config.rtt_ms else ''}.", "",
         "| setting | category | contestant | runs | tok/s | x target alone | x sequential | tokens/pass "
         "| draft wait | target | wire | re-rooted trees | same tokens as target |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|",

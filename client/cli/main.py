@@ -170,7 +170,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
     t = gen.planner.thresholds()
     print(
         f"running rate {t.rate:.2f} tok/s, calibration {t.calibration:.2f} (accepted / draft probability), "
-        f"draft level {t.level_seconds * 1e3:.1f} ms, target {t.slope_seconds * 1e3:.2f} ms per tree token"
+        f"draft level {t.level_seconds * 1e3:.1f} ms, target {t.slope_seconds * 1e3:.2f} ms per tree token, "
+        f"{t.exposed:.0%} of the draft's time exposed (the rest hidden behind verification)"
     )
     p = t.params
     print(f"choice: --budget {p.budget} --min-prob {p.min_prob:g} --min-node-prob {p.min_node_prob:g}")

@@ -27,6 +27,7 @@ log = logging.getLogger("specexec.rpc")
 MAX_RESPONSE_BYTES = 64 * 1024 * 1024
 MAX_REQUEST_BYTES = 4 * 1024 * 1024
 SERVER_OPTIONS = [
+    ("grpc.so_reuseport", 0),  # a second node on a busy port must fail, not share it
     ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
     ("grpc.max_receive_message_length", MAX_REQUEST_BYTES),
 ]
@@ -111,12 +112,15 @@ class Server:
             [*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server
         )
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
-        if credentials is None:
-            self.port = self.server.add_insecure_port(listen)
-        else:
-            self.port = self.server.add_secure_port(listen, credentials)
+        try:
+            if credentials is None:
+                self.port = self.server.add_insecure_port(listen)
+            else:
+                self.port = self.server.add_secure_port(listen, credentials)
+        except RuntimeError as e:
+            raise OSError(f"--listen {listen}: could not bind (is another process on that port?)") from e
         if self.port == 0:
-            raise OSError(f"could not bind {listen}")
+            raise OSError(f"--listen {listen}: could not bind (is another process on that port?)")
         self.stopped = threading.Event()
 
     def _set_all(self, status: int) -> None:
