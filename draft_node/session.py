@@ -43,7 +43,7 @@ class DraftSession:
         self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, MAX_LOOKAHEAD_NODES), max_tree)
         # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
         self.cache = model.new_cache(max_context + 2 * (self.search_nodes if lookahead else max_tree) + 1)
-        self._builders: OrderedDict[TreeParams, TreeBuilder] = OrderedDict()
+        self._builders: OrderedDict[tuple[TreeParams, bool], TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
         self.lookahead = lookahead
         self._search: TreeBuilder | None = None  # lookahead: the search below the last tree's root
@@ -99,19 +99,19 @@ class DraftSession:
             assert self._search is not None
             self._search.set_floors(params)
         else:
-            self._search = self._builder(shape)
+            self._search = self._builder(shape, search=True)
             self._search.start(self.committed[-1], self._catch_up(), params)
         forwards = self._search.grow(self, params.budget)
         return self._search.take(params.budget, forwards), reused
 
     def idle_step(self) -> bool:
         """One more expansion of the lookahead search; False when it has nothing left to grow."""
-        return self._search is not None and self._search.step(self)
+        return self._search is not None and self._search.step(self, idle=True)
 
-    def _builder(self, shape: TreeParams) -> TreeBuilder:
+    def _builder(self, shape: TreeParams, search: bool = False) -> TreeBuilder:
         """`--budget auto` moves the floors every step; a builder's arrays fit any floors."""
-        builder = self._builders.pop(shape, None) or TreeBuilder(shape)
-        self._builders[shape] = builder
+        builder = self._builders.pop((shape, search), None) or TreeBuilder(shape, search)
+        self._builders[(shape, search)] = builder
         if len(self._builders) > MAX_BUILDERS:
             self._builders.popitem(last=False)
         return builder

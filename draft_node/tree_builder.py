@@ -54,8 +54,12 @@ class BuiltTree:
 class TreeBuilder:
     """Working arrays are allocated once per builder and reused for every tree."""
 
-    def __init__(self, params: TreeParams) -> None:
+    def __init__(self, params: TreeParams, search: bool = False) -> None:
+        """A `search` (the draft node's lookahead) keeps every child it has room for and lets idle-time
+        steps expand below the floors: the floors price the step's wait, and idle time costs none.
+        What it ships (`take`) and what a request waits for (`grow`) still obey them."""
         self.params = params
+        self.search = search
         p = params
         self.capacity = 1 + p.budget + min(p.expand_batch * p.max_branch, p.budget)
         c = self.capacity
@@ -96,17 +100,19 @@ class TreeBuilder:
             forwards += 1
         return forwards
 
-    def step(self, expander: Expander, budget: int | None = None) -> bool:
+    def step(self, expander: Expander, budget: int | None = None, idle: bool = False) -> bool:
         """One batched expansion of the best open nodes; False once none could still place a child
-        among the `budget` best (default: every node this search keeps)."""
+        among the `budget` best (default: every node this search keeps). An `idle` step of a search
+        ignores the expansion floor."""
         p = self.params
         budget = p.budget if budget is None else budget
-        nodes = self._next_batch(budget)
+        floor = -math.inf if idle and self.search else self.floor
+        nodes = self._next_batch(budget, floor)
         if nodes.numel() == 0:
             return False
         if self.used + min(nodes.numel() * p.max_branch, p.budget) > self.capacity:
             self._compact(expander)
-            nodes = self._next_batch(budget)
+            nodes = self._next_batch(budget, floor)
         logprobs = expander.expand(
             nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used]
         )
@@ -207,11 +213,12 @@ class TreeBuilder:
         self.ancestors[0, 0] = True
         self.used = 1
 
-    def _next_batch(self, budget: int) -> Tensor:
-        """The best unexpanded nodes that could still have a child among the `budget` best."""
+    def _next_batch(self, budget: int, floor: float) -> Tensor:
+        """The best unexpanded nodes at or above `floor` that could still have a child among the
+        `budget` best."""
         p, n = self.params, self.used
         open_ = self.alive[:n] & ~self.expanded[:n] & (self.depths[:n] < p.max_depth)
-        open_ &= self.scores[:n] >= self.floor
+        open_ &= self.scores[:n] >= floor
         kept = self.scores[1:n][self.alive[1:n]]
         if kept.numel() >= budget:
             # A child scores at most its parent and loses ties to older nodes, so a node no
@@ -230,7 +237,9 @@ class TreeBuilder:
         child_scores = (self.scores[nodes, None] + child_lp).flatten()
         child_parent = nodes[:, None].expand(-1, k).flatten()
         child_tok = child_tok.flatten()
-        finite = torch.isfinite(child_scores) & (child_scores >= self.node_floor)
+        finite = torch.isfinite(child_scores)
+        if not self.search:
+            finite &= child_scores >= self.node_floor
         child_scores, child_parent, child_tok = child_scores[finite], child_parent[finite], child_tok[finite]
 
         old = self.alive[1:n].nonzero().squeeze(1) + 1

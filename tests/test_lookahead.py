@@ -93,6 +93,30 @@ def test_tokens_off_the_search_start_a_fresh_tree(loaded):
     assert_cache_prefix_equal(session.cache, recomputed(model, session.committed), session.cache.length)
 
 
+def test_idle_time_grows_the_search_below_the_floors_it_ships_by(loaded):
+    """The floors price the step's wait; idle time costs nothing. So the search expands and keeps
+    nodes below them while the target verifies (the node the target ends on is often one of those),
+    and what it ships still obeys them."""
+    from dataclasses import replace
+
+    floors = replace(PARAMS, min_prob=0.3, min_node_prob=0.2)
+    session = DraftSession(loaded["truncated"].model, PROMPT, max_context=256, max_tree=64, lookahead=True)
+    tree, _ = session.build_tree(floors)
+    assert (tree.tree.logprobs[1:].exp() >= 0.2).all()
+    search = session._search
+    assert search is not None
+    shipped = int(search.expanded.sum())
+    grew = 0
+    while session.idle_step() and grew < 20:
+        grew += 1
+    assert grew > 0 and int(search.expanded.sum()) > shipped
+    n = search.used
+    low = search.alive[:n] & (search.scores[:n].exp() < 0.2)
+    assert low.any(), "the search keeps children below the node floor"
+    again = search.take(floors.budget, 0)
+    assert (again.tree.logprobs[1:].exp() >= 0.2).all()
+
+
 def test_the_worker_grows_the_search_between_requests_and_stands_aside(loaded):
     engine = DraftEngine(loaded["truncated"], max_context=256, max_tree=64, lookahead=True)
     assert engine.lookahead is not None
