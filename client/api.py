@@ -28,9 +28,11 @@ from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.model.compiled_forward import compile_model
+from common.model.llama_cpp import load_gguf, resolve_backend
 from common.model.loading import load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.quantized_linear import draft_dtype
+from common.model.store import resolve_model
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
@@ -144,6 +146,9 @@ class SpecExec:
         tree: TreeParams | None = None,
         max_context: int = 4096,
         auto_budget: bool = False,
+        backend: str = "auto",
+        n_gpu_layers: int = 0,
+        kv_type: str = "f16",
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
@@ -151,8 +156,17 @@ class SpecExec:
         `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
         `dtype` says: its fastest configuration on a CPU (common.model.quantized_linear).
         `compile_buckets` compiles both models' passes for those token counts before returning
-        (common.model.compiled_forward)."""
-        target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
+        (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
+        target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
+        GPU; the draft stays on torch."""
+        plain = offload is None and compile_buckets is None and device == "cpu"
+        if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
+            if not plain:
+                raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")
+            target_loaded = load_gguf(target_model, n_gpu_layers=n_gpu_layers, kv_type=kv_type)
+        else:
+            target_model = resolve_model(str(target_model))
+            target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
         draft = draft_loaded = None
@@ -166,7 +180,7 @@ class SpecExec:
             )
             draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=max_tree)
         if compile_buckets is not None:
-            compile_model(target_loaded.model, compile_buckets)
+            compile_model(target_loaded.model, compile_buckets)  # type: ignore[arg-type]
             if draft_loaded is not None:
                 compile_model(draft_loaded.model, compile_buckets)
         if auto_budget and draft is not None:

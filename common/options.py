@@ -9,6 +9,7 @@ import sys
 from collections.abc import Callable
 
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.model.llama_cpp import BACKENDS
 from common.model.offload import OffloadPlan
 from common.model.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.ops.config import effective_config
@@ -28,6 +29,7 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
+    add_backend_args(parser)
     add_repack_arg(parser)
     add_compile_args(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
@@ -50,6 +52,30 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--reprofile",
         action="store_true",
         help="measure the forward-time curve even if this build's curve is cached from an earlier start",
+    )
+
+
+def add_backend_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="auto",
+        help="torch: our transformer (a GGUF is de-quantized once); llama.cpp: the GGUF as it is, quantized, "
+        "through llama.cpp's kernels (target node; needs llama-cpp-python); auto: llama.cpp for a target "
+        "whose model is a GGUF when llama-cpp-python is installed, else torch",
+    )
+    parser.add_argument(
+        "--n-gpu-layers",
+        type=int,
+        default=0,
+        metavar="N",
+        help="llama.cpp backend: layers kept on the GPU (partial offload; needs a CUDA or Metal build)",
+    )
+    parser.add_argument(
+        "--kv-type",
+        choices=("f16", "f32"),
+        default="f16",
+        help="llama.cpp backend: the KV cache's type (f32 for exactness tests)",
     )
 
 
@@ -219,6 +245,9 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         device=args.device,
         repack=args.repack,
         quantize=getattr(args, "quantize", "none"),
+        backend=args.backend,
+        n_gpu_layers=args.n_gpu_layers,
+        kv_type=args.kv_type,
         compile_buckets=compile_buckets(args),
         offload=offload_plan(args),
         limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout),

@@ -12,6 +12,10 @@ command -v "$PYTHON" >/dev/null || PYTHON=python3
 stamp=.venv/.specexec-setup
 want=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
-    .venv/bin/pip install -q -e ".[test]"
+    # llama-cpp-python compiles llama.cpp (about 4-5 minutes on 2 cores): the library only, tuned to
+    # this CPU. Set CMAKE_ARGS yourself for CUDA (-DGGML_CUDA=on) or Metal (-DGGML_METAL=on).
+    export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=ON -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF}"
+    export CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}"
+    .venv/bin/pip install -q -e ".[test,llama]"
     echo "$want" > "$stamp"
 fi

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
@@ -25,11 +27,30 @@ class TargetEngine(NodeEngine[TargetSession]):
         call (see target_node.session); `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
+        if not isinstance(loaded.model, torch.nn.Module):
+            from common.model.llama_cpp import MAX_TREE_LEAVES
+
+            if self.max_tree > MAX_TREE_LEAVES:
+                raise ValueError(
+                    f"--max-tree {self.max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES} "
+                    f"(llama.cpp's 256 sequences: one per leaf, one for the committed tokens)"
+                )
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
 
         def make() -> TargetSession:
+            if not isinstance(self.loaded.model, torch.nn.Module):  # llama.cpp: the GGUF as it is
+                from target_node.llama_session import LlamaTargetSession
+
+                return LlamaTargetSession(
+                    self.loaded.model,
+                    prompt,
+                    max_context=self.max_context,
+                    max_tree=self.max_tree + 1,
+                    max_depth=MAX_TREE_DEPTH,
+                    eos_token_ids=self.loaded.eos_token_ids,
+                )
             return TargetSession(
                 self.loaded.model,
                 prompt,

@@ -77,15 +77,23 @@ class TargetSession:
         append: list[int],
     ) -> VerifyResult:
         """Roll back and/or extend, then verify; on any error the session is left as it was."""
-        committed, length = list(self.committed), self.cache.length
+        committed, length = list(self.committed), self.cached_length
         try:
             if truncate_to is not None:
                 self.truncate(truncate_to)
             self.append(append)
             return self.verify(tree, params, max_tokens)
         except Exception:
-            self.committed, self.cache.length = committed, length
+            self.committed = committed
+            self._restore(length)
             raise
+
+    @property
+    def cached_length(self) -> int:
+        return self.cache.length
+
+    def _restore(self, length: int) -> None:
+        self.cache.length = length
 
     def append(self, tokens: list[int]) -> None:
         if len(self.committed) + len(tokens) > self.max_context:
@@ -112,8 +120,7 @@ class TargetSession:
         if max_tokens < 1:
             return VerifyResult([], 0, "length")
 
-        hidden, tree_start = self._forward(tree, structure)
-        path, extra = accept_path(tree, self._drawer(tree, structure, hidden, params))
+        path, extra = accept_path(tree, self._run_tree(tree, structure, params))
         tokens = [*tree.tokens[path[1:]].tolist(), extra]
         accepted = len(path) - 1
         finish = None
@@ -126,12 +133,20 @@ class TargetSession:
             tokens = tokens[:max_tokens]
             finish = finish or "length"
         accepted = min(accepted, len(tokens))
-        # Keep KV of the root and of every new token but the last, which is the next root.
-        kept = torch.tensor(path[: len(tokens)], dtype=torch.long)
-        self.cache.move(tree_start + kept, torch.arange(tree_start, tree_start + kept.numel()))
-        self.cache.length = tree_start + kept.numel()
+        self._keep(path[: len(tokens)])  # the root and every new token but the last, the next root
         self.committed.extend(tokens)
         return VerifyResult(tokens, accepted, finish)
+
+    def _run_tree(self, tree: TokenTree, structure: TreeStructure, params: SamplingParams) -> Callable[[int], int]:
+        """One pass over the pending chain and the tree; returns the target's draw at a node."""
+        hidden, self._tree_start = self._forward(tree, structure)
+        return self._drawer(tree, structure, hidden, params)
+
+    def _keep(self, path: list[int]) -> None:
+        start = self._tree_start
+        kept = torch.tensor(path, dtype=torch.long)
+        self.cache.move(start + kept, torch.arange(start, start + kept.numel()))
+        self.cache.length = start + kept.numel()
 
     def _forward(self, tree: TokenTree, structure: TreeStructure) -> tuple[Tensor, int]:
         """One pass over pending chain + tree; returns the tree's hidden states and its first slot."""

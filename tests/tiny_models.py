@@ -85,3 +85,73 @@ def truncate_layers(src: str | Path, dst: str | Path, keep: int) -> Path:
     model.save_pretrained(dst)
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
     return Path(dst)
+
+
+def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """The tiny qwen2 model in `model_dir` as a GGUF llama.cpp loads: weights as F32 or quantized
+    (`qtype` Q8_0; norms and biases stay F32), and its byte-level tokenizer as a gpt2 vocabulary."""
+    import gguf
+    import numpy as np
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_dir, out = Path(model_dir), Path(out)
+    cfg = AutoConfig.from_pretrained(model_dir)
+    if cfg.model_type != "qwen2":
+        raise ValueError(f"write_gguf writes qwen2 models, not {cfg.model_type}")
+    state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
+    tok = make_tokenizer()
+    writer = gguf.GGUFWriter(str(out), "qwen2")
+    writer.add_name(model_dir.name)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    quant = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    vocab = tok.get_vocab()
+    tokens = [""] * cfg.vocab_size
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [gguf.TokenType.NORMAL] * cfg.vocab_size
+    for i in range(len(vocab), cfg.vocab_size):
+        tokens[i], types[i] = f"[PAD{i}]", gguf.TokenType.UNUSED
+    types[tok.eos_token_id] = gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["a b"])  # llama.cpp needs the key; our tokenizer is the HF one
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_bos_token_id(tok.eos_token_id)
+    names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+             "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down"}  # fmt: skip
+
+    def add(name: str, t: torch.Tensor) -> None:
+        data = t.numpy().astype(np.float32)
+        if data.ndim == 2 and quant != gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, gguf.quants.quantize(data, quant), raw_dtype=quant)
+        else:
+            writer.add_tensor(name, data)
+
+    add("token_embd.weight", state["model.embed_tokens.weight"])
+    add("output_norm.weight", state["model.norm.weight"])
+    if not cfg.tie_word_embeddings:
+        add("output.weight", state["lm_head.weight"])
+    for i in range(cfg.num_hidden_layers):
+        for hf, ours in names.items():
+            for kind in ("weight", "bias"):
+                key = f"model.layers.{i}.{hf}.{kind}"
+                if key in state:
+                    add(f"blk.{i}.{ours}.{kind}", state[key])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out

@@ -32,6 +32,8 @@ DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
 def cmd_bench(args: argparse.Namespace) -> int:
     if args.home_lab:
         return cmd_home_lab(args)
+    if args.llama_cpp:
+        return cmd_llama_cpp(args)
     config = bench_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -196,6 +198,12 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--threads", type=int, default=torch.get_num_threads())
     b.add_argument("--out", default="bench-results")
+    b.add_argument(
+        "--llama-cpp",
+        action="store_true",
+        help="time the llama.cpp backend against llama.cpp itself and the torch backend on the target's "
+        "GGUF (specexec models install NAME --format gguf), with both backends' forward-time curves",
+    )
     lab = b.add_argument_group("home lab (two machines emulated: each node pinned to its own cores)")
     lab.add_argument(
         "--home-lab",
@@ -235,6 +243,28 @@ def non_negative_float(text: str) -> float:
     if not 0 <= value <= 1000:
         raise argparse.ArgumentTypeError(f"must be in [0, 1000] ms, got {value:g}")
     return value
+
+
+def cmd_llama_cpp(args: argparse.Namespace) -> int:
+    from client.bench import llama_cpp
+
+    config = llama_cpp.LlamaBenchConfig(
+        draft_model=args.draft_model,
+        target_model=args.target_model,
+        dtype=args.dtype,
+        draft_quantize=args.draft_quantize,
+        prompts=args.prompts,
+        categories=tuple(args.categories) if args.categories else None,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        auto_cap=args.auto_cap or 64,
+        threads=args.threads,
+        out=Path(args.out),
+    )
+    result = llama_cpp.run(config)
+    llama_cpp.write_report(result, config.out)
+    print((config.out / "report.md").read_text())
+    return 0
 
 
 def cmd_home_lab(args: argparse.Namespace) -> int:

@@ -14,6 +14,7 @@ from common.decoding.tree import TreeParams
 from common.model.store import resolve_model
 from common.options import (
     DTYPES,
+    add_backend_args,
     add_client_security_args,
     add_compile_args,
     add_offload_args,
@@ -85,6 +86,7 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=DTYPES, default="float32")
         p.add_argument("--device", default="cpu")
+        add_backend_args(p)
         add_repack_arg(p)
         add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
@@ -139,7 +141,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
         draft = resolve_model(args.draft_model) if args.draft_model else None
         return SpecExec.local(
             draft,
-            resolve_model(args.target_model),
+            args.target_model,  # resolved by `local`: a GGUF target may run as it is, on llama.cpp
             dtype=args.dtype,
             device=args.device,
             repack=args.repack,
@@ -149,6 +151,9 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             mode=args.mode,
             tree=tree,
             auto_budget=auto_budget(args),
+            backend=args.backend,
+            n_gpu_layers=args.n_gpu_layers,
+            kv_type=args.kv_type,
         )
     return connect(
         args.draft,

@@ -145,7 +145,9 @@ def cmd_models(args: argparse.Namespace) -> int:
         for name in args.names or list(DEFAULT_MODELS):
             if name not in DEFAULT_MODELS:
                 raise ValueError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
-            print(f"{name}: {install_model(name, force=args.force)}", file=sys.stderr)
+            for fmt in ("torch", "gguf") if args.format == "both" else (args.format,):
+                print(f"{name} ({fmt}): {install_model(name, force=args.force, fmt=fmt, keep_gguf=args.format == 'both' and fmt == 'torch')}",
+                      file=sys.stderr)  # fmt: skip
         return 0
     for row in list_models():
         state = f"{row['size_bytes'] / 1e9:.2f} GB at {row['path']}" if row["installed"] else "not installed"
@@ -262,6 +264,13 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("action", choices=("install", "list"))
     m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
     m.add_argument("--force", action="store_true", help="reinstall even if installed")
+    m.add_argument(
+        "--format",
+        choices=("torch", "gguf", "both"),
+        default="torch",
+        help="torch: de-quantized for our transformer; gguf: the GGUF as it is, for --backend llama.cpp "
+        "(no de-quantized copy); both: one download, both installs",
+    )
     m.set_defaults(func=cmd_models)
 
 

@@ -72,7 +72,10 @@ def forward_curve(
 ) -> list[tuple[int, float]]:
     sizes = profile_sizes(limit)
     bar = tqdm(sizes, desc="profiling forward passes", unit="size", disable=not progress)
-    seconds = [time_tree_forward(model, n, round(n * logits_share)) for n in bar]
+    if hasattr(model, "time_tree"):  # llama.cpp: its own pass, every node's logits
+        seconds = [model.time_tree(n, PREFIX, synthetic_parents(n)) for n in bar]
+    else:
+        seconds = [time_tree_forward(model, n, round(n * logits_share)) for n in bar]
     # A pass over more tokens never costs less: smooth leftover noise into a non-decreasing curve.
     for i in range(len(seconds) - 2, -1, -1):
         seconds[i] = min(seconds[i], seconds[i + 1])
@@ -120,6 +123,9 @@ def weights_digest(path: Path) -> str:
 def curve_key(model: Transformer, weights: Path, limit: int, logits_share: float) -> dict[str, Any]:
     """What a curve depends on. Module types capture int8, repacked and offloaded layers; compiled
     buckets and offload settings are read off the model."""
+    if hasattr(model, "curve_key"):  # llama.cpp
+        return {"version": CURVE_CACHE_VERSION, "weights": weights_digest(weights), "torch": torch.__version__,
+                "limit": limit, **model.curve_key()}  # fmt: skip
     compiled = getattr(model, "compiled", None)
     layers = model.model.layers
     return {

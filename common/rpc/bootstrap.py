@@ -14,6 +14,7 @@ import grpc
 import torch
 
 from common.model.compiled_forward import compile_model
+from common.model.llama_cpp import load_gguf, resolve_backend
 from common.model.loading import LoadedModel, load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.store import resolve_model
@@ -43,6 +44,9 @@ class NodeConfig:
     device: str = "cpu"
     repack: bool = True
     quantize: str = "none"
+    backend: str = "auto"  # one of BACKENDS; `choose_backend` settles "auto"
+    n_gpu_layers: int = 0  # llama.cpp: layers on the GPU
+    kv_type: str = "f16"  # llama.cpp: the KV cache's type
     compile_buckets: tuple[int, ...] | None = None  # None: run eagerly
     offload: OffloadPlan | None = None
     limits: EngineLimits = field(default_factory=EngineLimits)
@@ -63,6 +67,23 @@ class NodeRole:
     add_to_server: Callable[[Any, grpc.Server], None]
     service_name: str
     engine_options: Callable[[NodeConfig], dict[str, Any]] = lambda config: {}
+
+
+def choose_backend(config: NodeConfig, role: str) -> str:
+    """The target runs a GGUF on llama.cpp when it can ("auto"); the draft's best-first search runs
+    on torch (its llama.cpp port is not written yet)."""
+    conflicts = [flag for flag, on in (("--quantize", config.quantize != "none"), ("--offload", config.offload),
+                 ("--compile", config.compile_buckets is not None), ("--device", config.device != "cpu")) if on]  # fmt: skip
+    if config.backend == "llama.cpp":
+        if role != "target":
+            raise ValueError("--backend llama.cpp runs target nodes only for now; use --backend torch for a draft")
+        if conflicts:
+            raise ValueError(
+                f"--backend llama.cpp takes the GGUF's own quantization and --n-gpu-layers; drop {', '.join(conflicts)}"
+            )
+    if role != "target":
+        return "torch"
+    return resolve_backend(config.backend, config.model, plain=not conflicts)
 
 
 def load(config: NodeConfig, path: Path) -> LoadedModel:
@@ -91,8 +112,13 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     server.stop_on_signals()
     host = split_listen(config.listen)[0]
     say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
-    path = resolve_model(config.model)
-    loaded = load(config, path)
+    if choose_backend(config, role.name) == "llama.cpp":
+        loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type)
+        assert loaded.path is not None
+        path = loaded.path
+    else:
+        path = resolve_model(config.model)
+        loaded = load(config, path)
     if config.compile_buckets is not None:
         compile_model(loaded.model, config.compile_buckets)
     engine = role.engine(loaded, **asdict(config.limits), **role.engine_options(config))
@@ -104,7 +130,7 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     reaper = start_reaper([engine.sessions])
     server.ready()
     say(
-        f"{role.name} node ready: {loaded.name} ({describe_weights(config)}, {config.device}; "
+        f"{role.name} node ready: {loaded.name} ({describe_weights(config, loaded)}, {config.device}; "
         f"{memory_report(config.device)})"
     )
     server.wait()
@@ -116,7 +142,9 @@ def say(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def describe_weights(config: NodeConfig) -> str:
+def describe_weights(config: NodeConfig, loaded: LoadedModel | None = None) -> str:
+    if loaded is not None and not isinstance(loaded.model, torch.nn.Module):
+        return f"llama.cpp, {loaded.model.dtype}, {config.n_gpu_layers} layers on the GPU"
     if config.quantize == "none":
         return config.dtype
     return f"{config.quantize} linears, {config.dtype} elsewhere"

@@ -1,0 +1,359 @@
+"""GGUF models run as they are, quantized, through llama.cpp's own kernels (llama-cpp-python's
+low-level bindings): a 4-bit file stays 4-bit in memory and in every pass.
+
+A tree goes through one `llama_decode` with sequence ids (checked against llama.cpp's
+`llama-batch.cpp` and `llama-kv-cache.cpp` as vendored by llama-cpp-python 0.3.36):
+- the committed tokens' cells hold sequence 0;
+- a tree's leaves get ids 1..L, and each is first copied onto the committed cells
+  (`llama_memory_seq_cp` in a unified cache adds an id to cells; it copies no data);
+- each node carries the ids of the leaves beneath it, at position prefix + depth. A token sees a
+  cell holding its first id at a position not after its own, so a node sees exactly its ancestors;
+- afterwards the accepted path's cells gain id 0 and `llama_memory_seq_keep(0)` drops the rest.
+
+llama.cpp allows 256 sequences (LLAMA_MAX_SEQ), so a tree may have at most 255 leaves: a node
+refuses `--max-tree` over 255 at start, and a tree of at most 256 nodes never has more leaves.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
+MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
+GGML_TYPE_F32 = 0
+
+
+class LlamaCppError(RuntimeError):
+    """llama.cpp refused a model, a context or a batch."""
+
+
+def _lib() -> Any:
+    try:
+        import llama_cpp
+    except ImportError as exc:  # an optional dependency: say how to get it
+        raise LlamaCppError(
+            "the llama.cpp backend needs llama-cpp-python: pip install -e '.[llama]' "
+            "(it builds llama.cpp from source; CMAKE_ARGS selects CUDA or Metal)"
+        ) from exc
+    return llama_cpp
+
+
+_BACKEND_READY = False
+
+
+def _init_backend(quiet: bool) -> Any:
+    global _BACKEND_READY
+    lib = _lib()
+    if not _BACKEND_READY:
+        lib.llama_backend_init()
+        if quiet:
+            lib.llama_log_set(_SILENT, ctypes.c_void_p(0))
+        _BACKEND_READY = True
+    return lib
+
+
+def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
+    return None
+
+
+_SILENT: Any = None
+
+
+class _Cfg:
+    def __init__(self, vocab_size: int, n_ctx_train: int) -> None:
+        self.vocab_size = vocab_size
+        self.max_position_embeddings = n_ctx_train
+
+
+class LlamaCppModel:
+    """One GGUF loaded once; each session gets a context (its own KV cache) on it."""
+
+    def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None,
+                 kv_type: str = "f16", quiet: bool = True) -> None:  # fmt: skip
+        global _SILENT
+        lib = _lib()
+        if _SILENT is None:
+            _SILENT = lib.llama_log_callback(_silent)
+        lib = _init_backend(quiet)
+        self.lib = lib
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {self.path}")
+        if kv_type not in ("f16", "f32"):
+            raise ValueError(f"kv_type must be f16 or f32, got {kv_type!r}")
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
+        if not self._model:
+            raise LlamaCppError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
+        vocab = lib.llama_model_get_vocab(self._model)
+        self.cfg = _Cfg(int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(self._model)))
+        self.threads = threads or torch.get_num_threads()
+        self.n_gpu_layers = n_gpu_layers
+        self.kv_type = kv_type
+        self.dtype = f"gguf ({kv_type} KV)"
+        self.device = torch.device("cuda" if n_gpu_layers else "cpu")
+
+    def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
+        return TreeContext(self, n_ctx, max_tree)
+
+    def curve_key(self) -> dict[str, Any]:
+        """What a forward-time curve of this model depends on, besides the file and the limit."""
+        return {"backend": "llama.cpp", "version": getattr(self.lib, "__version__", "?"),
+                "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "threads": self.threads}  # fmt: skip
+
+    def time_tree(self, n: int, prefix: int, parents: Tensor, budget_seconds: float = 0.3) -> float:
+        """Seconds of one tree pass of n nodes after a `prefix`-token prompt, least of a few runs."""
+        ctx = self.new_context(prefix + n + 1, n)
+        try:
+            ctx.extend(torch.randint(0, self.cfg.vocab_size, (prefix,)).tolist())
+            tokens = torch.randint(0, self.cfg.vocab_size, (n,))
+            times: list[float] = []
+            while len(times) < 21 and sum(times[1:]) < budget_seconds:
+                start = time.perf_counter()
+                ctx.tree(tokens, parents)
+                times.append(time.perf_counter() - start)
+                ctx.drop_tree()
+            return min(times[1:])
+        finally:
+            ctx.close()
+
+    def close(self) -> None:
+        if self._model:
+            self.lib.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
+
+
+class TreeContext:
+    """A llama.cpp context whose sequence 0 holds the committed tokens with KV (`length` of them)."""
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int, max_tree: int) -> None:
+        lib = model.lib
+        self.lib, self.model = lib, model
+        self.vocab = model.cfg.vocab_size
+        self.max_nodes = max_tree + 1
+        leaves = min(self.max_nodes, MAX_TREE_LEAVES)
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        # A tree is never split in ubatches, and llama.cpp asserts n_batch >= n_seq_max (its output rows).
+        params.n_batch = params.n_ubatch = max(self.max_nodes, leaves + 1, 64)
+        params.n_seq_max = leaves + 1
+        params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
+        params.n_threads = params.n_threads_batch = model.threads
+        if model.kv_type == "f32":
+            params.type_k = params.type_v = GGML_TYPE_F32
+        self._ctx = lib.llama_init_from_model(model._model, params)
+        if not self._ctx:
+            raise LlamaCppError(f"llama.cpp could not make a context of {n_ctx} tokens and {leaves + 1} sequences")
+        self._mem = lib.llama_get_memory(self._ctx)
+        self.n_ctx, self.leaves_max, self.n_batch = n_ctx, leaves, params.n_batch
+        self.length = 0
+        self._tree_leaves = 0
+        # One batch, preallocated: sequence ids live in one (tokens, sequences) matrix whose rows
+        # the batch's per-token pointers point at, so a tree's ids are filled without a loop.
+        n, s = self.n_batch, leaves + 1
+        self._token = np.zeros(n, dtype=np.int32)
+        self._pos = np.zeros(n, dtype=np.int32)
+        self._n_seq = np.zeros(n, dtype=np.int32)
+        self._seq = np.zeros((n, s), dtype=np.int32)
+        self._logits = np.zeros(n, dtype=np.int8)
+        row = ctypes.POINTER(ctypes.c_int32)
+        base = self._seq.ctypes.data
+        self._seq_ptrs = (row * n)(*[ctypes.cast(base + i * s * 4, row) for i in range(n)])
+        self._batch = lib.llama_batch()
+        self._batch.token = self._token.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.embd = None
+        self._batch.pos = self._pos.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
+        self._batch.seq_id = self._seq_ptrs
+        self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def _decode(self, n: int) -> None:
+        self._batch.n_tokens = n
+        rc = self.lib.llama_decode(self._ctx, self._batch)
+        if rc != 0:
+            raise LlamaCppError(f"llama_decode failed ({rc}) on a batch of {n} tokens at position {self.length}")
+
+    def extend(self, tokens: list[int]) -> None:
+        """Run committed tokens as a causal chain onto sequence 0, in batch-size pieces."""
+        if self.length + len(tokens) > self.n_ctx:
+            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
+        for start in range(0, len(tokens), self.n_batch):
+            piece = tokens[start : start + self.n_batch]
+            k = len(piece)
+            self._token[:k] = piece
+            self._pos[:k] = np.arange(self.length, self.length + k)
+            self._n_seq[:k] = 1
+            self._seq[:k, 0] = 0
+            self._logits[:k] = 0
+            self._decode(k)
+            self.length += k
+
+    def tree(self, tokens: Tensor, parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
+        """Every node's logits for a tree rooted right after the committed tokens.
+
+        tokens, parents: [n]; ancestors: [n, n] bool, [i, j] when j is i or above it.
+        Returns logits [n, vocab] (float32, on the CPU)."""
+        n = tokens.numel()
+        if n > self.max_nodes:
+            raise ValueError(f"tree has {n} nodes, over this context's limit of {self.max_nodes}")
+        if self.length + n > self.n_ctx:
+            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
+        if ancestors is None:
+            from common.decoding.tree import TreeStructure
+
+            ancestors = TreeStructure.from_parents(parents).ancestors
+        anc = ancestors.numpy()
+        is_leaf = np.ones(n, dtype=bool)
+        is_leaf[parents[1:].numpy()] = False
+        leaves = np.flatnonzero(is_leaf)
+        if leaves.size > self.leaves_max:
+            raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {self.leaves_max}")
+        below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path
+        for leaf in range(1, leaves.size + 1):  # the committed cells join every leaf's sequence
+            self.lib.llama_memory_seq_cp(self._mem, 0, leaf, -1, -1)
+        order = np.argsort(~below, axis=1, kind="stable")  # each row: its leaves' columns first
+        self._seq[:n, : leaves.size] = order + 1
+        self._n_seq[:n] = below.sum(1)
+        self._token[:n] = tokens.numpy()
+        depths = anc.sum(1) - 1
+        self._pos[:n] = self.length + depths
+        self._logits[:n] = 1
+        self._tree_leaves = leaves.size
+        try:
+            self._decode(n)
+        except LlamaCppError:
+            self.drop_tree()
+            raise
+        ptr = self.lib.llama_get_logits(self._ctx)
+        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab)).copy())
+
+    def keep(self, path: list[int]) -> None:
+        """Keep the cells of tree nodes `path` (root first, each the child of the one before) as the
+        continuation of sequence 0; drop every other node of the last tree."""
+        if path:
+            leaf = int(self._seq[path[-1], 0])  # a leaf whose sequence runs through the whole path
+            end = self.length + len(path)
+            self.lib.llama_memory_seq_cp(self._mem, leaf, 0, self.length, end)
+        self.drop_tree()
+        self.length += len(path)
+
+    def drop_tree(self) -> None:
+        if self._tree_leaves:
+            self.lib.llama_memory_seq_keep(self._mem, 0)
+            self._tree_leaves = 0
+
+    def truncate(self, length: int) -> None:
+        """Forget the KV of committed tokens from `length` on."""
+        if length < self.length:
+            self.lib.llama_memory_seq_rm(self._mem, 0, length, -1)
+            self.length = length
+
+    def close(self) -> None:
+        if self._ctx:
+            self.lib.llama_free(self._ctx)
+            self._ctx = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
+
+
+BACKENDS = ("auto", "torch", "llama.cpp")
+
+
+def available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+def resolve_backend(backend: str, model: str, *, plain: bool = True) -> str:
+    """"auto" is llama.cpp for a GGUF (a file, or a directory holding one) when llama-cpp-python is
+    installed and nothing asks for our transformer (`plain`: no int8, offload, compile or GPU
+    device), else torch."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    from common.model.store import resolve_gguf
+
+    return "llama.cpp" if plain and resolve_gguf(model) is not None and available() else "torch"
+
+
+def find_gguf(path: Path) -> Path | None:
+    """The GGUF a model spec names: the file itself, or the one GGUF in a directory."""
+    if path.is_file() and path.suffix.lower() == ".gguf":
+        return path
+    if path.is_dir():
+        files = sorted(path.glob("*.gguf"))
+        if len(files) > 1:
+            raise ValueError(f"{path} holds {len(files)} GGUF files; name one of them")
+        return files[0] if files else None
+    return None
+
+
+def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None, kv_type: str = "f16") -> Any:
+    """A LoadedModel whose model is llama.cpp's: the GGUF as it is, its tokenizer from the directory's
+    tokenizer files (or, for a bare file, read out of the GGUF by transformers)."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from common.model.loading import LoadedModel, eos_token_ids, tokenizer_fingerprint
+    from common.model.store import DEFAULT_MODELS, resolve_gguf
+
+    resolved = resolve_gguf(str(path))
+    if resolved is None:
+        if str(path) in DEFAULT_MODELS:
+            raise FileNotFoundError(
+                f"{path} is not installed for the llama.cpp backend; run `specexec models install {path} --format gguf`"
+            )
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory holding one")
+    path = resolved
+    gguf = find_gguf(path)
+    assert gguf is not None
+    model = LlamaCppModel(gguf, n_gpu_layers=n_gpu_layers, threads=threads, kv_type=kv_type)
+    if path.is_file():  # a bare GGUF: its tokenizer and config go beside a link to it, once
+        path = _beside(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf_config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    where = path
+    return LoadedModel(
+        model=model,  # type: ignore[arg-type]
+        tokenizer=tokenizer,
+        name=gguf.stem if gguf.parent != path else path.name,
+        eos_token_ids=eos_token_ids(where, hf_config, tokenizer),
+        max_context=model.cfg.max_position_embeddings,
+        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        path=where,
+    )
+
+
+def _beside(gguf: Path) -> Path:
+    """A directory holding a link to a bare GGUF and the tokenizer and config files transformers
+    reads out of it: what a node serves to clients (GetTokenizer) and keys its profile by."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from common.model.store import cache_root
+
+    stat = gguf.stat()
+    out = cache_root() / "gguf-beside" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
+    if not (out / "config.json").is_file():
+        out.mkdir(parents=True, exist_ok=True)
+        link = out / "model.gguf"
+        link.unlink(missing_ok=True)
+        link.symlink_to(gguf)
+        AutoTokenizer.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
+        AutoConfig.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
+    return out
