@@ -10,8 +10,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+import torch
 
 from client.budget import BudgetPlanner
 from client.generation import (
@@ -28,7 +30,7 @@ from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.model.compiled_forward import compile_model
-from common.model.llama_cpp import load_gguf, resolve_backend
+from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, resolve_backend
 from common.model.loading import load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.quantized_linear import draft_dtype
@@ -97,9 +99,18 @@ class SpecExec:
             self.link = link or DraftLink(draft, target, auto_budget=self.auto_budget)
             if link is None:
                 self.link.check(self.recovery.notify)
+        self._fit_tree([target.info(), *([self.link.info] if self.link is not None and self.link.info else [])])
         self.planner: BudgetPlanner | None = None
         self._planner_lock = threading.Lock()
         self.current_planner()
+
+    def _fit_tree(self, infos: list[Any]) -> None:
+        """No tree larger than a node takes: a llama.cpp target takes at most 256 nodes, whatever
+        `--max-budget` says."""
+        if self.tree is not None:
+            cap = min(info.max_tree_nodes - 1 for info in infos)
+            if self.tree.budget > cap:
+                self.tree = replace(self.tree, budget=max(cap, 1))
 
     def current_planner(self) -> BudgetPlanner | None:
         """`--budget auto`'s planner, built once both forward-time curves are known: with the draft
@@ -163,12 +174,13 @@ class SpecExec:
         if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
             if not plain:
                 raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")
-            target_loaded = load_gguf(target_model, n_gpu_layers=n_gpu_layers, kv_type=kv_type)
+            target_loaded = load_gguf(target_model, n_gpu_layers=n_gpu_layers, kv_type=kv_type, repack=repack)
         else:
             target_model = resolve_model(str(target_model))
             target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
-        target = TargetEngine(target_loaded, max_context=max_context, max_tree=max_tree)
+        target_tree = max_tree if isinstance(target_loaded.model, torch.nn.Module) else min(max_tree, MAX_TREE_LEAVES)
+        target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree)
         draft = draft_loaded = None
         if draft_model is not None and mode != "autoregressive":
             draft_loaded = load_model(

@@ -33,7 +33,12 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     add_repack_arg(parser)
     add_compile_args(parser)
     parser.add_argument("--max-context", type=int, default=4096, help="tokens per session")
-    parser.add_argument("--max-tree", type=int, default=1024, help="largest tree (nodes besides the root)")
+    parser.add_argument(
+        "--max-tree",
+        type=int,
+        default=None,
+        help="largest tree (nodes besides the root); default 1024, or 255 on the llama.cpp backend (its limit)",
+    )
     parser.add_argument("--max-sessions", type=int, default=8)
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
@@ -84,7 +89,8 @@ def add_repack_arg(parser: argparse.ArgumentParser) -> None:
         "--no-repack",
         dest="repack",
         action="store_false",
-        help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison)",
+        help="keep bf16 CPU weights row-major instead of reordering them for oneDNN (slower; for comparison); "
+        "on llama.cpp, skip its CPU repacking of quantized weights (less memory, slower tree passes)",
     )
 
 

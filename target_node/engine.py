@@ -40,25 +40,14 @@ class TargetEngine(NodeEngine[TargetSession]):
         self.check_prompt(prompt)
 
         def make() -> TargetSession:
+            limits = dict(max_context=self.max_context, max_tree=self.max_tree + 1, max_depth=MAX_TREE_DEPTH,
+                          eos_token_ids=self.loaded.eos_token_ids)  # fmt: skip
             if not isinstance(self.loaded.model, torch.nn.Module):  # llama.cpp: the GGUF as it is
                 from target_node.llama_session import LlamaTargetSession
 
-                return LlamaTargetSession(
-                    self.loaded.model,
-                    prompt,
-                    max_context=self.max_context,
-                    max_tree=self.max_tree + 1,
-                    max_depth=MAX_TREE_DEPTH,
-                    eos_token_ids=self.loaded.eos_token_ids,
-                )
+                return LlamaTargetSession(self.loaded.model, prompt, **limits)
             return TargetSession(
-                self.loaded.model,
-                prompt,
-                max_context=self.max_context,
-                max_tree=self.max_tree + 1,
-                max_depth=MAX_TREE_DEPTH,
-                eos_token_ids=self.loaded.eos_token_ids,
-                all_logits_max_nodes=self.all_logits_max_nodes,
+                self.loaded.model, prompt, **limits, all_logits_max_nodes=self.all_logits_max_nodes
             )
 
         return self.sessions.add(make, owner, session_id)

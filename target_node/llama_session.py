@@ -45,11 +45,8 @@ class LlamaTargetSession(TargetSession):
         self.ctx.drop_tree()
         self.ctx.truncate(length)
 
-    def truncate(self, length: int) -> None:
-        if not 1 <= length <= len(self.committed):
-            raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
-        del self.committed[length:]
-        self.ctx.truncate(length - 1)
+    def _truncate_cache(self, length: int) -> None:
+        self.ctx.truncate(length)
 
     def _run_tree(
         self, tree: TokenTree, structure: TreeStructure, params: SamplingParams

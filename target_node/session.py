@@ -104,7 +104,10 @@ class TargetSession:
         if not 1 <= length <= len(self.committed):
             raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
         del self.committed[length:]
-        self.cache.truncate(length - 1)
+        self._truncate_cache(length - 1)
+
+    def _truncate_cache(self, length: int) -> None:
+        self.cache.truncate(length)
 
     def verify(self, tree: TokenTree, params: SamplingParams, max_tokens: int) -> VerifyResult:
         structure = tree.validate(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +10,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
+from client.bench.harness import free_port  # noqa: F401  (re-exported for the tests)
 from common.decoding.sampling import SamplingParams, sample_rows
 from common.decoding.tree import TokenTree, TreeStructure, attention_bias
 
@@ -31,23 +31,6 @@ def reference_decode(
             if token in eos and not params.ignore_eos:
                 break
     return out
-
-
-_HANDED_OUT: set[int] = set()
-
-
-def free_port() -> int:
-    """A loopback port nobody listens on now, never the same one twice in a test run.
-
-    Servers start on it a little later, so without the memory two calls in a row can return one port.
-    """
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port not in _HANDED_OUT:
-            _HANDED_OUT.add(port)
-            return port
 
 
 ROOT = Path(__file__).resolve().parents[1]

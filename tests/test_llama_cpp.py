@@ -172,7 +172,7 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
     addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
     procs = [
         Proc("target", ["-m", "target_node", "--model", str(ggufs["F32"]), "--listen", addrs["target"],
-                        "--backend", "llama.cpp", "--kv-type", "f32", "--max-tree", "16"], env, tmp_path),
+                        "--backend", "llama.cpp", "--kv-type", "f32"], env, tmp_path),
         Proc("draft", ["-m", "draft_node", "--model", str(ggufs["draft"]), "--listen", addrs["draft"],
                        "--max-tree", "16"], env, tmp_path),
     ]  # fmt: skip
@@ -184,7 +184,9 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
         assert len(gen.target.info().forward_curve) > 1  # profiled through llama.cpp
         out = gen.generate(PROMPT, sampling)
         assert out.token_ids == expected
-        auto = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), auto_budget=True)
+        assert gen.target.info().max_tree_nodes == 256  # llama.cpp's default limit: 255 leaves
+        auto = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=1024), auto_budget=True)
+        assert auto.tree is not None and auto.tree.budget == 16  # fitted to the smaller node
         assert auto.generate(PROMPT, sampling).token_ids == expected
     finally:
         for proc in procs:

@@ -245,10 +245,9 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def cmd_llama_cpp(args: argparse.Namespace) -> int:
-    from client.bench import llama_cpp
-
-    config = llama_cpp.LlamaBenchConfig(
+def pair_and_prompts(args: argparse.Namespace) -> dict[str, Any]:
+    """The models and prompts every bench mode takes from the same flags."""
+    return dict(
         draft_model=args.draft_model,
         target_model=args.target_model,
         dtype=args.dtype,
@@ -257,6 +256,14 @@ def cmd_llama_cpp(args: argparse.Namespace) -> int:
         categories=tuple(args.categories) if args.categories else None,
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
+    )
+
+
+def cmd_llama_cpp(args: argparse.Namespace) -> int:
+    from client.bench import llama_cpp
+
+    config = llama_cpp.LlamaBenchConfig(
+        **pair_and_prompts(args),
         auto_cap=args.auto_cap or 64,
         threads=args.threads,
         out=Path(args.out),
@@ -269,16 +276,9 @@ def cmd_llama_cpp(args: argparse.Namespace) -> int:
 
 def cmd_home_lab(args: argparse.Namespace) -> int:
     config = HomeLabConfig(
-        draft_model=args.draft_model,
-        target_model=args.target_model,
-        dtype=args.dtype,
-        draft_quantize=args.draft_quantize,
+        **pair_and_prompts(args),
         draft_cores=args.draft_cores,
         target_cores=args.target_cores,
-        prompts=args.prompts,
-        categories=tuple(args.categories) if args.categories else None,
-        limit=args.limit,
-        max_new_tokens=args.max_new_tokens,
         max_budget=args.auto_cap or 256,
         settings=tuple(bench_settings(args)),
         seed=args.seed,

@@ -76,16 +76,17 @@ def _ours(gen: SpecExec) -> Any:
     return run
 
 
-def resident_mb(gguf: Path, threads: int) -> float:
-    """Peak RSS of a process that loads the GGUF on llama.cpp and verifies one tree."""
+def resident_mb(gguf: Path, threads: int, repack: bool = True) -> float:
+    """Peak RSS of a process (torch imported, as in a node) that loads the GGUF on llama.cpp and
+    verifies one tree."""
     code = (
         "import sys, torch; from common.model.llama_cpp import LlamaCppModel; from common.ops.memory import peak_rss_bytes;"
-        "m = LlamaCppModel(sys.argv[1], threads=int(sys.argv[2])); c = m.new_context(4096 + 65, 64);"
-        "c.extend(list(range(100, 600))); c.tree(torch.arange(65), torch.arange(-1, 64));"
+        "m = LlamaCppModel(sys.argv[1], threads=int(sys.argv[2]), repack=sys.argv[3] == '1');"
+        "c = m.new_context(4096 + 65, 64); c.extend(list(range(100, 600))); c.tree(torch.arange(65), torch.arange(-1, 64));"
         "print(peak_rss_bytes() / 2**20)"
     )
-    run = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads)], capture_output=True, text=True,
-                         check=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads), str(int(repack))], capture_output=True,
+                         text=True, check=True)  # fmt: skip
     return float(run.stdout.strip().splitlines()[-1])
 
 
@@ -133,7 +134,8 @@ def run(config: LlamaBenchConfig) -> dict[str, Any]:
                              "wall": out[1], "steps": out[2] if len(out) > 2 else len(out[0])})  # fmt: skip
                 bar.update()
     return {"config": asdict(config), "runs": runs, "curves": curves, "gguf_mb": gguf.stat().st_size / 2**20,
-            "llama_rss_mb": resident_mb(gguf, config.threads)}  # fmt: skip
+            "llama_rss_mb": resident_mb(gguf, config.threads),
+            "llama_rss_no_repack_mb": resident_mb(gguf, config.threads, repack=False)}  # fmt: skip
 
 
 def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
@@ -174,8 +176,10 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     for r in rows:
         lines.append(f"| {r['category']} | {r['contestant']} | {r['runs']} | {r['tok_s']:.2f} | {r['vs_llama']:.2f} "
                      f"| {r['tokens_per_pass']:.2f} | {r['same']} |")  # fmt: skip
-    lines += ["", f"llama.cpp target: peak RSS {result['llama_rss_mb']:.0f} MiB for a {result['gguf_mb']:.0f} MiB "
-              f"file ({result['llama_rss_mb'] / result['gguf_mb']:.2f}x), 4096-token context.", "",
+    rss, lean, size = result["llama_rss_mb"], result.get("llama_rss_no_repack_mb"), result["gguf_mb"]
+    lines += ["", f"llama.cpp target: peak RSS {rss:.0f} MiB for a {size:.0f} MiB file ({rss / size:.2f}x)"
+              + (f", {lean:.0f} MiB ({lean / size:.2f}x) with --no-repack" if lean else "")
+              + "; 4096-token context, torch imported.", "",
               "Forward pass over a tree (ms):", "", "| tokens | " + " | ".join(result["curves"]) + " |",
               "|---|" + "---|" * len(result["curves"])]  # fmt: skip
     sizes = [n for n, _ in next(iter(result["curves"].values()))]

@@ -9,6 +9,7 @@ import sys
 from client.cli.args import auto_budget, prompt_from, sampling_from, tree_from
 from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
+from common.model.llama_cpp import MAX_TREE_LEAVES
 from common.options import node_command
 from common.rpc.security import ClientSecurity
 
@@ -28,8 +29,11 @@ def run_local(args: argparse.Namespace) -> int:
     extra = security_args
     if args.compile:
         extra = [*extra, "--compile", "--compile-buckets", ",".join(map(str, args.compile_buckets))]
+    target_extra = [*extra, "--backend", args.target_backend]
+    # llama.cpp (chosen by "auto" for a GGUF) takes at most 255 tree nodes besides the root.
+    target_budget = budget if args.target_backend == "torch" else min(budget, MAX_TREE_LEAVES)
     commands = [
-        node_command("target", args.target_model, args.target_port, args.dtype, budget, extra),
+        node_command("target", args.target_model, args.target_port, args.dtype, target_budget, target_extra),
         node_command(
             "draft", args.draft_model, args.draft_port, args.dtype, budget, extra, args.draft_quantize
         ),

@@ -25,6 +25,7 @@ from client.cli.output import print_stream
 from client.cli.status import add_status_args
 from client.gateway import GenerationServicer
 from client.openai.server import serve_until_signal, start_openai
+from common.model.llama_cpp import BACKENDS
 from common.model.store import DEFAULT_MODELS, ModelStoreError, install_model, list_models
 from common.ops import config
 from common.ops.config import add_config_option
@@ -234,6 +235,12 @@ def build_parser() -> argparse.ArgumentParser:
     lo.add_argument("--draft-model", required=True)
     lo.add_argument("--target-model", required=True)
     lo.add_argument("--dtype", choices=DTYPES, default="float32")
+    lo.add_argument(
+        "--target-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="the target node's --backend (llama.cpp: the GGUF as it is; see specexec target --help)",
+    )
     add_quantize_arg(lo, "--draft-quantize")
     add_compile_args(lo)
     lo.add_argument("--target-port", type=int, default=50051)

@@ -285,13 +285,7 @@ def _install_gguf(gguf_path: Path, out: Path, provenance: dict[str, str], source
         GenerationConfig.from_model_config(config).save_pretrained(tmp)  # as `_convert` saves it
         marker = {"format_version": FORMAT_VERSION, **provenance, "source_sha256": source_sha256,
                   "format": "gguf", "installed_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}  # fmt: skip
-        (tmp / MARKER_NAME).write_text(json.dumps(marker, indent=2) + "\n")
-        _make_world_readable(tmp)
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.replace(trash / "old")
-            shutil.rmtree(trash)
-        tmp.replace(out)
+        _finish(tmp, out, marker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -548,18 +542,23 @@ def _convert(
             "converted_at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
             "convert_seconds": round(time.monotonic() - started, 1),
         }
-        marker_tmp = tmp / (MARKER_NAME + ".tmp")
-        marker_tmp.write_text(json.dumps(marker, indent=2) + "\n")
-        marker_tmp.replace(tmp / MARKER_NAME)
-        _make_world_readable(tmp)
-        if out.exists():
-            trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            out.replace(trash / "old")
-            shutil.rmtree(trash)
-        tmp.replace(out)
+        _finish(tmp, out, marker)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def _finish(tmp: Path, out: Path, marker: dict[str, Any]) -> None:
+    """Marker last, then the directory renamed into place: a crash leaves the old state or a temp dir."""
+    marker_tmp = tmp / (MARKER_NAME + ".tmp")
+    marker_tmp.write_text(json.dumps(marker, indent=2) + "\n")
+    marker_tmp.replace(tmp / MARKER_NAME)
+    _make_world_readable(tmp)
+    if out.exists():
+        trash = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        out.replace(trash / "old")
+        shutil.rmtree(trash)
+    tmp.replace(out)
 
 
 @contextlib.contextmanager

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from common.model.compiled_forward import compile_model
-from common.model.llama_cpp import load_gguf, resolve_backend
+from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, resolve_backend
 from common.model.loading import LoadedModel, load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.store import resolve_model
@@ -29,7 +29,7 @@ from common.rpc.server import Server, check_listen, split_listen, start_reaper
 @dataclass(frozen=True)
 class EngineLimits:
     max_context: int = 4096
-    max_tree: int = 1024
+    max_tree: int | None = None  # None: 1024, or 255 on llama.cpp (its 256 sequences)
     max_sessions: int = 8
     idle_timeout: float = 300.0
 
@@ -112,16 +112,19 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     server.stop_on_signals()
     host = split_listen(config.listen)[0]
     say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
+    limits = config.limits
     if choose_backend(config, role.name) == "llama.cpp":
-        loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type)
+        loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack)
         assert loaded.path is not None
         path = loaded.path
+        limits = replace(limits, max_tree=limits.max_tree or MAX_TREE_LEAVES)
     else:
         path = resolve_model(config.model)
         loaded = load(config, path)
+        limits = replace(limits, max_tree=limits.max_tree or 1024)
     if config.compile_buckets is not None:
         compile_model(loaded.model, config.compile_buckets)
-    engine = role.engine(loaded, **asdict(config.limits), **role.engine_options(config))
+    engine = role.engine(loaded, **asdict(limits), **role.engine_options(config))
     if config.profile:
         cached = engine.profile(reprofile=config.reprofile)
         if cached:
