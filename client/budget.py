@@ -28,6 +28,7 @@ PRIOR_STEPS = 4  # means start as about 3 steps' worth: steps weigh 1/4, 1/5, ..
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
 MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
+EXPLORE_EVERY = 8  # while trees do not pay, one step in this many still drafts, to notice when they do
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -48,6 +49,10 @@ class RegimeStats:
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
     reused: float = 0.0  # share of trees the draft grew from its lookahead search (re-rooted)
+    alone: float = 0.0  # seconds per token of steps run on the target alone; 0: not measured yet
+    alone_steps: int = 0
+    skipped: int = 0  # steps in a row the draft was left out of
+    history: int = 0  # steps the regime had learned from when this request started
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
 
@@ -131,7 +136,8 @@ class BudgetPlanner:
     def start(self, regime: str = GREEDY) -> RegimeStats:
         """A request's own running means, starting from what earlier requests of its regime taught."""
         with self._lock:
-            return replace(self._stats(regime), steps=0, trees=0)
+            shared = self._stats(regime)
+            return replace(shared, steps=0, trees=0, skipped=0, history=shared.history + shared.steps)
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
@@ -180,6 +186,39 @@ class BudgetPlanner:
 
     def choose(self, regime: str = GREEDY, request: RegimeStats | None = None) -> TreeParams:
         return self.thresholds(regime, request).params
+
+    def draft_pays(self, regime: str = GREEDY, request: RegimeStats | None = None) -> bool:
+        """Whether this step should draft at all. Where trees do not pay for themselves (a target
+        whose pass grows steeply with the tree, text the draft cannot guess), the running rate of
+        drafted steps stays below the target alone's: the step then runs on the target alone, and
+        one in EXPLORE_EVERY drafts anyway, so the rate is measured again and trees come back when
+        the text turns predictable. Until a few steps are known, every step drafts."""
+        with self._lock:
+            s = request if request is not None else self._stats(regime)
+            if s.history + s.steps < PRIOR_STEPS:
+                return True
+            alone = s.alone or self.target_scale * interpolate(self.target_curve, 1)
+            if s.rate >= 1.0 / alone:
+                s.skipped = 0
+                return True
+            s.skipped += 1
+            if s.skipped >= EXPLORE_EVERY:
+                s.skipped = 0
+                return True
+            return False
+
+    def observe_alone(
+        self, tokens: int, seconds: float, regime: str = GREEDY, request: RegimeStats | None = None
+    ) -> None:
+        """Learn the target alone's seconds per token from a step the draft was left out of."""
+        if tokens < 1:
+            return
+        with self._lock:
+            for s in (self._stats(regime), request):
+                if s is not None:
+                    w = max(EMA, 1.0 / (1 + s.alone_steps))
+                    s.alone += w * (seconds / tokens - s.alone)
+                    s.alone_steps += 1
 
     def observe(
         self,

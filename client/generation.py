@@ -232,6 +232,16 @@ class StepBudget:
             return self.tree
         return self._planner.choose(self.kind, self._request)
 
+    def draft_pays(self) -> bool:
+        """`--budget auto` may leave the draft out of a step where trees do not pay (BudgetPlanner)."""
+        if self._planner is None:
+            self.params()
+        return self._planner is None or self._planner.draft_pays(self.kind, self._request)
+
+    def observe_alone(self, tokens: int, target_s: float) -> None:
+        if self._planner is not None:
+            self._planner.observe_alone(tokens, target_s, self.kind, self._request)
+
     def observe(self, drafted: DraftedTree, tokens: list[int], draft_s: float, target_s: float) -> None:
         if self._planner is not None:
             self._planner.observe(drafted, tokens, draft_s, target_s, self.kind, self._request)
@@ -314,6 +324,8 @@ class Sequence:
             return None, False
         params = budget.params()  # after `_draft_ready`: a draft that just came up may bring the planner
         assert params is not None
+        if not budget.draft_pays():
+            return None, True
         drafted = self._draft_tree(params, stats)
         if drafted is not None:
             stats.budgets.append(drafted.tree.size - 1)
@@ -408,8 +420,11 @@ class Sequence:
             stats.network_seconds += draft_wire + target_wire
             stats.target_steps += 1
             stats.accepted_per_step.append(result.accepted)
-            if drafted is not None and steady and generated > 0 and not result.finish_reason:
-                budget.observe(drafted, result.tokens, draft_s, target_s)
+            if steady and generated > 0 and not result.finish_reason:
+                if drafted is not None:
+                    budget.observe(drafted, result.tokens, draft_s, target_s)
+                else:
+                    budget.observe_alone(len(result.tokens), draft_s + target_s)
             stats.new_tokens += len(result.tokens)
             self.tokens += result.tokens
             self._valid["target"] = self._length["target"] = len(self.tokens)

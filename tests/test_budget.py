@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import GREEDY, SAMPLED, BudgetPlanner, RegimeStats, free_batch
+from client.budget import EXPLORE_EVERY, GREEDY, SAMPLED, BudgetPlanner, RegimeStats, free_batch
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -229,6 +229,49 @@ def test_auto_budget_output_is_still_exact(loaded, model_dirs):
     out = gen.generate(PROMPT, params)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
     assert len(set(out.stats.budgets)) >= 1 and max(out.stats.budgets) <= 64
+
+
+def test_steps_run_on_the_target_alone_where_trees_do_not_pay():
+    """Drafted steps slower than the target alone (a steep target curve, a draft the target
+    rejects): most steps leave the draft out, one in EXPLORE_EVERY drafts to measure again, and
+    trees come back once drafted steps beat the target alone."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    assert plan.draft_pays()  # nothing learned yet
+    observe(plan, accepted=0, seconds=0.4)  # 1 token per 0.4 s; alone: 1 per 0.078 s
+    for _ in range(10):
+        plan.observe_alone(1, 0.08)
+    choices = [plan.draft_pays() for _ in range(2 * EXPLORE_EVERY)]
+    assert choices.count(True) == 2 and choices[EXPLORE_EVERY - 1] and choices[-1]
+    observe(plan, accepted=6, seconds=0.2)  # 7 tokens per 0.2 s
+    assert plan.draft_pays()
+    assert all(plan.draft_pays() for _ in range(EXPLORE_EVERY))
+
+
+def test_a_request_inherits_what_its_regime_learned_about_drafting():
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    observe(plan, accepted=0, seconds=0.4)
+    request = plan.start()
+    assert not plan.draft_pays(request=request)  # no first steps spent on trees known not to pay
+
+
+def test_leaving_the_draft_out_keeps_the_output_exact(loaded, model_dirs):
+    """A planner that drafts every other step: the text is the target alone's, and the stats count
+    only the drafted steps' trees."""
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
+    target.forward_curve = ((1, 0.01), (65, 0.02))
+    draft.forward_curve = ((1, 0.001), (64, 0.002))
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=16), auto_budget=True)
+    assert gen.planner is not None
+    calls = iter(range(1000))
+    gen.planner.draft_pays = lambda regime=GREEDY, request=None: next(calls) % 2 == 0  # type: ignore[method-assign]
+    from common.decoding.sampling import SamplingParams
+
+    for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=11)):
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+        out = gen.generate(PROMPT, params)
+        assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
+        assert 0 < len(out.stats.budgets) < out.stats.target_steps
 
 
 class RecordingPlanner(BudgetPlanner):
