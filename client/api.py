@@ -105,9 +105,10 @@ class SpecExec:
         self.current_planner()
 
     def _fit_tree(self, infos: list[Any]) -> None:
-        """No tree larger than a node takes: a llama.cpp target takes at most 256 nodes, whatever
-        `--max-budget` says."""
-        if self.tree is not None:
+        """Under `--budget auto` the budget is a cap, not a demand: fitted to what the nodes take (a
+        llama.cpp target takes at most 256 nodes, whatever `--max-budget` says). A fixed budget over
+        a node's limit is refused by the node, naming it."""
+        if self.tree is not None and self.auto_budget:
             cap = min(info.max_tree_nodes - 1 for info in infos)
             if self.tree.budget > cap:
                 self.tree = replace(self.tree, budget=max(cap, 1))
