@@ -217,12 +217,17 @@ def test_planner_needs_curves():
         BudgetPlanner([], DRAFT, base=BASE)
 
 
-def test_auto_budget_output_is_still_exact(loaded, model_dirs):
+def auto_generator(loaded, budget: int) -> SpecExec:
+    """The tiny pair in process under --budget auto, with flat stand-in curves."""
     target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
     draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
     target.forward_curve = ((1, 0.01), (65, 0.02))
     draft.forward_curve = ((1, 0.001), (64, 0.002))
-    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=64), auto_budget=True)
+    return SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=budget), auto_budget=True)
+
+
+def test_auto_budget_output_is_still_exact(loaded, model_dirs):
+    gen = auto_generator(loaded, budget=64)
     from common.decoding.sampling import SamplingParams
 
     params = SamplingParams(temperature=0.8, seed=11, max_new_tokens=24, ignore_eos=True)
@@ -257,11 +262,7 @@ def test_a_request_inherits_what_its_regime_learned_about_drafting():
 def test_leaving_the_draft_out_keeps_the_output_exact(loaded, model_dirs):
     """A planner that drafts every other step: the text is the target alone's, and the stats count
     only the drafted steps' trees."""
-    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
-    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
-    target.forward_curve = ((1, 0.01), (65, 0.02))
-    draft.forward_curve = ((1, 0.001), (64, 0.002))
-    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=16), auto_budget=True)
+    gen = auto_generator(loaded, budget=16)
     assert gen.planner is not None
     calls = iter(range(1000))
     gen.planner.draft_pays = lambda regime=GREEDY, request=None: next(calls) % 2 == 0  # type: ignore[method-assign]
@@ -292,11 +293,7 @@ class RecordingPlanner(BudgetPlanner):
 
 
 def test_each_generation_plans_with_a_request_of_its_own(loaded):
-    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
-    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
-    target.forward_curve = ((1, 0.01), (65, 0.02))
-    draft.forward_curve = ((1, 0.001), (64, 0.002))
-    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=64), auto_budget=True)
+    gen = auto_generator(loaded, budget=64)
     assert gen.planner is not None
     plan = RecordingPlanner(gen.planner.target_curve, gen.planner.draft_curve, base=gen.planner.base)
     gen.planner = plan
