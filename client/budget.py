@@ -52,7 +52,6 @@ class RegimeStats:
     alone: float = 0.0  # seconds per token of steps run on the target alone; 0: not measured yet
     alone_steps: int = 0
     skipped: int = 0  # steps in a row the draft was left out of
-    history: int = 0  # steps the regime had learned from when this request started
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
 
@@ -136,8 +135,7 @@ class BudgetPlanner:
     def start(self, regime: str = GREEDY) -> RegimeStats:
         """A request's own running means, starting from what earlier requests of its regime taught."""
         with self._lock:
-            shared = self._stats(regime)
-            return replace(shared, steps=0, trees=0, skipped=0, history=shared.history + shared.steps)
+            return replace(self._stats(regime), steps=0, trees=0, skipped=0)
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
@@ -192,10 +190,12 @@ class BudgetPlanner:
         whose pass grows steeply with the tree, text the draft cannot guess), the running rate of
         drafted steps stays below the target alone's: the step then runs on the target alone, and
         one in EXPLORE_EVERY drafts anyway, so the rate is measured again and trees come back when
-        the text turns predictable. Until a few steps are known, every step drafts."""
+        the text turns predictable. A request's first few steps always draft: inheriting the last
+        request's verdict kept code requests that followed prose on the target alone (home lab,
+        docs/benchmarks.md)."""
         with self._lock:
             s = request if request is not None else self._stats(regime)
-            if s.history + s.steps < PRIOR_STEPS:
+            if s.steps < PRIOR_STEPS:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, 1)
             if s.rate >= 1.0 / alone:

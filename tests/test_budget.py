@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import EXPLORE_EVERY, GREEDY, SAMPLED, BudgetPlanner, RegimeStats, free_batch
+from client.budget import EXPLORE_EVERY, GREEDY, PRIOR_STEPS, SAMPLED, BudgetPlanner, RegimeStats, free_batch
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -252,11 +252,17 @@ def test_steps_run_on_the_target_alone_where_trees_do_not_pay():
     assert all(plan.draft_pays() for _ in range(EXPLORE_EVERY))
 
 
-def test_a_request_inherits_what_its_regime_learned_about_drafting():
+def test_a_request_tries_trees_on_its_own_text_first():
+    """The regime learned that trees do not pay (prose, say); a new request (code, say) still drafts
+    its first steps, and its own steps decide after that."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     observe(plan, accepted=0, seconds=0.4)
     request = plan.start()
-    assert not plan.draft_pays(request=request)  # no first steps spent on trees known not to pay
+    tree = chain_tree(8, 0.8)
+    for _ in range(PRIOR_STEPS):
+        assert plan.draft_pays(request=request)
+        plan.observe(DraftedTree(tree, 7), list(range(1, 8)), 8 * DRAFT[0][1], 0.09, request=request)
+    assert plan.draft_pays(request=request)  # 7 tokens in 0.21 s beat the target alone
 
 
 def test_leaving_the_draft_out_keeps_the_output_exact(loaded, model_dirs):
