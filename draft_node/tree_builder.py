@@ -179,22 +179,7 @@ class TreeBuilder:
         remap[root] = 0
         remap[sub] = new_ids
         expander.move(torch.cat((ids - 1, moved - 1)), torch.cat((torch.arange(d), d + remap[moved] - 1)))
-        keep = torch.cat((torch.tensor([root]), sub))
-        m = keep.numel()
-        self.tokens[:m] = self.tokens[keep]
-        parents = self.parents[keep]
-        self.parents[:m] = torch.where(parents >= 0, remap[parents.clamp(min=0)], -1)
-        self.parents[0] = -1
-        self.depths[:m] = self.depths[keep] - self.depths[root]
-        self.scores[:m] = self.scores[keep] - self.scores[root]
-        self.expanded[:m] = self.expanded[keep]
-        self.alive[:m] = True
-        self.alive[m:n] = False
-        self.expanded[m:n] = False
-        anc = self.ancestors[keep][:, keep]
-        self.ancestors[:n, :n] = False
-        self.ancestors[:m, :m] = anc
-        self.used = m
+        self._keep_rows(torch.cat((torch.tensor([root]), sub)), remap)
 
     def _best(self, budget: int) -> Tensor:
         """Ids of the `budget` best alive nodes besides the root, best first (ties: older first)."""
@@ -275,12 +260,20 @@ class TreeBuilder:
         moved = keep[self.expanded[keep] & (keep > 0)]
         if moved.numel():
             expander.move(moved - 1, remap[moved] - 1)
-        m = keep.numel()
+        self._keep_rows(keep, remap)
+
+    def _keep_rows(self, keep: Tensor, remap: Tensor) -> None:
+        """Rows `keep` (increasing after the first, which becomes the root) move to the front, parents
+        renumbered by `remap` (old id -> new, -1 if dropped); depths and scores become relative to the
+        new root. Shared by compaction (root unchanged) and re-rooting."""
+        n, m = self.used, keep.numel()
+        depth0, score0 = int(self.depths[keep[0]]), float(self.scores[keep[0]])
         self.tokens[:m] = self.tokens[keep]
         parents = self.parents[keep]
-        self.parents[:m] = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        self.depths[:m] = self.depths[keep]
-        self.scores[:m] = self.scores[keep]
+        self.parents[:m] = torch.where(parents >= 0, remap[parents.clamp(min=0)], -1)
+        self.parents[0] = -1
+        self.depths[:m] = self.depths[keep] - depth0
+        self.scores[:m] = self.scores[keep] - score0
         self.expanded[:m] = self.expanded[keep]
         self.alive[:m] = True
         self.alive[m:n] = False

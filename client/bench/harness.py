@@ -276,13 +276,18 @@ class GrpcNodes:
         return tuple(proc.pid for proc in self.procs)
 
     def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs)
+
+
+def stop_processes(procs: list[subprocess.Popen]) -> None:
+    """SIGTERM to all first (they shut down in parallel), then a kill for any still up after 30 s."""
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 def build_contestants(config: BenchConfig, target: Any, draft: Any, tokenizer: Any) -> list[Contestant]:

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from client.api import Completion, SpecExec, collect
-from client.bench.harness import SETTINGS, encode, free_port, load_prompts
+from client.bench.harness import SETTINGS, encode, free_port, load_prompts, stop_processes
 from client.remote import connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -130,13 +130,7 @@ class Lab:
         return Completion(text="", token_ids=reply["tokens"], finish_reason=reply["finish"], stats=_Stats(reply["stats"]))
 
     def close(self) -> None:
-        for proc in self.procs:
-            proc.terminate()
-        for proc in self.procs:
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+        stop_processes(self.procs)
 
 
 class _Stats:

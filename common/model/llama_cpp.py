@@ -46,25 +46,19 @@ def _lib() -> Any:
     return llama_cpp
 
 
-_BACKEND_READY = False
+_SILENT: Any = None  # the log callback, kept alive here: llama.cpp holds a pointer to it
 
 
 def _init_backend(quiet: bool) -> Any:
-    global _BACKEND_READY
+    """Once per process: llama.cpp's backend, and its log silenced unless `quiet` is off."""
+    global _SILENT
     lib = _lib()
-    if not _BACKEND_READY:
+    if _SILENT is None:
         lib.llama_backend_init()
+        _SILENT = lib.llama_log_callback(lambda level, text, user_data: None)
         if quiet:
             lib.llama_log_set(_SILENT, ctypes.c_void_p(0))
-        _BACKEND_READY = True
     return lib
-
-
-def _silent(level: int, text: bytes, user_data: ctypes.c_void_p) -> None:
-    return None
-
-
-_SILENT: Any = None
 
 
 class _Cfg:
@@ -81,10 +75,6 @@ class LlamaCppModel:
         """`repack`: llama.cpp's CPU repacking of quantized weights (its "extra buffer types"): on the
         2-core AVX2 CPU a 16-token pass took 0.78x the time, for about 0.6x the file in more RSS
         (the file's mapped pages stay resident beside the repacked copy until the kernel needs them)."""
-        global _SILENT
-        lib = _lib()
-        if _SILENT is None:
-            _SILENT = lib.llama_log_callback(_silent)
         lib = _init_backend(quiet)
         self.lib = lib
         self.path = Path(path)
