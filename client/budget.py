@@ -10,6 +10,11 @@ With a draft node that searches ahead while the target verifies (its lookahead),
 a tree it re-roots is hidden behind the target's pass up to that pass's length: the level cost then
 counts only the exposed share of the draft's time, learned from the re-root hit rate. In one process
 nothing is hidden, no tree is re-rooted, and the share stays 1.
+
+A target serving several sessions runs their trees in one pass (target_node.batcher). With k
+sessions sharing each pass, a tree token costs the pass k times its own slope, since each of the
+others' trees grows alike: the target's cost per tree token is read at k times the tree's size, so
+trees shrink under load where the pass is flat (a GPU) and keep their size where it is linear.
 """
 
 from __future__ import annotations
@@ -116,6 +121,7 @@ class BudgetPlanner:
     base: TreeParams  # the cap: its budget, depth and branching bound every tree
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
+    sharing: float = 1.0  # sessions per target pass, as the target reports them (continuous batching)
     k_level: float = K_LEVEL  # per planner, so benchmarks/auto_constants.py can race variants side by side
     k_node: float = K_NODE
 
@@ -155,7 +161,8 @@ class BudgetPlanner:
         steps proposed nothing. A node worth expanding is worth proposing: the node floor never
         exceeds the expansion floor."""
         span = min(max(s.size, float(SLOPE_SPAN)), float(self.base.budget))
-        grown = interpolate(self.target_curve, span + 1) - interpolate(self.target_curve, 1)
+        k = self.sharing
+        grown = interpolate(self.target_curve, k * (span + 1)) - interpolate(self.target_curve, k)
         slope = self.target_scale * max(grown, 0.0) / span
         exposed = self._exposed(s)
         level = exposed * self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
@@ -178,7 +185,7 @@ class BudgetPlanner:
         batch = max(s.batch, 1.0)
         forwards = s.size / max(s.children, 1.0) / batch  # expansions of the mean tree
         draft = self.draft_scale * forwards * interpolate(self.draft_curve, batch)
-        target = self.target_scale * interpolate(self.target_curve, s.size + 1)
+        target = self.target_scale * interpolate(self.target_curve, self.sharing * (s.size + 1))
         beyond = max(0.0, draft - target) / draft if draft > 0 else 0.0
         return (1.0 - s.reused) + s.reused * beyond
 
@@ -197,7 +204,7 @@ class BudgetPlanner:
             s = request if request is not None else self._stats(regime)
             if s.steps < PRIOR_STEPS:
                 return True
-            alone = s.alone or self.target_scale * interpolate(self.target_curve, 1)
+            alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
             if s.rate >= 1.0 / alone:
                 s.skipped = 0
                 return True
@@ -228,12 +235,15 @@ class BudgetPlanner:
         target_seconds: float,
         regime: str = GREEDY,
         request: RegimeStats | None = None,
+        pass_sessions: int = 1,
+        pass_tokens: int = 0,
     ) -> None:
         """Learn from one step whose `tokens` (accepted path and the target's own token) were not cut
         short by a stop or a length limit, into the regime's means and `request`'s. A request's first
         step is not one to learn from: both models' pass over the prompt is in its times. A step that
         proposed nothing still counts towards the rate: were it left out, a rate learned on easier
-        text would hold the floors up and keep the trees empty."""
+        text would hold the floors up and keep the trees empty. `pass_sessions` and `pass_tokens`
+        describe the target pass the tree shared with other sessions' (0 tokens: not reported)."""
         tree, forwards = drafted.tree, drafted.draft_forwards
         n = tree.size - 1
         shape = None
@@ -251,13 +261,14 @@ class BudgetPlanner:
             for s in (self._stats(regime), request):
                 if s is not None:
                     s.learn(len(tokens), draft_seconds + target_seconds, shape)
+            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
             if shape is None:
                 return
             if not shape.reused:  # a re-rooted tree's draft time is only what the search had left to do
                 batch = shape.batch if shape.batch is not None else 1.0
                 modelled = interpolate(self.draft_curve, 1) + forwards * interpolate(self.draft_curve, batch)
                 self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
-            modelled = interpolate(self.target_curve, n + 1)
+            modelled = interpolate(self.target_curve, pass_tokens or n + 1)
             self.target_scale *= _ema_ratio(target_seconds, self.target_scale * modelled)
 
 

@@ -65,6 +65,7 @@ class GenerationStats:
     chain_steps: int = 0  # steps whose draft proposal was a plain chain
     reused_trees: int = 0  # trees grown from the draft's lookahead search (re-rooted, no catch-up)
     draft_failures: int = 0
+    shared_steps: int = 0  # steps whose target pass also verified other sessions' trees
 
     @property
     def tokens_per_step(self) -> float:
@@ -88,6 +89,7 @@ class GenerationStats:
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
             "chain_steps": self.chain_steps,
             "reused_trees": self.reused_trees,
+            "shared_steps": self.shared_steps,
         }
 
 
@@ -242,9 +244,10 @@ class StepBudget:
         if self._planner is not None:
             self._planner.observe_alone(tokens, target_s, self.kind, self._request)
 
-    def observe(self, drafted: DraftedTree, tokens: list[int], draft_s: float, target_s: float) -> None:
+    def observe(self, drafted: DraftedTree, result: VerifyResult, draft_s: float, target_s: float) -> None:
         if self._planner is not None:
-            self._planner.observe(drafted, tokens, draft_s, target_s, self.kind, self._request)
+            self._planner.observe(drafted, result.tokens, draft_s, target_s, self.kind, self._request,
+                                  pass_sessions=result.pass_sessions, pass_tokens=result.pass_tokens)  # fmt: skip
 
 
 class Sequence:
@@ -419,10 +422,11 @@ class Sequence:
             stats.target_seconds += target_s - target_wire
             stats.network_seconds += draft_wire + target_wire
             stats.target_steps += 1
+            stats.shared_steps += result.pass_sessions > 1
             stats.accepted_per_step.append(result.accepted)
             if steady and generated > 0 and not result.finish_reason:
                 if drafted is not None:
-                    budget.observe(drafted, result.tokens, draft_s, target_s)
+                    budget.observe(drafted, result, draft_s, target_s)
                 else:
                     budget.observe_alone(len(result.tokens), draft_s + target_s)
             stats.new_tokens += len(result.tokens)

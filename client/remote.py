@@ -204,7 +204,12 @@ class RemoteTarget(_RemoteNode):
         )
         r = self._rpc(self.stub.Verify, request, self.step_timeout)
         return VerifyResult(
-            list(r.tokens), r.accepted, r.finish_reason or None, r.forward_seconds + r.queue_seconds
+            list(r.tokens),
+            r.accepted,
+            r.finish_reason or None,
+            r.forward_seconds + r.queue_seconds,
+            pass_sessions=max(r.pass_sessions, 1),
+            pass_tokens=r.pass_tokens,
         )
 
     def tokenizer(self) -> Any:

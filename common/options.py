@@ -260,6 +260,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         profile=args.profile,
         reprofile=args.reprofile,
         lookahead=getattr(args, "lookahead", False),
+        batch_window_ms=getattr(args, "batch_window_ms", 0.0),
+        max_batch_tokens=getattr(args, "max_batch_tokens", 2048),
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

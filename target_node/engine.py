@@ -1,8 +1,11 @@
-"""The target node's engine: a loaded target model and its sessions, serialised on one lock because
-a single model runs one forward pass at a time."""
+"""The target node's engine: a loaded target model and its sessions. A model runs one forward pass
+at a time, so Verify requests from different sessions share passes (target_node.batcher)."""
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -11,9 +14,17 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loading import LoadedModel
+from common.ops.metrics import observe_verify_pass
 from common.runtime.engine import NodeEngine
-from common.runtime.sessions import StepTiming, check_step, timed_lock
-from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession
+from common.runtime.sessions import StepTiming, check_step
+from target_node.batcher import VerifyBatcher, VerifyJob
+from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket, run_trees
+
+log = logging.getLogger("specexec.target")
+
+# Tree tokens one shared pass takes at most (a tree over it still runs, alone): bounds a pass's
+# activations and attention masks, and the wait a session's small tree has behind others' large ones.
+MAX_BATCH_TOKENS = 2048
 
 
 class TargetEngine(NodeEngine[TargetSession]):
@@ -21,12 +32,22 @@ class TargetEngine(NodeEngine[TargetSession]):
     logits_share = 0.5  # only nodes with children need logits, about half of a bushy tree
 
     def __init__(
-        self, loaded: LoadedModel, *, all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES, **limits: Any
+        self,
+        loaded: LoadedModel,
+        *,
+        all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
+        batch_window: float = 0.0,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
-        call (see target_node.session); `limits` are NodeEngine's."""
+        call (see target_node.session); `batch_window` (seconds) and `max_batch_tokens` shape the
+        passes shared by sessions (target_node.batcher); `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
+        self.batcher = VerifyBatcher(
+            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
+        )
         if not isinstance(loaded.model, torch.nn.Module):
             from common.model.llama_cpp import MAX_TREE_LEAVES
 
@@ -63,14 +84,68 @@ class TargetEngine(NodeEngine[TargetSession]):
         truncate_to: int | None = None,
         step_id: int | None = None,
         timing: StepTiming | None = None,
+        cancelled: Callable[[], bool] | None = None,
     ) -> VerifyResult:
+        """Verify one tree, in the next pass the model runs (with other sessions' trees, if any wait)."""
         session = self.sessions.get(session_id, owner)
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
-        with timed_lock(self._lock, timing):
-            check_step(session.step, step_id)
-            result = session.verify_changes(
-                tree, params, max_tokens, truncate_to=truncate_to, append=append or []
-            )
-            session.step = step_id if step_id is not None else session.step + 1
-            return result
+        job = VerifyJob(
+            session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing
+        )
+        if cancelled is not None:
+            job.cancelled = cancelled
+        return self.batcher.submit(job)
+
+    def _run_pass(self, jobs: list[VerifyJob]) -> None:
+        """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""
+        steps: list[tuple[VerifyJob, TreeTicket]] = []
+        for job in jobs:
+            try:
+                check_step(job.session.step, job.step_id)
+                ticket = job.session.prepare(
+                    job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to, append=job.append
+                )
+            except Exception as exc:
+                job.fail(exc)
+                continue
+            if isinstance(ticket, VerifyResult):
+                self._complete(job, ticket)
+            else:
+                steps.append((job, ticket))
+        shared = {"pass_sessions": len(steps), "pass_tokens": sum(t.tree.size for _, t in steps)}
+        for (job, ticket), draw in zip(steps, self._draws(steps), strict=True):
+            try:
+                if isinstance(draw, BaseException):
+                    raise draw
+                self._complete(job, replace(job.session.finish(ticket, draw), **shared))
+            except Exception as exc:
+                job.session.abort(ticket)
+                job.fail(exc)
+        if steps:
+            observe_verify_pass(**shared)
+
+    def _draws(self, steps: list[tuple[VerifyJob, TreeTicket]]) -> list[Callable[[int], int] | BaseException]:
+        """Each tree's draw function from one shared pass, or the error its own pass raised: if the
+        shared pass fails, each tree runs alone, so a failure stays with the tree that caused it."""
+        draws: dict[int, Callable[[int], int] | BaseException] = {}
+        shared = [(job.session, ticket) for job, ticket in steps if ticket.segment is not None]
+        if len(shared) > 1:
+            try:
+                draws = {
+                    id(t): d for (_, t), d in zip(shared, run_trees(self.loaded.model, shared), strict=True)
+                }
+            except Exception as exc:
+                log.warning("a pass over %d sessions failed (%s); running each alone", len(shared), exc)
+        for job, ticket in steps:
+            if id(ticket) not in draws:
+                try:
+                    draws[id(ticket)] = job.session.run_alone(ticket)
+                except Exception as exc:
+                    draws[id(ticket)] = exc
+        return [draws[id(ticket)] for _, ticket in steps]
+
+    @staticmethod
+    def _complete(job: VerifyJob, result: VerifyResult) -> None:
+        job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
+        job.succeed(result)

@@ -7,10 +7,10 @@ from collections.abc import Callable
 
 import torch
 
-from common.decoding.sampling import SamplingParams, sample_rows
+from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
 from common.model.llama_cpp import LlamaCppModel
-from target_node.session import TargetSession
+from target_node.session import TargetSession, TreeTicket
 
 
 class LlamaTargetSession(TargetSession):
@@ -48,9 +48,11 @@ class LlamaTargetSession(TargetSession):
     def _truncate_cache(self, length: int) -> None:
         self.ctx.truncate(length)
 
-    def _run_tree(
-        self, tree: TokenTree, structure: TreeStructure, params: SamplingParams
-    ) -> Callable[[int], int]:
+    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, torch.Tensor, int]:
+        return None, torch.zeros(0, dtype=torch.long), self.ctx.length  # llama.cpp lays out its own pass
+
+    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
+        tree, structure, params = ticket.tree, ticket.structure, ticket.params
         self.ctx.extend(self.committed[self.ctx.length : -1])
         logits = self.ctx.tree(tree.tokens, tree.parents, structure.ancestors)  # [n, vocab]
         root_pos = len(self.committed) - 1
@@ -61,7 +63,7 @@ class LlamaTargetSession(TargetSession):
 
         return draw
 
-    def _keep(self, path: list[int]) -> None:
+    def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
         self.ctx.keep(path)
 
     def close(self) -> None:

@@ -51,6 +51,7 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
             step_id=request.step_id or None,
             timing=timing,
+            cancelled=lambda: not context.is_active(),
         )
         observe_step(
             "verify",
@@ -68,4 +69,6 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             finish_reason=result.finish_reason or "",
             forward_seconds=timing.compute_seconds,
             queue_seconds=timing.queue_seconds,
+            pass_sessions=result.pass_sessions,
+            pass_tokens=result.pass_tokens,
         )

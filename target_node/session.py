@@ -9,6 +9,7 @@ same forward pass.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -16,7 +17,7 @@ from torch import Tensor
 from common.decoding.sampling import SamplingParams, sample_rows
 from common.decoding.tree import TokenTree, TreeError, TreeStructure, attention_bias
 from common.decoding.types import VerifyResult
-from common.model.transformer import Transformer
+from common.model.transformer import Segment, Transformer
 
 # Trees up to this size get every node's logits in one LM-head call. The head reads its whole weight
 # (0.47 GB for Qwen2.5-1.5B) per call, so on a CPU 1-8 rows cost about the same (14-19 ms) and a
@@ -77,16 +78,57 @@ class TargetSession:
         append: list[int],
     ) -> VerifyResult:
         """Roll back and/or extend, then verify; on any error the session is left as it was."""
+        ticket = self.prepare(tree, params, max_tokens, truncate_to=truncate_to, append=append)
+        if isinstance(ticket, VerifyResult):
+            return ticket
+        try:
+            return self.finish(ticket, self.run_alone(ticket))
+        except Exception:
+            self.abort(ticket)
+            raise
+
+    def prepare(
+        self,
+        tree: TokenTree,
+        params: SamplingParams,
+        max_tokens: int,
+        *,
+        truncate_to: int | None = None,
+        append: list[int] | None = None,
+    ) -> TreeTicket | VerifyResult:
+        """Roll back and/or extend, check the tree, and lay out its pass; a step with no room left
+        is answered at once. On any error the session is left as it was; after it, `finish` or
+        `abort` must follow before this session is prepared again."""
         committed, length = list(self.committed), self.cached_length
         try:
             if truncate_to is not None:
                 self.truncate(truncate_to)
-            self.append(append)
-            return self.verify(tree, params, max_tokens)
+            self.append(append or [])
+            structure = tree.validate(
+                vocab_size=self.model.cfg.vocab_size, max_nodes=self.max_tree, max_depth=self.max_depth
+            )
+            if int(tree.tokens[0]) != self.committed[-1]:
+                raise TreeError(
+                    f"tree root token {int(tree.tokens[0])} is not the last committed token {self.committed[-1]}"
+                )
+            if max_tokens < 1:
+                raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
+            max_tokens = min(max_tokens, self.max_context - len(self.committed))
+            if max_tokens < 1:
+                return VerifyResult([], 0, "length")
+            segment, logit_nodes, tree_start = self._layout(tree, structure)
         except Exception:
             self.committed = committed
             self._restore(length)
             raise
+        return TreeTicket(
+            tree, structure, params, max_tokens, committed, length, tree_start, segment, logit_nodes
+        )
+
+    def abort(self, ticket: TreeTicket) -> None:
+        """Undo `prepare`: the step failed, and the session is as it was before it."""
+        self.committed = ticket.committed_before
+        self._restore(ticket.cached_before)
 
     @property
     def cached_length(self) -> int:
@@ -110,20 +152,12 @@ class TargetSession:
         self.cache.truncate(length)
 
     def verify(self, tree: TokenTree, params: SamplingParams, max_tokens: int) -> VerifyResult:
-        structure = tree.validate(
-            vocab_size=self.model.cfg.vocab_size, max_nodes=self.max_tree, max_depth=self.max_depth
-        )
-        if int(tree.tokens[0]) != self.committed[-1]:
-            raise TreeError(
-                f"tree root token {int(tree.tokens[0])} is not the last committed token {self.committed[-1]}"
-            )
-        if max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
-        max_tokens = min(max_tokens, self.max_context - len(self.committed))
-        if max_tokens < 1:
-            return VerifyResult([], 0, "length")
+        return self.verify_changes(tree, params, max_tokens, truncate_to=None, append=[])
 
-        path, extra = accept_path(tree, self._run_tree(tree, structure, params))
+    def finish(self, ticket: TreeTicket, draw: Callable[[int], int]) -> VerifyResult:
+        """The acceptance walk over the pass's draws, then the cache keeps only the accepted path."""
+        tree, params, max_tokens = ticket.tree, ticket.params, ticket.max_tokens
+        path, extra = accept_path(tree, draw)
         tokens = [*tree.tokens[path[1:]].tolist(), extra]
         accepted = len(path) - 1
         finish = None
@@ -136,23 +170,24 @@ class TargetSession:
             tokens = tokens[:max_tokens]
             finish = finish or "length"
         accepted = min(accepted, len(tokens))
-        self._keep(path[: len(tokens)])  # the root and every new token but the last, the next root
+        self._keep(ticket, path[: len(tokens)])  # the root and every new token but the last, the next root
         self.committed.extend(tokens)
         return VerifyResult(tokens, accepted, finish)
 
-    def _run_tree(self, tree: TokenTree, structure: TreeStructure, params: SamplingParams) -> Callable[[int], int]:
-        """One pass over the pending chain and the tree; returns the target's draw at a node."""
-        hidden, self._tree_start = self._forward(tree, structure)
-        return self._drawer(tree, structure, hidden, params)
+    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
+        """This session's pass alone; `run_trees` serves several sessions in one."""
+        return run_trees(self.model, [(self, ticket)])[0]
 
-    def _keep(self, path: list[int]) -> None:
-        start = self._tree_start
+    def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
+        start = ticket.tree_start
         kept = torch.tensor(path, dtype=torch.long)
         self.cache.move(start + kept, torch.arange(start, start + kept.numel()))
         self.cache.length = start + kept.numel()
 
-    def _forward(self, tree: TokenTree, structure: TreeStructure) -> tuple[Tensor, int]:
-        """One pass over pending chain + tree; returns the tree's hidden states and its first slot."""
+    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[Segment | None, Tensor, int]:
+        """The pass over pending chain + tree as a segment; the tree nodes whose logits come from the
+        batched LM-head call (every node of a small tree, the nodes with children of a large one: a
+        large tree's leaf gets its own call on demand); and the tree root's slot."""
         start = self.cache.length
         chain = torch.tensor(self.committed[start:-1], dtype=torch.long)
         c, n = chain.numel(), tree.size
@@ -163,29 +198,59 @@ class TargetSession:
         root_pos = start + c
         positions = torch.cat((torch.arange(start, root_pos), root_pos + structure.depths))
         slots = torch.arange(start, root_pos + n)
-        hidden = self.model(
-            torch.cat((chain, tree.tokens)), positions, slots, attention_bias(visible, start), self.cache
-        )
-        return hidden[c:], root_pos
-
-    def _drawer(
-        self, tree: TokenTree, structure: TreeStructure, hidden: Tensor, params: SamplingParams
-    ) -> Callable[[int], int]:
-        """Logits for every node of a small tree, or of every node with children of a large one, come
-        from one batched LM-head call; a large tree's leaf gets its own on demand."""
-        n = tree.size
+        bias = attention_bias(visible, start)
+        segment = Segment(torch.cat((chain, tree.tokens)), positions, slots, bias, self.cache)
         batched = torch.full((n,), n <= self.all_logits_max_nodes, dtype=torch.bool)
         batched[tree.parents[1:]] = True
-        rows = torch.full((n,), -1, dtype=torch.long)
-        batch_ids = batched.nonzero().squeeze(1)
-        rows[batch_ids] = torch.arange(batch_ids.numel())
-        logits = self.model.logits(hidden[batch_ids]) if batch_ids.numel() else None
+        return segment, batched.nonzero().squeeze(1), root_pos
+
+    def _drawer(self, ticket: TreeTicket, hidden: Tensor, logits: Tensor | None) -> Callable[[int], int]:
+        """`hidden` [n, h]: the tree's rows; `logits` [len(logit_nodes), vocab]: theirs, batched."""
+        tree, structure, params = ticket.tree, ticket.structure, ticket.params
+        rows = torch.full((tree.size,), -1, dtype=torch.long)
+        rows[ticket.logit_nodes] = torch.arange(ticket.logit_nodes.numel())
         root_pos = len(self.committed) - 1
 
         def draw(node: int) -> int:
             row = int(rows[node])
-            node_logits = logits[row : row + 1] if row >= 0 else self.model.logits(hidden[node : node + 1])
+            if row >= 0 and logits is not None:
+                node_logits = logits[row : row + 1]
+            else:
+                node_logits = self.model.logits(hidden[node : node + 1])
             position = root_pos + int(structure.depths[node]) + 1
             return int(sample_rows(node_logits.cpu(), params, [position])[0])  # one row per draw
 
         return draw
+
+
+@dataclass
+class TreeTicket:
+    """A step prepared for a pass: what the pass runs, what the walk needs after it, and the state
+    to restore if the step fails."""
+
+    tree: TokenTree
+    structure: TreeStructure
+    params: SamplingParams
+    max_tokens: int
+    committed_before: list[int]
+    cached_before: int
+    tree_start: int  # the tree root's slot
+    segment: Segment | None  # None on backends that run their own pass
+    logit_nodes: Tensor  # int64 [k]: the nodes whose logits the batched LM-head call computes
+
+
+def run_trees(
+    model: Transformer, steps: list[tuple[TargetSession, TreeTicket]]
+) -> list[Callable[[int], int]]:
+    """One forward pass and one LM-head call for several sessions' trees; returns each tree's draw.
+
+    The pass costs about what the largest of them would alone where weight reads dominate (a GPU,
+    an offloaded target), and the LM head, the largest single weight, is read once for all."""
+    hidden = model.forward_segments([t.segment for _, t in steps])  # [sum of segment sizes, h]
+    trees = []
+    for (_, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
+        trees.append(rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: the chain's rows dropped
+    wanted = [h[t.logit_nodes] for h, (_, t) in zip(trees, steps, strict=True)]
+    logits = model.logits(torch.cat(wanted)) if sum(w.shape[0] for w in wanted) else None
+    parts = logits.split([w.shape[0] for w in wanted]) if logits is not None else [None] * len(steps)
+    return [s._drawer(t, h, part) for (s, t), h, part in zip(steps, trees, parts, strict=True)]

@@ -293,9 +293,9 @@ class RecordingPlanner(BudgetPlanner):
         self.chosen.append(request)
         return super().choose(regime, request)
 
-    def observe(self, drafted, tokens, draft_seconds, target_seconds, regime=GREEDY, request=None) -> None:
+    def observe(self, drafted, tokens, draft_seconds, target_seconds, regime=GREEDY, request=None, **shared) -> None:
         self.observed.append(request)
-        super().observe(drafted, tokens, draft_seconds, target_seconds, regime, request)
+        super().observe(drafted, tokens, draft_seconds, target_seconds, regime, request, **shared)
 
 
 def test_each_generation_plans_with_a_request_of_its_own(loaded):

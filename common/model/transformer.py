@@ -101,6 +101,32 @@ def rope_inverse_frequencies(hf_config: Any) -> tuple[Tensor, float]:
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
 
 
+@dataclass(frozen=True)
+class Segment:
+    """One sequence's rows in a pass that serves several (`Transformer.forward_segments`): its tokens
+    at their positions, their KV slots in its own cache, and its mask over that cache."""
+
+    tokens: Tensor  # int64 [t]
+    positions: Tensor  # int64 [t]
+    slots: Tensor  # int64 [t]
+    bias: Tensor  # float [t, kv_len]
+    cache: KVCache
+
+    @property
+    def size(self) -> int:
+        return int(self.tokens.shape[0])
+
+
+@dataclass(frozen=True)
+class LayerSegment:
+    """A segment as one layer sees it: its slots and mask, and that layer's K and V buffers."""
+
+    slots: Tensor  # int64 [t]
+    bias: Tensor  # float [t, kv_len]
+    k: Tensor  # [kv_heads, capacity + 1, d]
+    v: Tensor
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -138,6 +164,20 @@ class Attention(nn.Module):
         k_cache: Tensor,
         v_cache: Tensor,
     ) -> Tensor:
+        q, k, v = self.project(x, cos, sin)
+        return self.o_proj(self.attend(q, k, v, slots, bias, k_cache, v_cache))
+
+    def forward_segments(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[LayerSegment]) -> Tensor:
+        """Projections over every segment's rows at once (the weights are read once per pass);
+        attention per segment, each over its own cache and mask."""
+        q, k, v = self.project(x, cos, sin)
+        sizes = [s.slots.numel() for s in segments]
+        parts = zip(q.split(sizes, 1), k.split(sizes, 1), v.split(sizes, 1), segments, strict=True)
+        out = [self.attend(qs, ks, vs, s.slots, s.bias, s.k, s.v) for qs, ks, vs, s in parts]
+        return self.o_proj(torch.cat(out))
+
+    def project(self, x: Tensor, cos: Tensor, sin: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q [heads, t, d], k and v [kv_heads, t, d], rotated."""
         t = x.shape[0]
         cfg = self.cfg
         if self.qkv_proj is None:
@@ -149,10 +189,19 @@ class Attention(nn.Module):
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rope(q, cos, sin).transpose(0, 1)
-        k = apply_rope(k, cos, sin).transpose(0, 1)
+        return (
+            apply_rope(q, cos, sin).transpose(0, 1),
+            apply_rope(k, cos, sin).transpose(0, 1),
+            v.transpose(0, 1),
+        )
+
+    def attend(
+        self, q: Tensor, k: Tensor, v: Tensor, slots: Tensor, bias: Tensor, k_cache: Tensor, v_cache: Tensor
+    ) -> Tensor:
+        """Writes k, v to `slots` and attends over cache slots [0, kv_len); returns [t, heads * d]."""
+        cfg = self.cfg
         k_cache[:, slots] = k.to(k_cache.dtype)  # index_put_: compiled graphs write it in place
-        v_cache[:, slots] = v.transpose(0, 1).to(v_cache.dtype)
+        v_cache[:, slots] = v.to(v_cache.dtype)
         kv_len = bias.shape[-1]
         out = F.scaled_dot_product_attention(
             q.unsqueeze(0),
@@ -161,7 +210,7 @@ class Attention(nn.Module):
             attn_mask=bias.to(q.dtype)[None, None],
             enable_gqa=cfg.num_heads != cfg.num_kv_heads,
         )
-        return self.o_proj(out[0].transpose(0, 1).reshape(t, cfg.num_heads * cfg.head_dim))
+        return out[0].transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
@@ -204,6 +253,10 @@ class DecoderLayer(nn.Module):
         v_cache: Tensor,
     ) -> Tensor:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, slots, bias, k_cache, v_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_segments(self, x: Tensor, cos: Tensor, sin: Tensor, segments: list[LayerSegment]) -> Tensor:
+        x = x + self.self_attn.forward_segments(self.input_layernorm(x), cos, sin, segments)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -265,14 +318,35 @@ class Transformer(nn.Module):
         self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: list[Tensor], v: list[Tensor]
     ) -> Tensor:
         """The pass itself, on plain tensors only, so that `torch.compile` can trace it whole."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self.rope_scaling).to(self.dtype)
-        sin = (emb.sin() * self.rope_scaling).to(self.dtype)
+        cos, sin = self.rope(positions)
         x = self.model.embed_tokens(tokens)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, slots, bias, k[i], v[i])
         return self.model.norm(x)
+
+    @torch.inference_mode()
+    def forward_segments(self, segments: list[Segment]) -> Tensor:
+        """One pass over several sequences, each with its own cache: the rows of all of them go
+        through every weight together, so the pass reads the weights once however many sequences it
+        serves, and each attends only within its own cache. Returns the hidden states of all rows,
+        segment after segment. A single segment runs as `forward` (compiled, if the model is)."""
+        if len(segments) == 1:
+            s = segments[0]
+            return self(s.tokens, s.positions, s.slots, s.bias, s.cache)
+        device = self.device
+        tokens = torch.cat([s.tokens for s in segments]).to(device)
+        cos, sin = self.rope(torch.cat([s.positions for s in segments]).to(device))
+        inputs = [(s.slots.to(device), s.bias.to(device), s.cache) for s in segments]
+        x = self.model.embed_tokens(tokens)
+        for i, layer in enumerate(self.model.layers):
+            views = [LayerSegment(slots, bias, cache.k[i], cache.v[i]) for slots, bias, cache in inputs]
+            x = layer.forward_segments(x, cos, sin, views)
+        return self.model.norm(x)
+
+    def rope(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.rope_scaling).to(self.dtype), (emb.sin() * self.rope_scaling).to(self.dtype)
 
     @torch.inference_mode()
     def logits(self, hidden: Tensor) -> Tensor:

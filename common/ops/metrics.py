@@ -83,6 +83,16 @@ TARGET_FORWARD_SECONDS = Histogram(
     "target: one Verify's forward pass over pending tokens and the tree, plus the acceptance walk",
     buckets=LATENCY_BUCKETS,
 )
+VERIFY_PASS_SESSIONS = Histogram(
+    "specexec:verify_pass_sessions",
+    "target: sessions whose trees shared one forward pass (continuous batching)",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+VERIFY_PASS_TOKENS = Histogram(
+    "specexec:verify_pass_tree_tokens",
+    "target: tree tokens of all sessions in one forward pass",
+    buckets=SIZE_BUCKETS,
+)
 TREE_NODES = Histogram("specexec:tree_nodes", "tree size including the root", ["step"], buckets=SIZE_BUCKETS)
 
 # Target: vLLM-compatible speculative-decoding figures
@@ -199,6 +209,12 @@ def observe_step(
         compute_s=timing.compute_seconds,
         **fields,
     )
+
+
+def observe_verify_pass(pass_sessions: int, pass_tokens: int) -> None:
+    """One target pass: how many sessions shared it. Each step's wait for it is step_queue_seconds."""
+    VERIFY_PASS_SESSIONS.observe(pass_sessions)
+    VERIFY_PASS_TOKENS.observe(pass_tokens)
 
 
 class RpcMetrics(grpc.ServerInterceptor):

@@ -53,6 +53,8 @@ class NodeConfig:
     profile: bool = True
     reprofile: bool = False  # measure the forward-time curve even if it is cached
     lookahead: bool = False  # draft: grow the next tree while the target verifies
+    batch_window_ms: float = 0.0  # target: how long a pass waits for more sessions' trees
+    max_batch_tokens: int = 2048  # target: tree tokens one shared pass takes at most
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None

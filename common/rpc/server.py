@@ -16,7 +16,7 @@ from grpc_reflection.v1alpha import reflection
 
 from common.decoding.tree import TreeTooLarge
 from common.ops.metrics import RpcMetrics
-from common.runtime.sessions import SessionNotFound, StepOutOfOrder, TooManySessions
+from common.runtime.sessions import SessionNotFound, StepCancelled, StepOutOfOrder, TooManySessions
 
 log = logging.getLogger("specexec.rpc")
 
@@ -55,6 +55,8 @@ def status_for(exc: BaseException) -> grpc.StatusCode:
         return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, StepOutOfOrder):
         return grpc.StatusCode.FAILED_PRECONDITION
+    if isinstance(exc, StepCancelled):
+        return grpc.StatusCode.CANCELLED
     if isinstance(exc, TooManySessions | TreeTooLarge):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, NotReady):

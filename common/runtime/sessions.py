@@ -111,6 +111,10 @@ class StepOutOfOrder(RuntimeError):
     pass
 
 
+class StepCancelled(RuntimeError):
+    """The caller cancelled or ran out of time while the step waited for the model."""
+
+
 def check_step(last_step: int, step_id: int | None) -> None:
     """Steps are numbered 1, 2, 3... per session: a stale or repeated one would corrupt the cache."""
     if step_id is not None and step_id != last_step + 1:

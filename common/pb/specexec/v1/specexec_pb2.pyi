@@ -182,18 +182,22 @@ class VerifyRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("tokens", "accepted", "finish_reason", "forward_seconds", "queue_seconds")
+    __slots__ = ("tokens", "accepted", "finish_reason", "forward_seconds", "queue_seconds", "pass_sessions", "pass_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     FORWARD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PASS_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
     finish_reason: str
     forward_seconds: float
     queue_seconds: float
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ...) -> None: ...
+    pass_sessions: int
+    pass_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., pass_sessions: _Optional[int] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayInfo(_message.Message):
     __slots__ = ("draft", "target")

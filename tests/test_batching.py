@@ -1,0 +1,255 @@
+"""Continuous batching on the target: several sessions' trees verified in one pass, each session's
+output exactly what the target alone gives it, whatever else shared the pass."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import pytest
+import torch
+
+from client.api import SpecExec
+from client.remote import connect
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TokenTree, TreeError, TreeParams
+from common.runtime.sessions import StepCancelled, StepOutOfOrder
+from target_node import engine as engine_module
+from target_node.batcher import VerifyBatcher, VerifyJob
+from target_node.engine import TargetEngine
+from target_node.session import TargetSession
+from tests.helpers import Proc, free_port, reference_decode
+
+GREEDY = SamplingParams(max_new_tokens=8)
+SEEDED = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+
+
+def random_tree(root: int, size: int, vocab: int, gen: torch.Generator) -> TokenTree:
+    parents = [-1, *(int(torch.randint(0, i, (1,), generator=gen)) for i in range(1, size))]
+    tokens = [root, *torch.randint(0, vocab, (size - 1,), generator=gen).tolist()]
+    return TokenTree(torch.tensor(tokens), torch.tensor(parents))
+
+
+def prompts(vocab: int, count: int, seed: int = 0) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (3 + 4 * i,), generator=gen).tolist() for i in range(count)]
+
+
+def at_once(calls: list[Callable[[], Any]]) -> list[Any]:
+    """Run the calls in threads released together; each result, or the exception it raised."""
+    barrier = threading.Barrier(len(calls))
+
+    def run(call: Callable[[], Any]) -> Any:
+        barrier.wait()
+        try:
+            return call()
+        except Exception as exc:
+            return exc
+
+    with ThreadPoolExecutor(len(calls)) as pool:
+        return list(pool.map(run, calls))
+
+
+def test_a_shared_pass_gives_each_sequence_the_rows_it_gets_alone(loaded):
+    model = loaded["target"].model
+    vocab = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(1)
+    sessions = [TargetSession(model, p, max_context=128, max_tree=64, max_depth=64, eos_token_ids=())
+                for p in prompts(vocab, 3)]  # fmt: skip
+    tickets = [
+        s.prepare(random_tree(s.committed[-1], n, vocab, gen), GREEDY, 8) for s, n in zip(sessions, (7, 20, 1))
+    ]
+    segments = [t.segment for t in tickets]
+    shared = model.forward_segments(segments)
+    alone = torch.cat([model.forward_segments([s]) for s in segments])
+    assert shared.shape == (sum(s.size for s in segments), model.cfg.hidden_size)
+    torch.testing.assert_close(shared, alone, rtol=1e-5, atol=1e-5)
+
+
+def engine_for(loaded, **kwargs: Any) -> TargetEngine:
+    return TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=16, **kwargs)
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_trees_verified_together_equal_each_verified_alone(loaded, sampling):
+    vocab = loaded["target"].model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(2)
+    ps = prompts(vocab, 6)
+    trees = [random_tree(p[-1], 1 + 5 * i, vocab, gen) for i, p in enumerate(ps)]
+    alone = engine_for(loaded)
+    expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees)]
+    together = engine_for(loaded, batch_window=2.0, max_batch_tokens=10_000)
+    sids = [together.open_session(p) for p in ps]
+    got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees)])
+    assert [(r.tokens, r.accepted, r.finish_reason) for r in got] == [
+        (r.tokens, r.accepted, r.finish_reason) for r in expected
+    ]
+    assert {r.pass_sessions for r in got} == {len(ps)}
+    assert {r.pass_tokens for r in got} == {sum(t.size for t in trees)}
+
+
+def test_a_bad_tree_fails_its_own_step_only(loaded):
+    """Bad trees (wrong root, vocabulary, parents) and a stale step fail alone; their neighbours'
+    results are what they get alone, and every session, the failed ones too, goes on as before."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    ps = prompts(vocab, 5)
+    good = [random_tree(p[-1], 6, vocab, gen) for p in ps]
+    alone = engine_for(loaded)
+    expected = [alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, good)]
+    engine = engine_for(loaded, batch_window=2.0)
+    sids = [engine.open_session(p) for p in ps]
+    wrong_root = TokenTree(good[1].tokens.clone(), good[1].parents)
+    wrong_root.tokens[0] = (ps[1][-1] + 1) % vocab
+    out_of_vocab = TokenTree(good[3].tokens.clone(), good[3].parents)
+    out_of_vocab.tokens[-1] = vocab + 5
+    calls = [
+        lambda: engine.verify(sids[0], good[0], GREEDY, 8),
+        lambda: engine.verify(sids[1], wrong_root, GREEDY, 8),
+        lambda: engine.verify(sids[2], good[2], GREEDY, 8),
+        lambda: engine.verify(sids[3], out_of_vocab, GREEDY, 8),
+        lambda: engine.verify(sids[4], good[4], GREEDY, 8, step_id=7),
+    ]
+    got = at_once(calls)
+    assert isinstance(got[1], TreeError) and "root token" in str(got[1])
+    assert isinstance(got[3], TreeError) and "outside the vocabulary" in str(got[3])
+    assert isinstance(got[4], StepOutOfOrder)
+    assert got[0].tokens == expected[0] and got[2].tokens == expected[2]
+    assert got[0].pass_sessions == 2
+    retry = at_once([lambda i=i: engine.verify(sids[i], good[i], GREEDY, 8) for i in (1, 3, 4)])
+    assert [r.tokens for r in retry] == [expected[1], expected[3], expected[4]]
+
+
+def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
+    vocab = loaded["target"].model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(4)
+    ps = prompts(vocab, 3)
+    trees = [random_tree(p[-1], 4, vocab, gen) for p in ps]
+    alone = engine_for(loaded)
+    expected = [alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, trees)]
+
+    def broken(model, steps):
+        raise RuntimeError("out of memory (injected)")
+
+    monkeypatch.setattr(engine_module, "run_trees", broken)
+    engine = engine_for(loaded, batch_window=2.0)
+    sids = [engine.open_session(p) for p in ps]
+    got = at_once([lambda s=s, t=t: engine.verify(s, t, GREEDY, 8) for s, t in zip(sids, trees)])
+    assert [r.tokens for r in got] == expected
+
+
+def job(session_id: str, size: int = 1, **kwargs: Any) -> VerifyJob:
+    tree = TokenTree(torch.zeros(size, dtype=torch.long), torch.tensor([-1, *([0] * (size - 1))]))
+    return VerifyJob(session_id, None, tree, GREEDY, 8, [], None, None, **kwargs)  # type: ignore[arg-type]
+
+
+def test_a_pass_takes_one_step_per_session_and_about_max_tokens():
+    batcher = VerifyBatcher(lambda jobs: None, threading.Lock(), max_tokens=10)
+    batcher._queue = [job("a", 4), job("a", 1), job("b", 4), job("c", 4), job("d", 1)]
+    first = batcher._take()
+    assert [(j.session_id, j.tree.size) for j in first] == [("a", 4), ("b", 4), ("d", 1)]
+    assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("a", 1), ("c", 4)]
+    batcher._queue = [job("big", 50)]
+    assert [j.session_id for j in batcher._take()] == ["big"]  # over the limit, alone
+
+
+def test_a_cancelled_step_is_answered_without_a_pass():
+    ran: list[list[str]] = []
+
+    def run_pass(jobs: list[VerifyJob]) -> None:
+        ran.append([j.session_id for j in jobs])
+        for j in jobs:
+            j.succeed(None)  # type: ignore[arg-type]
+
+    batcher = VerifyBatcher(run_pass, threading.Lock())
+    with pytest.raises(StepCancelled):
+        batcher.submit(job("gone", cancelled=lambda: True))
+    assert ran == []
+
+
+def test_waiting_steps_all_return_and_the_leader_hands_over():
+    """Many threads, a slow pass: every step returns its own result, in passes of several."""
+    passes: list[int] = []
+
+    def run_pass(jobs: list[VerifyJob]) -> None:
+        time.sleep(0.02)
+        passes.append(len(jobs))
+        for j in jobs:
+            j.result, j.done = j.session_id, True  # type: ignore[assignment]
+
+    batcher = VerifyBatcher(run_pass, threading.Lock())
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: batcher.submit(job(f"s{i % 8}")), range(64)))
+    assert got == [f"s{i % 8}" for i in range(64)]
+    assert sum(passes) == 64 and max(passes) > 1
+
+
+@pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}])
+def test_batcher_limits_are_checked(bad):
+    with pytest.raises(ValueError, match="batch"):
+        VerifyBatcher(lambda jobs: None, threading.Lock(), **bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# Whole generations, many at once
+
+
+PROMPTS = [f"Request {i}: the quick brown fox number {i} jumps" for i in range(8)]
+
+
+def check_concurrent(gen: SpecExec, model_dir, tokenizer) -> None:
+    """8 generations started at different times, of different lengths, greedy and seeded: each equals
+    the target alone on its own prompt and seed."""
+    jobs = [(p, SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True,
+                               **({"temperature": 0.8, "seed": 100 + i} if i % 2 else {})))
+            for i, p in enumerate(PROMPTS)]  # fmt: skip
+
+    def run(i: int) -> Any:
+        time.sleep(0.05 * i)
+        return gen.generate(jobs[i][0], jobs[i][1])
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, range(len(jobs))))
+    for (prompt, sampling), got in zip(jobs, results):
+        assert got.token_ids == reference_decode(model_dir, tokenizer.encode(prompt), sampling)
+    assert sum(r.stats.shared_steps for r in results) > 0  # some passes served several sessions
+
+
+def test_concurrent_generations_in_process_equal_the_target_alone(model_dirs, loaded):
+    gen = SpecExec.local(str(model_dirs["truncated"]), str(model_dirs["target"]), tree=TreeParams(budget=8))
+    gen.target.batcher.window = 0.02
+    check_concurrent(gen, model_dirs["target"], loaded["target"].tokenizer)
+
+
+@pytest.fixture(scope="module")
+def nodes(model_dirs, tmp_path_factory) -> Iterator[dict[str, str]]:
+    logs = tmp_path_factory.mktemp("batching_logs")
+    env = {**__import__("os").environ, "OMP_NUM_THREADS": "1"}
+    addresses = {role: f"127.0.0.1:{free_port()}" for role in ("target", "draft")}
+    model = {"target": model_dirs["target"], "draft": model_dirs["truncated"]}
+    procs = {
+        role: Proc(role, ["-m", f"{role}_node", "--model", str(model[role]), "--listen", addresses[role],
+                          "--no-profile", "--max-sessions", "10",
+                          *(["--batch-window-ms", "20"] if role == "target" else ["--no-lookahead"])], env, logs)
+        for role in ("target", "draft")
+    }  # fmt: skip
+    try:
+        for role, proc in procs.items():
+            proc.wait_serving(addresses[role])
+        yield addresses
+    finally:
+        for proc in procs.values():
+            proc.stop()
+
+
+@pytest.mark.slow
+def test_eight_clients_through_real_nodes_equal_the_target_alone(nodes, model_dirs, loaded):
+    gen = connect(nodes["draft"], nodes["target"], tree=TreeParams(budget=8))
+    try:
+        check_concurrent(gen, model_dirs["target"], loaded["target"].tokenizer)
+    finally:
+        gen.target.close()
+        gen.draft.close()
