@@ -34,6 +34,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
         return cmd_home_lab(args)
     if args.llama_cpp:
         return cmd_llama_cpp(args)
+    if args.load:
+        return cmd_load(args)
     config = bench_config(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -221,6 +223,13 @@ def add_bench_parser(sub: Any) -> None:
         help="round trip between the client (beside the draft) and the target node, added by a delaying "
         "relay: a home network's latency on loopback",
     )
+    lab.add_argument(
+        "--load",
+        action="store_true",
+        help="many users on one target: N concurrent streaming clients (--clients) through the OpenAI "
+        "endpoint, the target batching their trees against one session per pass; chat prompts, float32",
+    )
+    lab.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8], metavar="N")
     b.set_defaults(func=cmd_bench)
 
 
@@ -270,6 +279,29 @@ def cmd_llama_cpp(args: argparse.Namespace) -> int:
     )
     result = llama_cpp.run(config)
     llama_cpp.write_report(result, config.out)
+    print((config.out / "report.md").read_text())
+    return 0
+
+
+def cmd_load(args: argparse.Namespace) -> int:
+    from client.bench import load
+
+    pair = pair_and_prompts(args)
+    del pair["limit"]
+    if pair["dtype"] == "bfloat16":  # the bench's default; this mode's is float32 (exact batching, fast here)
+        pair["dtype"] = "float32"
+    config = load.LoadConfig(
+        **{**pair, "categories": pair["categories"] or ("chat",)},
+        draft_cores=args.draft_cores,
+        target_cores=args.target_cores,
+        clients=tuple(sorted(set(args.clients))),
+        max_budget=args.auto_cap or 64,
+        out=Path(args.out),
+    )
+    if set(config.draft_cores) & set(config.target_cores):
+        raise ValueError("--draft-cores and --target-cores must not share a core")
+    runs, rounds = load.run(config)
+    load.write_report(config.out, config, runs, load.summarize(runs, rounds))
     print((config.out / "report.md").read_text())
     return 0
 

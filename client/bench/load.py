@@ -1,0 +1,281 @@
+"""`specexec bench --load`: many users on one target.
+
+N concurrent streaming clients (1, 2, 4, 8 by default) drive a gateway's OpenAI endpoint, each with
+its own chat prompt. Two gateways over one draft node, interleaved at every N:
+- "batched": a target node that verifies the trees of every session waiting in one pass
+  (continuous batching, target_node.batcher);
+- "one session per pass": the same target with `--max-batch-tokens 1`, so each session's tree has a
+  pass of its own, one after another: the target before continuous batching.
+The nodes are pinned as in the home lab (`--draft-cores`, `--target-cores`, one thread per core);
+the gateways and the clients run on the draft's cores. Reported per contestant and N: aggregate
+tokens/s, each client's time to first token and tokens/s (p50, p95), sessions per target pass (the
+target's own metric), and whether every client's text matched the other contestant's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+from tqdm import tqdm
+
+from client.bench.harness import free_port, load_prompts, stop_processes
+from client.bench.home_lab import pinned
+from client.remote import wait_until_serving
+from common.model.store import resolve_model
+from common.options import node_command
+
+CONTESTANTS = ("batched", "one session per pass")
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    draft_model: str = "qwen2.5-coder-0.5b"
+    target_model: str = "qwen2.5-coder-1.5b"
+    dtype: str = "float32"
+    draft_quantize: str = "int8"
+    draft_cores: tuple[int, ...] = (0,)
+    target_cores: tuple[int, ...] = (1,)
+    clients: tuple[int, ...] = (1, 2, 4, 8)
+    prompts: str | None = None
+    categories: tuple[str, ...] | None = ("chat",)
+    max_new_tokens: int = 64
+    max_budget: int = 64  # --budget auto's cap, and the nodes' --max-tree
+    out: Path = field(default_factory=lambda: Path("bench-results/load"))
+
+
+@dataclass
+class ClientRun:
+    contestant: str
+    clients: int
+    client: int
+    ttft: float  # seconds from the request to the first streamed text
+    seconds: float  # request to last byte
+    tokens: int  # completion tokens, as the endpoint's usage reports them
+    text: str
+
+
+class LoadLab:
+    """One draft node, two target nodes (batched, one session per pass), a gateway on each."""
+
+    def __init__(self, config: LoadConfig) -> None:
+        self.config = config
+        self.procs: list[subprocess.Popen] = []
+        draft, target = str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
+        sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
+        self.metrics: dict[str, str] = {}
+        targets = {}
+        for name, extra in (("batched", []), ("one session per pass", ["--max-batch-tokens", "1"])):
+            port, metrics = free_port(), free_port()
+            cmd = node_command("target", target, port, config.dtype, config.max_budget,
+                               [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
+            targets[name] = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
+            self.metrics[name] = f"http://127.0.0.1:{metrics}/metrics"
+        port = free_port()
+        cmd = node_command("draft", draft, port, config.dtype, config.max_budget, sessions,
+                           config.draft_quantize, lookahead=True)  # fmt: skip
+        draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
+        self.urls: dict[str, str] = {}
+        for name, target_addr in targets.items():
+            port = free_port()
+            cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", target_addr, "--draft", draft_addr,
+                   "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--max-budget", str(config.max_budget)]  # fmt: skip
+            argv, env = pinned(cmd, config.draft_cores)
+            self.procs.append(subprocess.Popen(argv, env=env))
+            self.urls[name] = f"http://127.0.0.1:{port}"
+            wait_http(self.urls[name] + "/health", self.procs[-1])
+
+    def _start(self, cmd: list[str], cores: tuple[int, ...], address: str) -> str:
+        argv, env = pinned(cmd, cores)
+        proc = subprocess.Popen(argv, env=env)
+        self.procs.append(proc)
+        wait_until_serving(address, timeout=1800, alive=lambda: proc.poll() is None)
+        return address
+
+    def pass_sessions(self, name: str) -> tuple[float, float]:
+        """The target's specexec:verify_pass_sessions histogram: (sum, count) so far."""
+        text = urllib.request.urlopen(self.metrics[name], timeout=10).read().decode()
+        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+        return values.get("specexec:verify_pass_sessions_sum", 0.0), values.get("specexec:verify_pass_sessions_count", 0.0)
+
+    def close(self) -> None:
+        stop_processes(self.procs)
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the gateway for {url} exited with code {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url, timeout=2) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} did not answer within {timeout:g} s")
+
+
+def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
+    """One streaming chat completion, greedy: (time to first text, total seconds, tokens, text)."""
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        model = json.load(response)["data"][0]["id"]
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+    start = time.perf_counter()
+    first, tokens, text = 0.0, 0, []
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(request, timeout=1800) as response:  # an HTTP error raises, with its body
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                tokens = event["usage"]["completion_tokens"]
+            for choice in event.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    first = first or time.perf_counter() - start
+                    text.append(piece)
+    return first, time.perf_counter() - start, tokens, "".join(text)
+
+
+def round_of(url: str, name: str, n: int, prompts: list[str], max_tokens: int) -> tuple[list[ClientRun], float]:
+    """n clients released together; their runs and the round's wall time."""
+    runs: list[ClientRun | None] = [None] * n
+    errors: list[BaseException] = []
+    barrier = threading.Barrier(n)
+
+    def client(i: int) -> None:
+        barrier.wait()
+        try:
+            ttft, seconds, tokens, text = stream_chat(url, prompts[i % len(prompts)], max_tokens)
+            runs[i] = ClientRun(name, n, i, ttft, seconds, tokens, text)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(n)]
+    start = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return [r for r in runs if r is not None], time.perf_counter() - start
+
+
+def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
+    os.sched_setaffinity(0, set(config.draft_cores))
+    prompts = [p["prompt"] for p in load_prompts(config.prompts, None, config.categories)]
+    lab = LoadLab(config)
+    runs: list[ClientRun] = []
+    rounds: list[dict[str, Any]] = []
+    try:
+        for url in lab.urls.values():  # untimed: first-call costs stay out of the figures
+            stream_chat(url, prompts[0], 4)
+        with tqdm(total=len(config.clients) * len(CONTESTANTS), desc="load", unit="round") as bar:
+            for n in config.clients:
+                for name in CONTESTANTS:
+                    time.sleep(1.0)  # the last round's lookahead settles
+                    before = lab.pass_sessions(name)
+                    mine, wall = round_of(lab.urls[name], name, n, prompts, config.max_new_tokens)
+                    after = lab.pass_sessions(name)
+                    passes = after[1] - before[1]
+                    rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": passes,
+                                   "sessions_per_pass": (after[0] - before[0]) / passes if passes else 0.0})  # fmt: skip
+                    runs += mine
+                    bar.update()
+    finally:
+        lab.close()
+    return runs, rounds
+
+
+def summarize(runs: list[ClientRun], rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    alone = {r.contestant: r.tokens / r.seconds for r in runs if r.clients == 1}
+    rows = []
+    for rd in rounds:
+        name, n = rd["contestant"], rd["clients"]
+        mine = [r for r in runs if (r.contestant, r.clients) == (name, n)]
+        other = {r.client: r.text for r in runs if r.clients == n and r.contestant != name}
+        speeds = [r.tokens / r.seconds for r in mine]
+        ttfts = [r.ttft for r in mine]
+        aggregate = sum(r.tokens for r in mine) / rd["wall"]
+        rows.append({
+            "contestant": name, "clients": n, "aggregate_tok_s": aggregate,
+            "x_one_client": aggregate / alone[name],
+            "client_tok_s_p50": percentile(speeds, 50), "client_tok_s_p5": percentile(speeds, 5),
+            "client_x_alone_p50": percentile(speeds, 50) / alone[name],
+            "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
+            "sessions_per_pass": rd["sessions_per_pass"],
+            "same_text": all(other.get(r.client, r.text) == r.text for r in mine),
+        })  # fmt: skip
+    return rows
+
+
+def percentile(xs: list[float], q: int) -> float:
+    """Linear interpolation between the nearest ranks (numpy's default); q in [1, 99]."""
+    return xs[0] if len(xs) == 1 else statistics.quantiles(xs, n=100, method="inclusive")[q - 1]
+
+
+def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: list[dict[str, Any]]) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(
+        {"config": asdict(config), "runs": [asdict(r) for r in runs], "summary": rows}, indent=1, default=str))  # fmt: skip
+    lines = [
+        "# Many users on one target: concurrent streaming clients through the OpenAI endpoint", "",
+        f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
+        f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
+        f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
+        "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone (p50) "
+        "| TTFT p50 s | TTFT p95 s | sessions per pass | same text |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for r in sorted(rows, key=lambda r: (r["contestant"], r["clients"])):
+        lines.append(
+            f"| {r['contestant']} | {r['clients']} | {r['aggregate_tok_s']:.2f} | {r['x_one_client']:.2f} "
+            f"| {r['client_tok_s_p50']:.2f} | {r['client_tok_s_p5']:.2f} | {r['client_x_alone_p50']:.2f} "
+            f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['sessions_per_pass']:.2f} "
+            f"| {'yes' if r['same_text'] else 'no'} |"
+        )
+    lines += ["", "Client tok/s: its completion tokens over its request's whole time. p5: the slowest clients. "
+              "Sessions per pass: the target's specexec:verify_pass_sessions over the round. Same text: every "
+              "client's answer equals its answer from the other target at the same N."]  # fmt: skip
+    (out / "report.md").write_text("\n".join(lines) + "\n")
+    plot(out / "load.png", rows)
+
+
+def plot(path: Path, rows: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.5))
+    for name in CONTESTANTS:
+        mine = sorted((r for r in rows if r["contestant"] == name), key=lambda r: r["clients"])
+        xs = [r["clients"] for r in mine]
+        left.plot(xs, [r["aggregate_tok_s"] for r in mine], marker="o", label=name)
+        right.plot(xs, [r["client_tok_s_p50"] for r in mine], marker="o", label=name)
+    left.set_title("aggregate tokens/s")
+    right.set_title("each client's tokens/s (median)")
+    for ax in (left, right):
+        ax.set_xlabel("concurrent clients")
+        ax.set_xscale("log", base=2)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
