@@ -11,7 +11,7 @@ a tree it re-roots is hidden behind the target's pass up to that pass's length: 
 counts only the exposed share of the draft's time, learned from the re-root hit rate. In one process
 nothing is hidden, no tree is re-rooted, and the share stays 1.
 
-A target serving several sessions runs their trees in one pass (target_node.batcher). With k
+A target serving several sessions runs their trees in one pass (common.runtime.batching). With k
 sessions sharing each pass, a tree token costs the pass k times its own slope, since each of the
 others' trees grows alike: the target's cost per tree token is read at k times the tree's size, so
 trees shrink under load where the pass is flat (a GPU) and keep their size where it is linear.

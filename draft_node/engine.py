@@ -1,17 +1,53 @@
 """The draft node's engine: a loaded draft model and its sessions. Services and the in-process client
-both call it; it knows nothing of transport."""
+both call it; it knows nothing of transport. Sessions build their trees at the same time, each under
+its own lock, and their forwards share passes (common.runtime.batching): with several users the
+draft reads its weights once per expansion for all of them."""
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
 from typing import Any
+
+from torch import Tensor
 
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from common.model.loading import LoadedModel
+from common.model.transformer import Segment
+from common.runtime.batching import PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
 from draft_node.lookahead import Lookahead
-from draft_node.session import DraftSession
+from draft_node.session import DraftSession, forward_logprobs
+
+log = logging.getLogger("specexec.draft")
+
+
+@dataclass(eq=False)
+class ForwardJob:
+    """One session's draft forward (a catch-up chain or an expansion batch) waiting for a pass."""
+
+    session_id: str
+    segment: Segment
+    rows: Tensor  # int64 [k]: the rows whose log-probs are wanted
+    arrived: float = field(default_factory=time.perf_counter)
+    timing: StepTiming | None = None
+    result: Tensor | None = None  # [k, vocab]
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.segment.size
+
+    def cancelled(self) -> bool:
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
 
 
 class DraftEngine(NodeEngine[DraftSession]):
@@ -21,7 +57,9 @@ class DraftEngine(NodeEngine[DraftSession]):
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
         with a machine of its own (on a shared CPU it would slow the target down)."""
         super().__init__(loaded, **limits)
-        self.lookahead = Lookahead(self._lock) if lookahead else None
+        self.lookahead = Lookahead() if lookahead else None
+        self.passes: PassBatcher[ForwardJob] = PassBatcher(self._run_pass, self._lock)
+
 
     def profile_limit(self) -> int:
         """The draft's forwards are expansion batches, never larger than this."""
@@ -29,13 +67,38 @@ class DraftEngine(NodeEngine[DraftSession]):
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
-        return self.sessions.add(
-            lambda: DraftSession(
-                self.loaded.model, prompt, self.max_context, self.max_tree, self.lookahead is not None
-            ),
-            owner,
-            session_id,
-        )
+        sid = session_id or secrets.token_hex(8)
+
+        def forward(segment: Segment, rows: Tensor) -> Tensor:
+            result = self.passes.submit(ForwardJob(sid, segment, rows)).result
+            assert result is not None
+            return result
+
+        def make() -> DraftSession:
+            lookahead = self.lookahead is not None
+            return DraftSession(
+                self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward
+            )
+
+        return self.sessions.add(make, owner, sid)
+
+    def _run_pass(self, jobs: list[ForwardJob]) -> None:
+        """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays
+        with the forward that caused it."""
+        try:
+            results = forward_logprobs(self.loaded.model, [(j.segment, j.rows) for j in jobs])
+        except Exception as exc:
+            if len(jobs) == 1:
+                raise
+            log.warning("a draft pass over %d sessions failed (%s); running each alone", len(jobs), exc)
+            for j in jobs:
+                try:
+                    j.result, j.done = forward_logprobs(self.loaded.model, [(j.segment, j.rows)])[0], True
+                except Exception as alone:
+                    j.fail(alone)
+            return
+        for j, result in zip(jobs, results, strict=True):
+            j.result, j.done = result, True
 
     def build_tree(
         self,
@@ -51,7 +114,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         check_token_ids(new_tokens, self.loaded.model.cfg.vocab_size, "new_tokens")
         if params.budget > self.max_tree:
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
-        with self._request(), timed_lock(self._lock, timing):
+        with self._request(), timed_lock(session.lock, timing):
             check_step(session.step, step_id)
             session.update(new_tokens, truncate_to)
             built, reused = session.build_tree(params)
@@ -67,4 +130,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         if self.lookahead is not None:
             with contextlib.suppress(KeyError):
                 self.lookahead.forget(self.sessions.get(session_id, owner))
-        return super().close_session(session_id, owner)
+        closed = super().close_session(session_id, owner)
+        if closed:
+            self.passes.forget(session_id)
+        return closed

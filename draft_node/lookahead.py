@@ -1,8 +1,9 @@
 """The draft node's idle time, spent on the next tree: while the target verifies, the last-served
 session's search grows below the tree it shipped (SpecExec's cache tree), one batch at a time.
 
-A request for the model always wins: the worker yields the model lock after every batch as soon as a
-request is waiting, so a request waits for at most one draft forward.
+A request always wins: the worker stands aside after every batch as soon as a request is waiting,
+so a request waits for at most one draft forward. The worker holds only its session's lock; its
+forwards share passes with requests' (common.runtime.batching).
 """
 
 from __future__ import annotations
@@ -14,12 +15,13 @@ from typing import Protocol
 
 
 class Searching(Protocol):
+    lock: threading.Lock  # held while the session changes: by a request, or by one idle step
+
     def idle_step(self) -> bool: ...
 
 
 class Lookahead:
-    def __init__(self, model_lock: threading.Lock) -> None:
-        self._model_lock = model_lock
+    def __init__(self) -> None:
         self._cv = threading.Condition()
         self._session: Searching | None = None
         self._waiting = 0  # requests waiting for (or holding) the model
@@ -58,11 +60,11 @@ class Lookahead:
             with self._cv:
                 self._cv.wait_for(lambda: self._session is not None and not self._waiting)
                 session = self._session
-            with self._model_lock:
+            assert session is not None
+            with session.lock:
                 with self._cv:
                     if self._waiting or self._session is not session:
                         continue
-                assert session is not None
                 grew = session.idle_step()
             with self._cv:
                 self.forwards += grew

@@ -11,15 +11,21 @@ nodes, that node becomes the root and its subtree, KV and all, the start of the 
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
 from torch import Tensor
 
 from common.decoding.tree import TreeParams, attention_bias
-from common.model.transformer import Transformer
+from common.model.transformer import Segment, Transformer
 from draft_node.tree_builder import BuiltTree, TreeBuilder
+
+# A draft forward: (segment, the rows whose next-token log-probs are wanted) -> log-probs
+# [len(rows), vocab] on the CPU. The engine's runs every waiting session's in one pass.
+Forward = Callable[[Segment, Tensor], Tensor]
 
 MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switches among a few
 # The lookahead search keeps this many times the largest tree: the next root is a node just outside
@@ -30,7 +36,13 @@ MAX_LOOKAHEAD_NODES = 4096
 
 class DraftSession:
     def __init__(
-        self, model: Transformer, prompt: list[int], max_context: int, max_tree: int, lookahead: bool = False
+        self,
+        model: Transformer,
+        prompt: list[int],
+        max_context: int,
+        max_tree: int,
+        lookahead: bool = False,
+        forward: Forward | None = None,
     ) -> None:
         if not prompt:
             raise ValueError("prompt must contain at least one token")
@@ -48,6 +60,8 @@ class DraftSession:
         self.lookahead = lookahead
         self._search: TreeBuilder | None = None  # lookahead: the search below the last tree's root
         self.step = 0
+        self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
+        self._forward = forward or (lambda segment, rows: forward_logprobs(model, [(segment, rows)])[0])
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
         """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before
@@ -126,16 +140,17 @@ class DraftSession:
         t = pending.numel()
         positions = torch.arange(start, start + t)
         causal = torch.ones(t, t, dtype=torch.bool).tril()
-        hidden = self.model(pending, positions, positions, attention_bias(causal, start), self.cache)
+        segment = Segment(pending, positions, positions, attention_bias(causal, start), self.cache)
+        logprobs = self._forward(segment, torch.tensor([t - 1]))
         self.cache.length = start + t
-        return torch.log_softmax(self.model.logits(hidden[-1:]), -1)[0].cpu()
+        return logprobs[0]
 
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
         base = self.cache.length
         slots = base + nodes - 1
         positions = base - 1 + depths
-        hidden = self.model(tokens, positions, slots, attention_bias(visible, base), self.cache)
-        return torch.log_softmax(self.model.logits(hidden), -1).cpu()  # the tree lives on the CPU
+        segment = Segment(tokens, positions, slots, attention_bias(visible, base), self.cache)
+        return self._forward(segment, torch.arange(tokens.numel()))  # the tree lives on the CPU
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         base = self.cache.length
@@ -152,3 +167,13 @@ class DraftSession:
             base = self.cache.length
             self.cache.move(base + last.slots[path], torch.arange(base, base + path.numel()))
             self.cache.length = base + path.numel()
+
+
+def forward_logprobs(model: Transformer, requests: list[tuple[Segment, Tensor]]) -> list[Tensor]:
+    """One pass and one LM-head call for several sessions' draft forwards; each gets the next-token
+    log-probs of its wanted rows, [len(rows), vocab] on the CPU."""
+    hidden = model.forward_segments([segment for segment, _ in requests])  # [sum of sizes, h]
+    parts = hidden.split([segment.size for segment, _ in requests])
+    wanted = torch.cat([h[rows.to(h.device)] for h, (_, rows) in zip(parts, requests, strict=True)])
+    logprobs = torch.log_softmax(model.logits(wanted), -1).cpu()
+    return list(logprobs.split([rows.numel() for _, rows in requests]))

@@ -1,11 +1,12 @@
 """The target node's engine: a loaded target model and its sessions. A model runs one forward pass
-at a time, so Verify requests from different sessions share passes (target_node.batcher)."""
+at a time, so Verify requests from different sessions share passes (common.runtime.batching)."""
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loading import LoadedModel
 from common.ops.metrics import observe_verify_pass
+from common.runtime.batching import PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
-from target_node.batcher import VerifyBatcher, VerifyJob
 from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket, run_trees
 
 log = logging.getLogger("specexec.target")
@@ -25,6 +26,37 @@ log = logging.getLogger("specexec.target")
 # Tree tokens one shared pass takes at most (a tree over it still runs, alone): bounds a pass's
 # activations and attention masks, and the wait a session's small tree has behind others' large ones.
 MAX_BATCH_TOKENS = 2048
+
+
+@dataclass(eq=False)
+class VerifyJob:
+    """One Verify request while it waits for, and runs in, a pass."""
+
+    session_id: str
+    session: TargetSession
+    tree: TokenTree
+    params: SamplingParams
+    max_tokens: int
+    append: list[int]
+    truncate_to: int | None
+    step_id: int | None
+    timing: StepTiming | None = None
+    cancelled: Callable[[], bool] = lambda: False  # the caller went away or its deadline passed
+    arrived: float = field(default_factory=time.perf_counter)
+    result: VerifyResult | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def tokens(self) -> int:
+        """Rows it adds to a pass, about: its tree and the tokens it appends."""
+        return self.tree.size + len(self.append)
+
+    def succeed(self, result: VerifyResult) -> None:
+        self.result, self.done = result, True
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
 
 
 class TargetEngine(NodeEngine[TargetSession]):
@@ -42,10 +74,10 @@ class TargetEngine(NodeEngine[TargetSession]):
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
         call (see target_node.session); `batch_window` (seconds) and `max_batch_tokens` shape the
-        passes shared by sessions (target_node.batcher); `limits` are NodeEngine's."""
+        passes shared by sessions (common.runtime.batching); `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
-        self.batcher = VerifyBatcher(
+        self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
         )
         if not isinstance(loaded.model, torch.nn.Module):
@@ -93,9 +125,16 @@ class TargetEngine(NodeEngine[TargetSession]):
         job = VerifyJob(
             session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing
         )
-        if cancelled is not None:
-            job.cancelled = cancelled
-        return self.batcher.submit(job)
+        job.cancelled = cancelled or job.cancelled
+        result = self.batcher.submit(job).result
+        assert result is not None
+        return result
+
+    def close_session(self, session_id: str, owner: str = "") -> bool:
+        closed = super().close_session(session_id, owner)
+        if closed:
+            self.batcher.forget(session_id)
+        return closed
 
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""

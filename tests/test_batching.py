@@ -16,10 +16,12 @@ from client.api import SpecExec
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams
+from common.runtime.batching import PassBatcher
 from common.runtime.sessions import StepCancelled, StepOutOfOrder
+from draft_node import engine as draft_engine_module
+from draft_node.engine import DraftEngine
 from target_node import engine as engine_module
-from target_node.batcher import VerifyBatcher, VerifyJob
-from target_node.engine import TargetEngine
+from target_node.engine import TargetEngine, VerifyJob
 from target_node.session import TargetSession
 from tests.helpers import Proc, free_port, reference_decode
 
@@ -60,7 +62,8 @@ def test_a_shared_pass_gives_each_sequence_the_rows_it_gets_alone(loaded):
     sessions = [TargetSession(model, p, max_context=128, max_tree=64, max_depth=64, eos_token_ids=())
                 for p in prompts(vocab, 3)]  # fmt: skip
     tickets = [
-        s.prepare(random_tree(s.committed[-1], n, vocab, gen), GREEDY, 8) for s, n in zip(sessions, (7, 20, 1))
+        s.prepare(random_tree(s.committed[-1], n, vocab, gen), GREEDY, 8)
+        for s, n in zip(sessions, (7, 20, 1), strict=True)
     ]
     segments = [t.segment for t in tickets]
     shared = model.forward_segments(segments)
@@ -80,10 +83,12 @@ def test_trees_verified_together_equal_each_verified_alone(loaded, sampling):
     ps = prompts(vocab, 6)
     trees = [random_tree(p[-1], 1 + 5 * i, vocab, gen) for i, p in enumerate(ps)]
     alone = engine_for(loaded)
-    expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees)]
+    expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees, strict=True)]
     together = engine_for(loaded, batch_window=2.0, max_batch_tokens=10_000)
     sids = [together.open_session(p) for p in ps]
-    got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees)])
+    got = at_once(
+        [lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)]
+    )
     assert [(r.tokens, r.accepted, r.finish_reason) for r in got] == [
         (r.tokens, r.accepted, r.finish_reason) for r in expected
     ]
@@ -99,7 +104,9 @@ def test_a_bad_tree_fails_its_own_step_only(loaded):
     ps = prompts(vocab, 5)
     good = [random_tree(p[-1], 6, vocab, gen) for p in ps]
     alone = engine_for(loaded)
-    expected = [alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, good)]
+    expected = [
+        alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, good, strict=True)
+    ]
     engine = engine_for(loaded, batch_window=2.0)
     sids = [engine.open_session(p) for p in ps]
     wrong_root = TokenTree(good[1].tokens.clone(), good[1].parents)
@@ -129,7 +136,9 @@ def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
     ps = prompts(vocab, 3)
     trees = [random_tree(p[-1], 4, vocab, gen) for p in ps]
     alone = engine_for(loaded)
-    expected = [alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, trees)]
+    expected = [
+        alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, trees, strict=True)
+    ]
 
     def broken(model, steps):
         raise RuntimeError("out of memory (injected)")
@@ -137,7 +146,7 @@ def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
     monkeypatch.setattr(engine_module, "run_trees", broken)
     engine = engine_for(loaded, batch_window=2.0)
     sids = [engine.open_session(p) for p in ps]
-    got = at_once([lambda s=s, t=t: engine.verify(s, t, GREEDY, 8) for s, t in zip(sids, trees)])
+    got = at_once([lambda s=s, t=t: engine.verify(s, t, GREEDY, 8) for s, t in zip(sids, trees, strict=True)])
     assert [r.tokens for r in got] == expected
 
 
@@ -147,7 +156,7 @@ def job(session_id: str, size: int = 1, **kwargs: Any) -> VerifyJob:
 
 
 def test_a_pass_takes_one_step_per_session_and_about_max_tokens():
-    batcher = VerifyBatcher(lambda jobs: None, threading.Lock(), max_tokens=10)
+    batcher = PassBatcher(lambda jobs: None, threading.Lock(), max_tokens=10)
     batcher._queue = [job("a", 4), job("a", 1), job("b", 4), job("c", 4), job("d", 1)]
     first = batcher._take()
     assert [(j.session_id, j.tree.size) for j in first] == [("a", 4), ("b", 4), ("d", 1)]
@@ -164,7 +173,7 @@ def test_a_cancelled_step_is_answered_without_a_pass():
         for j in jobs:
             j.succeed(None)  # type: ignore[arg-type]
 
-    batcher = VerifyBatcher(run_pass, threading.Lock())
+    batcher = PassBatcher(run_pass, threading.Lock())
     with pytest.raises(StepCancelled):
         batcher.submit(job("gone", cancelled=lambda: True))
     assert ran == []
@@ -180,17 +189,126 @@ def test_waiting_steps_all_return_and_the_leader_hands_over():
         for j in jobs:
             j.result, j.done = j.session_id, True  # type: ignore[assignment]
 
-    batcher = VerifyBatcher(run_pass, threading.Lock())
+    batcher = PassBatcher(run_pass, threading.Lock())
     with ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda i: batcher.submit(job(f"s{i % 8}")), range(64)))
+        got = list(pool.map(lambda i: batcher.submit(job(f"s{i % 8}")).result, range(64)))
     assert got == [f"s{i % 8}" for i in range(64)]
     assert sum(passes) == 64 and max(passes) > 1
+
+
+def test_sessions_out_of_phase_are_brought_into_phase():
+    """Two sessions that come back a little after each pass (a client drafting its next tree): a
+    pass waits for the last pass's sessions, so after the first passes they share every one."""
+    passes: list[int] = []
+
+    def run_pass(jobs: list[VerifyJob]) -> None:
+        time.sleep(0.2)
+        passes.append(len(jobs))
+        for j in jobs:
+            j.result, j.done = j.session_id, True  # type: ignore[assignment]
+
+    batcher = PassBatcher(run_pass, threading.Lock())
+
+    def client(name: str, delay: float) -> None:
+        time.sleep(delay)
+        for _ in range(8):
+            batcher.submit(job(name))
+            time.sleep(0.02)  # drafting the next tree
+
+    with ThreadPoolExecutor(2) as pool:
+        list(pool.map(lambda args: client(*args), [("a", 0.0), ("b", 0.1)]))
+    assert sum(passes) == 16
+    assert passes.count(2) >= 5, passes  # 8 at best, the first passes out of phase
 
 
 @pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}])
 def test_batcher_limits_are_checked(bad):
     with pytest.raises(ValueError, match="batch"):
-        VerifyBatcher(lambda jobs: None, threading.Lock(), **bad)
+        PassBatcher(lambda jobs: None, threading.Lock(), **bad)
+
+
+# ------------------------------------------------------------------------------------------------
+# The draft: several sessions' expansions in one pass
+
+
+def draft_engine(loaded, lookahead: bool = False) -> DraftEngine:
+    return DraftEngine(
+        loaded["truncated"], max_context=128, max_tree=64, max_sessions=16, lookahead=lookahead
+    )
+
+
+DRAFT_TREE = TreeParams(budget=24, max_depth=8, max_branch=4, expand_batch=4)
+
+
+def trees_of(
+    engine: DraftEngine, sids: list[str], rounds: list[list[list[int]]], together: bool
+) -> list[Any]:
+    """Each round commits each session's tokens and builds its tree: all sessions at once, or in turn."""
+    out = []
+    for tokens in rounds:
+        calls = [
+            lambda s=s, t=t: engine.build_tree(s, t, DRAFT_TREE) for s, t in zip(sids, tokens, strict=True)
+        ]
+        built = at_once(calls) if together else [call() for call in calls]
+        out.append([(b.tree.tokens.tolist(), b.tree.parents.tolist()) for b in built])
+    return out
+
+
+def test_draft_trees_built_together_equal_each_built_alone(loaded, monkeypatch):
+    vocab = loaded["truncated"].model.cfg.vocab_size
+    ps = prompts(vocab, 4, seed=5)
+    gen = torch.Generator().manual_seed(6)
+    rounds = [
+        [[] for _ in ps],
+        *([torch.randint(0, vocab, (2,), generator=gen).tolist() for _ in ps] for _ in range(2)),
+    ]
+    alone = draft_engine(loaded)
+    expected = trees_of(alone, [alone.open_session(p) for p in ps], rounds, together=False)
+    sizes: list[int] = []
+    real = draft_engine_module.forward_logprobs
+
+    def counting(model, requests):
+        sizes.append(len(requests))
+        return real(model, requests)
+
+    monkeypatch.setattr(draft_engine_module, "forward_logprobs", counting)
+    engine = draft_engine(loaded)
+    assert trees_of(engine, [engine.open_session(p) for p in ps], rounds, together=True) == expected
+    assert max(sizes) > 1  # expansions of several sessions shared passes
+
+
+def test_a_failed_shared_draft_pass_runs_each_forward_alone(loaded, monkeypatch):
+    vocab = loaded["truncated"].model.cfg.vocab_size
+    ps = prompts(vocab, 3, seed=7)
+    alone = draft_engine(loaded)
+    expected = trees_of(alone, [alone.open_session(p) for p in ps], [[[] for _ in ps]], together=False)
+    real = draft_engine_module.forward_logprobs
+
+    def shared_fails(model, requests):
+        if len(requests) > 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(model, requests)
+
+    monkeypatch.setattr(draft_engine_module, "forward_logprobs", shared_fails)
+    engine = draft_engine(loaded)
+    assert (
+        trees_of(engine, [engine.open_session(p) for p in ps], [[[] for _ in ps]], together=True) == expected
+    )
+
+
+def test_lookahead_searches_while_other_sessions_build(loaded):
+    """The idle-time search holds only its own session's lock: the engine's trees, built together
+    while it runs, are the ones each session builds alone, and the search still grows."""
+    vocab = loaded["truncated"].model.cfg.vocab_size
+    ps = prompts(vocab, 3, seed=8)
+    rounds = [[[] for _ in ps]]
+    alone = draft_engine(loaded)
+    expected = trees_of(alone, [alone.open_session(p) for p in ps], rounds, together=False)
+    engine = draft_engine(loaded, lookahead=True)
+    sids = [engine.open_session(p) for p in ps]
+    assert trees_of(engine, sids, rounds, together=True) == expected
+    assert engine.lookahead is not None and engine.lookahead.idle(timeout=60)
+    assert engine.lookahead.forwards > 0
 
 
 # ------------------------------------------------------------------------------------------------
@@ -213,7 +331,7 @@ def check_concurrent(gen: SpecExec, model_dir, tokenizer) -> None:
 
     with ThreadPoolExecutor(len(jobs)) as pool:
         results = list(pool.map(run, range(len(jobs))))
-    for (prompt, sampling), got in zip(jobs, results):
+    for (prompt, sampling), got in zip(jobs, results, strict=True):
         assert got.token_ids == reference_decode(model_dir, tokenizer.encode(prompt), sampling)
     assert sum(r.stats.shared_steps for r in results) > 0  # some passes served several sessions
 

@@ -317,3 +317,21 @@ def test_expansion_batch_comes_from_the_draft_curve():
     assert free_batch([(1, 0.010), (2, 0.020)]) == 1
     plan = BudgetPlanner(OFFLOADED, [(1, 0.01), (64, 0.0101)], base=BASE)
     assert plan.choose().expand_batch == 64
+
+
+GPU = [(1, 0.050), (64, 0.052), (128, 0.100), (512, 0.400), (1025, 0.800)]  # flat up to a knee
+
+
+def test_trees_shrink_when_sessions_share_the_targets_passes():
+    """Eight sessions' trees in each pass: a tree token then costs the pass eight times its own
+    slope (the others' trees grow alike), so a curve flat up to its knee stops being free sooner."""
+    tree = chain_tree(8, 0.8)
+    alone, shared = BudgetPlanner(GPU, DRAFT, base=BASE), BudgetPlanner(GPU, DRAFT, base=BASE)
+    draft_s = 8 * DRAFT[0][1]
+    for _ in range(60):
+        alone.observe(DraftedTree(tree, 7), [1, 2, 3, 4], draft_s, 0.051, pass_sessions=1, pass_tokens=9)
+        shared.observe(DraftedTree(tree, 7), [1, 2, 3, 4], draft_s, 0.058, pass_sessions=8, pass_tokens=72)
+    assert alone.sharing == 1.0 and shared.sharing == pytest.approx(8.0, rel=1e-3)
+    assert shared.target_scale == pytest.approx(alone.target_scale, rel=0.05)  # the pass it was, not f(9)
+    assert shared.thresholds().slope_seconds > 3 * alone.thresholds().slope_seconds
+    assert shared.choose().min_node_prob > 3 * alone.choose().min_node_prob

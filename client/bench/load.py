@@ -3,7 +3,7 @@
 N concurrent streaming clients (1, 2, 4, 8 by default) drive a gateway's OpenAI endpoint, each with
 its own chat prompt. Two gateways over one draft node, interleaved at every N:
 - "batched": a target node that verifies the trees of every session waiting in one pass
-  (continuous batching, target_node.batcher);
+  (continuous batching, common.runtime.batching);
 - "one session per pass": the same target with `--max-batch-tokens 1`, so each session's tree has a
   pass of its own, one after another: the target before continuous batching.
 The nodes are pinned as in the home lab (`--draft-cores`, `--target-cores`, one thread per core);

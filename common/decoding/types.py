@@ -26,7 +26,7 @@ class VerifyResult:
     accepted: int  # how many of `tokens` came from the tree
     finish_reason: str | None  # "stop" (EOS), "length" (max_tokens reached) or None
     node_seconds: float | None = None  # the node's own (queue, forward) as it reported it; None in process
-    pass_sessions: int = 1  # sessions whose trees shared the forward pass (target_node.batcher)
+    pass_sessions: int = 1  # sessions whose trees shared the forward pass (common.runtime.batching)
     pass_tokens: int = 0  # tree tokens of that pass, every session's; 0: not reported
 
 

@@ -1,0 +1,158 @@
+"""Continuous batching: work from several sessions' threads shares one forward pass.
+
+Work that arrives while a pass runs (or within the batch window of the first) goes into the next
+pass together: the target's Verify steps, the draft's expansions. No thread of its own: the first
+waiting caller that finds no pass running leads the next one, for everything queued by then, and
+the others wait for their results. A pass takes at most one job per session (a session's next job
+needs this one's cache) and about `max_tokens` rows, but never fewer than one job, so an oversized
+job still runs, alone.
+
+Sessions come back between passes: a Verify step's client drafts the next tree, a draft session
+does a little bookkeeping between expansions. Left alone, two clients whose steps start out of
+phase stay out of phase, each pass serving one of them while the other drafts, and nothing is
+shared. So a pass waits for the sessions of the pass before it to come back, up to PATIENCE times
+that pass's length: once in phase, the sessions stay in phase and share every pass, and a session
+that does not come back (its generation ended) costs one such wait.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Generic, Protocol, TypeVar
+
+from common.runtime.sessions import StepCancelled, StepTiming
+
+
+class Job(Protocol):
+    """What the batcher needs of a unit of work; `run_pass` gives each its result or error."""
+
+    session_id: str
+    arrived: float
+    timing: StepTiming | None
+    error: BaseException | None
+    done: bool
+
+    @property
+    def tokens(self) -> int: ...  # rows it adds to a pass, about
+
+    def cancelled(self) -> bool: ...
+
+    def fail(self, error: BaseException) -> None: ...
+
+
+J = TypeVar("J", bound=Job)
+
+# How long a pass waits for the last pass's sessions to come back, in units of that pass: waiting
+# costs the sessions already queued at most this, and each session it brings in saves a pass.
+PATIENCE = 0.5
+
+
+class PassBatcher(Generic[J]):
+    def __init__(
+        self,
+        run_pass: Callable[[list[J]], None],
+        model_lock: threading.Lock,
+        *,
+        window: float = 0.0,
+        max_tokens: int = 2048,
+        patience: float = PATIENCE,
+    ) -> None:
+        """`run_pass(jobs)` runs one pass and sets every job's result or error; `model_lock` is the
+        engine's (start-up profiling holds it too); a pass waits `window` seconds after the first
+        job arrives, and up to `patience` times the last pass for that pass's sessions to return."""
+        if window < 0:
+            raise ValueError(f"batch window must be >= 0 seconds, got {window}")
+        if max_tokens < 1:
+            raise ValueError(f"max batch tokens must be >= 1, got {max_tokens}")
+        self.run_pass = run_pass
+        self.model_lock = model_lock
+        self.window = window
+        self.max_tokens = max_tokens
+        self._cv = threading.Condition()
+        self._queue: list[J] = []
+        self._leading = False
+        self.patience = patience
+        self._returning: set[str] = set()  # the last pass's sessions
+        self._last_end = self._last_seconds = 0.0
+
+    def forget(self, session_id: str) -> None:
+        """A session closed: the next pass does not wait for it."""
+        with self._cv:
+            self._returning.discard(session_id)
+            self._cv.notify_all()
+
+    def submit(self, job: J) -> J:
+        """Queue `job` and lead passes while it is not done and none is running; raises its error."""
+        with self._cv:
+            self._queue.append(job)
+            self._cv.notify_all()  # a leader inside its window may now have a full batch
+            while not job.done:
+                if not self._leading:
+                    self._leading = True
+                    self._cv.release()
+                    try:
+                        self._lead(job)
+                    finally:
+                        self._cv.acquire()
+                        self._leading = False
+                        self._cv.notify_all()
+                else:
+                    self._cv.wait()
+        if job.error is not None:
+            raise job.error
+        return job
+
+    def _lead(self, job: J) -> None:
+        with self._cv:
+            window_end = job.arrived + self.window
+            patience_end = self._last_end + self.patience * self._last_seconds
+            while self._queued_tokens() < self.max_tokens:
+                missing = self._returning - {j.session_id for j in self._queue}
+                left = (max(window_end, patience_end) if missing else window_end) - time.perf_counter()
+                if left <= 0:
+                    break
+                self._cv.wait(left)
+            batch = self._take()
+            self._returning = set()
+        if not batch:
+            return
+        with self.model_lock:
+            acquired = time.perf_counter()
+            try:
+                self.run_pass(batch)
+            except BaseException as exc:  # run_pass fails jobs itself; this is its own failure
+                for j in batch:
+                    if not j.done:
+                        j.fail(exc)
+            finally:
+                finished = time.perf_counter()
+                for j in batch:
+                    if j.timing is not None:
+                        j.timing.queue_seconds = acquired - j.arrived
+                        j.timing.compute_seconds = finished - acquired
+        with self._cv:
+            self._returning = {j.session_id for j in batch if j.error is None}
+            self._last_end, self._last_seconds = finished, finished - acquired
+
+    def _queued_tokens(self) -> int:
+        return sum(j.tokens for j in self._queue)
+
+    def _take(self) -> list[J]:
+        """The next pass's jobs, oldest first: one per session, cancelled ones answered at once."""
+        batch: list[J] = []
+        sessions: set[str] = set()
+        tokens = 0
+        rest: list[J] = []
+        for j in self._queue:
+            if j.cancelled():
+                j.fail(StepCancelled("the step was cancelled before its pass ran"))
+            elif j.session_id in sessions or (batch and tokens + j.tokens > self.max_tokens):
+                rest.append(j)
+            else:
+                batch.append(j)
+                sessions.add(j.session_id)
+                tokens += j.tokens
+        self._queue = rest
+        return batch
