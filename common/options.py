@@ -16,6 +16,7 @@ from common.ops.config import effective_config
 from common.ops.logs import FORMATS, LEVELS, LogSettings
 from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node
 from common.rpc.security import ClientSecurity, ServerSecurity
+from common.runtime.batching import MAX_BATCH_TOKENS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -40,6 +41,20 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         help="largest tree (nodes besides the root); default 1024, or 255 on the llama.cpp backend (its limit)",
     )
     parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument(
+        "--batch-window-ms",
+        type=float,
+        default=0.0,
+        help="continuous batching: how long a pass waits for other sessions' work after the first arrives "
+        "(default 0: work that arrives while a pass runs shares the next one)",
+    )
+    parser.add_argument(
+        "--max-batch-tokens",
+        type=int,
+        default=MAX_BATCH_TOKENS,
+        help="rows one pass shared by sessions takes at most; a larger tree or chain still runs, alone; "
+        f"1 gives each session's work a pass of its own (default {MAX_BATCH_TOKENS})",
+    )
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
     )
@@ -244,6 +259,10 @@ def log_settings(args: argparse.Namespace) -> LogSettings:
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
+    if args.batch_window_ms < 0:
+        raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms:g}")
+    if args.max_batch_tokens < 1:
+        raise ValueError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     return NodeConfig(
         model=args.model,
         listen=args.listen,
@@ -260,8 +279,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         profile=args.profile,
         reprofile=args.reprofile,
         lookahead=getattr(args, "lookahead", False),
-        batch_window_ms=getattr(args, "batch_window_ms", 0.0),
-        max_batch_tokens=getattr(args, "max_batch_tokens", 2048),
+        batch_window_ms=args.batch_window_ms,
+        max_batch_tokens=args.max_batch_tokens,
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

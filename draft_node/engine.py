@@ -17,7 +17,7 @@ from torch import Tensor
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
-from common.runtime.batching import PassBatcher
+from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
 from draft_node.lookahead import Lookahead
@@ -53,12 +53,23 @@ class ForwardJob:
 class DraftEngine(NodeEngine[DraftSession]):
     role = "draft"
 
-    def __init__(self, loaded: LoadedModel, *, lookahead: bool = False, **limits: Any) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        lookahead: bool = False,
+        batch_window: float = 0.0,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        **limits: Any,
+    ) -> None:
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
-        with a machine of its own (on a shared CPU it would slow the target down)."""
+        with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
+        (seconds) and `max_batch_tokens` shape the passes sessions share."""
         super().__init__(loaded, **limits)
         self.lookahead = Lookahead() if lookahead else None
-        self.passes: PassBatcher[ForwardJob] = PassBatcher(self._run_pass, self._lock)
+        self.passes: PassBatcher[ForwardJob] = PassBatcher(
+            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
+        )
 
 
     def profile_limit(self) -> int:

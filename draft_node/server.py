@@ -16,7 +16,7 @@ ROLE = NodeRole(
     DraftServicer,
     pb_grpc.add_DraftServiceServicer_to_server,
     "specexec.v1.DraftService",
-    engine_options=lambda config: {"lookahead": config.lookahead},
+    engine_options=lambda config: {"lookahead": config.lookahead, **config.batching()},
 )
 
 

@@ -16,16 +16,12 @@ from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loading import LoadedModel
 from common.ops.metrics import observe_verify_pass
-from common.runtime.batching import PassBatcher
+from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
 from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket, run_trees
 
 log = logging.getLogger("specexec.target")
-
-# Tree tokens one shared pass takes at most (a tree over it still runs, alone): bounds a pass's
-# activations and attention masks, and the wait a session's small tree has behind others' large ones.
-MAX_BATCH_TOKENS = 2048
 
 
 @dataclass(eq=False)

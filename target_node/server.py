@@ -7,7 +7,7 @@ import argparse
 from common.options import add_node_args, add_offload_args, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
-from target_node.engine import MAX_BATCH_TOKENS, TargetEngine
+from target_node.engine import TargetEngine
 from target_node.service import TargetServicer
 
 ROLE = NodeRole(
@@ -16,10 +16,7 @@ ROLE = NodeRole(
     TargetServicer,
     pb_grpc.add_TargetServiceServicer_to_server,
     "specexec.v1.TargetService",
-    engine_options=lambda config: {
-        "batch_window": config.batch_window_ms / 1000,
-        "max_batch_tokens": config.max_batch_tokens,
-    },
+    engine_options=lambda config: config.batching(),
 )
 
 
@@ -27,19 +24,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
     add_node_args(parser, default_port=50051)
     add_offload_args(parser)
-    parser.add_argument(
-        "--batch-window-ms",
-        type=float,
-        default=0.0,
-        help="continuous batching: how long a pass waits for other sessions' trees after the first "
-        "arrives (default 0: trees that arrive while a pass runs share the next one)",
-    )
-    parser.add_argument(
-        "--max-batch-tokens",
-        type=int,
-        default=MAX_BATCH_TOKENS,
-        help=f"tree tokens one shared pass takes at most; a larger tree still runs, alone (default {MAX_BATCH_TOKENS})",
-    )
     return parser
 
 

@@ -371,3 +371,18 @@ def test_eight_clients_through_real_nodes_equal_the_target_alone(nodes, model_di
     finally:
         gen.target.close()
         gen.draft.close()
+
+
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [("--batch-window-ms", "-5", "--batch-window-ms must be >= 0, got -5"),
+     ("--max-batch-tokens", "0", "--max-batch-tokens must be >= 1, got 0")],
+)  # fmt: skip
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_bad_batching_flags_are_refused_before_loading(role, flag, value, needle):
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", f"{role}_node", "--model", "no-such-model", flag, value],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]

@@ -4,8 +4,9 @@ N concurrent streaming clients (1, 2, 4, 8 by default) drive a gateway's OpenAI 
 its own chat prompt. Two gateways over one draft node, interleaved at every N:
 - "batched": a target node that verifies the trees of every session waiting in one pass
   (continuous batching, common.runtime.batching);
-- "one session per pass": the same target with `--max-batch-tokens 1`, so each session's tree has a
-  pass of its own, one after another: the target before continuous batching.
+- "one session per pass": the same nodes with `--max-batch-tokens 1`, so each session's tree (and
+  each draft expansion) has a pass of its own, one after another: the nodes before continuous
+  batching.
 The nodes are pinned as in the home lab (`--draft-cores`, `--target-cores`, one thread per core);
 the gateways and the clients run on the draft's cores. Reported per contestant and N: aggregate
 tokens/s, each client's time to first token and tokens/s (p50, p95), sessions per target pass (the
@@ -66,7 +67,7 @@ class ClientRun:
 
 
 class LoadLab:
-    """One draft node, two target nodes (batched, one session per pass), a gateway on each."""
+    """Per contestant a target node, a draft node and a gateway over them."""
 
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
@@ -74,19 +75,17 @@ class LoadLab:
         draft, target = str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
         self.metrics: dict[str, str] = {}
-        targets = {}
+        self.urls: dict[str, str] = {}
         for name, extra in (("batched", []), ("one session per pass", ["--max-batch-tokens", "1"])):
             port, metrics = free_port(), free_port()
             cmd = node_command("target", target, port, config.dtype, config.max_budget,
                                [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
-            targets[name] = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
+            target_addr = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
             self.metrics[name] = f"http://127.0.0.1:{metrics}/metrics"
-        port = free_port()
-        cmd = node_command("draft", draft, port, config.dtype, config.max_budget, sessions,
-                           config.draft_quantize, lookahead=True)  # fmt: skip
-        draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
-        self.urls: dict[str, str] = {}
-        for name, target_addr in targets.items():
+            port = free_port()
+            cmd = node_command("draft", draft, port, config.dtype, config.max_budget, [*sessions, *extra],
+                               config.draft_quantize, lookahead=True)  # fmt: skip
+            draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
             port = free_port()
             cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", target_addr, "--draft", draft_addr,
                    "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--max-budget", str(config.max_budget)]  # fmt: skip

@@ -24,6 +24,7 @@ from common.ops.memory import peak_rss_bytes
 from common.ops.metrics import start_metrics_server
 from common.rpc.security import ServerSecurity
 from common.rpc.server import Server, check_listen, split_listen, start_reaper
+from common.runtime.batching import MAX_BATCH_TOKENS
 
 
 @dataclass(frozen=True)
@@ -53,12 +54,17 @@ class NodeConfig:
     profile: bool = True
     reprofile: bool = False  # measure the forward-time curve even if it is cached
     lookahead: bool = False  # draft: grow the next tree while the target verifies
-    batch_window_ms: float = 0.0  # target: how long a pass waits for more sessions' trees
-    max_batch_tokens: int = 2048  # target: tree tokens one shared pass takes at most
+    batch_window_ms: float = 0.0  # how long a shared pass waits for more sessions' work
+    max_batch_tokens: int = MAX_BATCH_TOKENS  # rows one shared pass takes at most
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
     log: LogSettings = field(default_factory=LogSettings)
+
+
+    def batching(self) -> dict[str, Any]:
+        """The engine's continuous-batching options (common.runtime.batching)."""
+        return {"batch_window": self.batch_window_ms / 1000, "max_batch_tokens": self.max_batch_tokens}
 
 
 @dataclass(frozen=True)

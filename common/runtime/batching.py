@@ -44,6 +44,9 @@ class Job(Protocol):
 
 J = TypeVar("J", bound=Job)
 
+# Rows one pass takes at most (a larger job still runs, alone): bounds a pass's activations and
+# masks, and the wait a session's small job has behind others' large ones.
+MAX_BATCH_TOKENS = 2048
 # How long a pass waits for the last pass's sessions to come back, in units of that pass: waiting
 # costs the sessions already queued at most this, and each session it brings in saves a pass.
 PATIENCE = 0.5
@@ -56,7 +59,7 @@ class PassBatcher(Generic[J]):
         model_lock: threading.Lock,
         *,
         window: float = 0.0,
-        max_tokens: int = 2048,
+        max_tokens: int = MAX_BATCH_TOKENS,
         patience: float = PATIENCE,
     ) -> None:
         """`run_pass(jobs)` runs one pass and sets every job's result or error; `model_lock` is the
