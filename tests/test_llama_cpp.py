@@ -104,6 +104,17 @@ def test_too_many_leaves_or_nodes_are_refused_clearly(ggufs):
         ctx.tree(torch.zeros(10, dtype=torch.long), torch.tensor([-1] + [0] * 9))
 
 
+def test_a_build_with_amx_kernels_loads_without_repacked_weights(ggufs, monkeypatch, caplog):
+    """ggml's AMX kernels segfaulted in llama_decode on the Q8_0 file on a Sapphire Rapids CPU, and
+    they are an extra buffer type: such a build must not put weights in them."""
+    import common.model.llama_cpp as backend
+
+    monkeypatch.setattr(backend, "has_amx", lambda lib: True)
+    model = LlamaCppModel(ggufs["Q8_0"] / "model.gguf", threads=1)
+    assert model.repack is False
+    assert "AMX" in caplog.text
+
+
 def test_a_file_llama_cpp_cannot_load_gets_a_clear_error(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import logging
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,8 @@ from torch import Tensor
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 GGML_TYPE_F32 = 0
+
+log = logging.getLogger(__name__)
 
 
 class LlamaCppError(RuntimeError):
@@ -61,6 +64,12 @@ def _init_backend(quiet: bool) -> Any:
     return lib
 
 
+def has_amx(lib: Any) -> bool:
+    """Whether this build of llama.cpp holds ggml's AMX kernels, an extra buffer type that
+    segfaults in llama_decode on some models and machines (seen here on a Q8_0 file)."""
+    return b"AMX_INT8 = 1" in lib.llama_print_system_info()
+
+
 class _Cfg:
     def __init__(self, vocab_size: int, n_ctx_train: int) -> None:
         self.vocab_size = vocab_size
@@ -82,6 +91,11 @@ class LlamaCppModel:
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
         if kv_type not in ("f16", "f32"):
             raise ValueError(f"kv_type must be f16 or f32, got {kv_type!r}")
+        if repack and has_amx(lib):
+            log.warning("this llama.cpp was built with AMX kernels, which crash on some models "
+                        "(ggml-org/llama.cpp#20824): loading without repacked weights; "
+                        "scripts/setup.sh builds it without them")  # fmt: skip
+            repack = False
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
