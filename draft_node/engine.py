@@ -17,6 +17,7 @@ from torch import Tensor
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
+from common.ops.metrics import observe_draft_pass
 from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
@@ -71,7 +72,6 @@ class DraftEngine(NodeEngine[DraftSession]):
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
         )
 
-
     def profile_limit(self) -> int:
         """The draft's forwards are expansion batches, never larger than this."""
         return min(64, self.max_tree)
@@ -110,6 +110,7 @@ class DraftEngine(NodeEngine[DraftSession]):
             return
         for j, result in zip(jobs, results, strict=True):
             j.result, j.done = result, True
+        observe_draft_pass(len(jobs), sum(j.tokens for j in jobs))
 
     def build_tree(
         self,

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from prometheus_client import REGISTRY
 
 from client.api import SpecExec
 from client.remote import connect
@@ -273,8 +274,13 @@ def test_draft_trees_built_together_equal_each_built_alone(loaded, monkeypatch):
 
     monkeypatch.setattr(draft_engine_module, "forward_logprobs", counting)
     engine = draft_engine(loaded)
+    passes_before = REGISTRY.get_sample_value("specexec:draft_pass_sessions_count") or 0.0
+    sessions_before = REGISTRY.get_sample_value("specexec:draft_pass_sessions_sum") or 0.0
     assert trees_of(engine, [engine.open_session(p) for p in ps], rounds, together=True) == expected
     assert max(sizes) > 1  # expansions of several sessions shared passes
+    passes = REGISTRY.get_sample_value("specexec:draft_pass_sessions_count") - passes_before
+    sessions = REGISTRY.get_sample_value("specexec:draft_pass_sessions_sum") - sessions_before
+    assert (passes, sessions) == (len(sizes), sum(sizes))
 
 
 def test_a_failed_shared_draft_pass_runs_each_forward_alone(loaded, monkeypatch):

@@ -1,9 +1,10 @@
 """`specexec bench --load`: many users on one target.
 
 N concurrent streaming clients (1, 2, 4, 8 by default) drive a gateway's OpenAI endpoint, each with
-its own chat prompt. Two gateways over one draft node, interleaved at every N:
-- "batched": a target node that verifies the trees of every session waiting in one pass
-  (continuous batching, common.runtime.batching);
+its own chat prompt. Two contestants, each with its own target node, draft node and gateway,
+interleaved at every N:
+- "batched": nodes that put the work of every session waiting into one pass (continuous batching,
+  common.runtime.batching);
 - "one session per pass": the same nodes with `--max-batch-tokens 1`, so each session's tree (and
   each draft expansion) has a pass of its own, one after another: the nodes before continuous
   batching.

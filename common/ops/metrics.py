@@ -93,6 +93,16 @@ VERIFY_PASS_TOKENS = Histogram(
     "target: tree tokens of all sessions in one forward pass",
     buckets=SIZE_BUCKETS,
 )
+DRAFT_PASS_SESSIONS = Histogram(
+    "specexec:draft_pass_sessions",
+    "draft: sessions whose forwards (catch-up chains, expansion batches) shared one pass",
+    buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+DRAFT_PASS_TOKENS = Histogram(
+    "specexec:draft_pass_tokens",
+    "draft: tokens of all sessions in one forward pass",
+    buckets=SIZE_BUCKETS,
+)
 TREE_NODES = Histogram("specexec:tree_nodes", "tree size including the root", ["step"], buckets=SIZE_BUCKETS)
 
 # Target: vLLM-compatible speculative-decoding figures
@@ -215,6 +225,12 @@ def observe_verify_pass(pass_sessions: int, pass_tokens: int) -> None:
     """One target pass: how many sessions shared it. Each step's wait for it is step_queue_seconds."""
     VERIFY_PASS_SESSIONS.observe(pass_sessions)
     VERIFY_PASS_TOKENS.observe(pass_tokens)
+
+
+def observe_draft_pass(pass_sessions: int, pass_tokens: int) -> None:
+    """One draft pass: how many sessions' forwards shared it, and its tokens."""
+    DRAFT_PASS_SESSIONS.observe(pass_sessions)
+    DRAFT_PASS_TOKENS.observe(pass_tokens)
 
 
 class RpcMetrics(grpc.ServerInterceptor):
