@@ -38,7 +38,8 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--max-tree",
         type=int,
         default=None,
-        help="largest tree (nodes besides the root); default 1024, or 255 on the llama.cpp backend (its limit)",
+        help="largest tree (nodes besides the root); default 1024, or on the llama.cpp backend 256 minus "
+        "--max-sessions (its 256 sequence ids, one per session and one per leaf in a shared pass; 255 at most)",
     )
     parser.add_argument("--max-sessions", type=int, default=8)
     parser.add_argument(

@@ -19,7 +19,7 @@ from common.ops.metrics import observe_verify_pass
 from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
-from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket, run_trees
+from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
 
@@ -76,14 +76,31 @@ class TargetEngine(NodeEngine[TargetSession]):
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
         )
+        self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
         if not isinstance(loaded.model, torch.nn.Module):
-            from common.model.llama_cpp import MAX_TREE_LEAVES
+            self.shared = self._llama_context(max_batch_tokens)
 
-            if self.max_tree > MAX_TREE_LEAVES:
-                raise ValueError(
-                    f"--max-tree {self.max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES} "
-                    f"(llama.cpp's 256 sequences: one per leaf, one for the committed tokens)"
-                )
+    def _llama_context(self, max_batch_tokens: int) -> Any:
+        """llama.cpp sessions share passes when they share one context, whose KV cache is allocated
+        now, for every session, and whose 256 sequence ids go one per session and one per leaf of
+        the trees in a pass. Trees too large to leave ids for every session get contexts of their own."""
+        from common.model.llama_cpp import MAX_SEQUENCES, MAX_SHARED_ROWS, MAX_TREE_LEAVES
+
+        if self.max_tree > MAX_TREE_LEAVES:
+            raise ValueError(
+                f"--max-tree {self.max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES} "
+                f"(llama.cpp's 256 sequences: one per leaf, one for the committed tokens)"
+            )
+        lanes = self.sessions.max_sessions
+        if max_batch_tokens == 1 or lanes == 1:
+            return None
+        if self.max_tree > MAX_SEQUENCES - lanes:
+            log.warning("llama.cpp: --max-tree %d leaves too few of its 256 sequence ids for %d sessions to "
+                        "share passes (--max-tree %d or less would); each session gets a pass of its own",
+                        self.max_tree, lanes, MAX_SEQUENCES - lanes)  # fmt: skip
+            return None
+        rows = min(max_batch_tokens, lanes * (self.max_tree + 1), MAX_SHARED_ROWS)
+        return self.loaded.model.shared_context(lanes, self.max_context + self.max_tree + 1, self.max_tree, rows)
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
@@ -94,7 +111,7 @@ class TargetEngine(NodeEngine[TargetSession]):
             if not isinstance(self.loaded.model, torch.nn.Module):  # llama.cpp: the GGUF as it is
                 from target_node.llama_session import LlamaTargetSession
 
-                return LlamaTargetSession(self.loaded.model, prompt, **limits)
+                return LlamaTargetSession(self.loaded.model, prompt, **limits, shared=self.shared)
             return TargetSession(
                 self.loaded.model, prompt, **limits, all_logits_max_nodes=self.all_logits_max_nodes
             )
@@ -164,14 +181,13 @@ class TargetEngine(NodeEngine[TargetSession]):
         """Each tree's draw function from one shared pass, or the error its own pass raised: if the
         shared pass fails, each tree runs alone, so a failure stays with the tree that caused it."""
         draws: dict[int, Callable[[int], int] | BaseException] = {}
-        shared = [(job.session, ticket) for job, ticket in steps if ticket.segment is not None]
-        if len(shared) > 1:
-            try:
-                draws = {
-                    id(t): d for (_, t), d in zip(shared, run_trees(self.loaded.model, shared), strict=True)
-                }
-            except Exception as exc:
-                log.warning("a pass over %d sessions failed (%s); running each alone", len(shared), exc)
+        for group in self._passes([(job.session, ticket) for job, ticket in steps]):
+            if len(group) > 1:
+                try:
+                    run = type(group[0][0]).run_together
+                    draws |= {id(t): d for (_, t), d in zip(group, run(group), strict=True)}
+                except Exception as exc:
+                    log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
         for job, ticket in steps:
             if id(ticket) not in draws:
                 try:
@@ -179,6 +195,17 @@ class TargetEngine(NodeEngine[TargetSession]):
                 except Exception as exc:
                     draws[id(ticket)] = exc
         return [draws[id(ticket)] for _, ticket in steps]
+
+    @staticmethod
+    def _passes(steps: list[tuple[TargetSession, TreeTicket]]) -> list[list[tuple[TargetSession, TreeTicket]]]:
+        """The steps packed into passes, first fit: a backend may bound what one pass holds."""
+        groups: list[list[tuple[TargetSession, TreeTicket]]] = []
+        for session, ticket in steps:
+            group = next((g for g in groups if session.fits_with(g, ticket)), None)
+            if group is None:
+                groups.append(group := [])
+            group.append((session, ticket))
+        return groups
 
     @staticmethod
     def _complete(job: VerifyJob, result: VerifyResult) -> None:

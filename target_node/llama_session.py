@@ -9,7 +9,7 @@ import torch
 
 from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
-from common.model.llama_cpp import LlamaCppModel
+from common.model.llama_cpp import LlamaContext, LlamaCppModel, run_trees
 from target_node.session import TargetSession, TreeTicket
 
 
@@ -23,7 +23,10 @@ class LlamaTargetSession(TargetSession):
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
+        shared: LlamaContext | None = None,
     ) -> None:
+        """`shared`: the context whose passes this session's trees share with other sessions';
+        without it the session gets a context of its own."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) > max_context:
@@ -34,7 +37,8 @@ class LlamaTargetSession(TargetSession):
         self.max_depth = max_depth
         self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
         self.committed = list(prompt)
-        self.ctx = model.new_context(max_context + max_tree, max_tree - 1)
+        n_ctx = max_context + max_tree
+        self.ctx = shared.lane(n_ctx, max_tree - 1) if shared else model.new_context(n_ctx, max_tree - 1)
         self.step = 0
 
     @property
@@ -52,9 +56,21 @@ class LlamaTargetSession(TargetSession):
         return None, torch.zeros(0, dtype=torch.long), self.ctx.length  # llama.cpp lays out its own pass
 
     def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
-        tree, structure, params = ticket.tree, ticket.structure, ticket.params
-        self.ctx.extend(self.committed[self.ctx.length : -1])
-        logits = self.ctx.tree(tree.tokens, tree.parents, structure.ancestors)  # [n, vocab]
+        return self.run_together([(self, ticket)])[0]
+
+    @staticmethod
+    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
+        """Sessions on one shared context: their trees in one `llama_decode` (each session's pending
+        chain first, on its own); returns each tree's draw."""
+        sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
+        for session in sessions:
+            session.ctx.extend(session.committed[session.ctx.length : -1])
+        logits = run_trees([(s.ctx, t.tree.tokens, t.tree.parents, t.structure.ancestors)
+                            for s, t in zip(sessions, (t for _, t in steps), strict=True)])  # fmt: skip
+        return [s._draw_from(t, rows) for s, (_, t), rows in zip(sessions, steps, logits, strict=True)]
+
+    def _draw_from(self, ticket: TreeTicket, logits: torch.Tensor) -> Callable[[int], int]:
+        structure, params = ticket.structure, ticket.params
         root_pos = len(self.committed) - 1
 
         def draw(node: int) -> int:
@@ -63,8 +79,21 @@ class LlamaTargetSession(TargetSession):
 
         return draw
 
+    def fits_with(self, steps: list[tuple[TargetSession, TreeTicket]], ticket: TreeTicket) -> bool:
+        """Whether this session's tree fits in one pass beside `steps`: the shared context's batch
+        and its leaf ids bound a pass."""
+        ctx = self.ctx.ctx
+        if ctx.lanes == 1 or any(s.ctx.ctx is not ctx for s, _ in steps):  # type: ignore[attr-defined]
+            return not steps
+        trees = [t.tree for _, t in steps] + [ticket.tree]
+        return sum(t.size for t in trees) <= ctx.n_batch and sum(map(leaf_count, trees)) <= ctx.leaf_ids
+
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
         self.ctx.keep(path)
 
     def close(self) -> None:
         self.ctx.close()
+
+
+def leaf_count(tree: TokenTree) -> int:
+    return tree.size - int(torch.unique(tree.parents[1:]).numel())

@@ -175,8 +175,18 @@ class TargetSession:
         return VerifyResult(tokens, accepted, finish)
 
     def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
-        """This session's pass alone; `run_trees` serves several sessions in one."""
-        return run_trees(self.model, [(self, ticket)])[0]
+        """This session's pass alone; `run_together` serves several sessions in one."""
+        return self.run_together([(self, ticket)])[0]
+
+    @staticmethod
+    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
+        """One pass for several sessions' trees (`run_trees`); each tree's draw."""
+        return run_trees(steps[0][0].model, steps)
+
+    def fits_with(self, steps: list[tuple[TargetSession, TreeTicket]], ticket: TreeTicket) -> bool:
+        """Whether this session's tree can join `steps` in one pass: always, here (the batcher caps
+        a pass's tokens)."""
+        return True
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
         start = ticket.tree_start

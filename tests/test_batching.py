@@ -21,7 +21,6 @@ from common.runtime.batching import PassBatcher
 from common.runtime.sessions import StepCancelled, StepOutOfOrder
 from draft_node import engine as draft_engine_module
 from draft_node.engine import DraftEngine
-from target_node import engine as engine_module
 from target_node.engine import TargetEngine, VerifyJob
 from target_node.session import TargetSession
 from tests.helpers import Proc, free_port, reference_decode
@@ -141,10 +140,14 @@ def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
         alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, trees, strict=True)
     ]
 
-    def broken(model, steps):
-        raise RuntimeError("out of memory (injected)")
+    real = TargetSession.run_together
 
-    monkeypatch.setattr(engine_module, "run_trees", broken)
+    def broken(steps):
+        if len(steps) > 1:
+            raise RuntimeError("out of memory (injected)")
+        return real(steps)
+
+    monkeypatch.setattr(TargetSession, "run_together", staticmethod(broken))
     engine = engine_for(loaded, batch_window=2.0)
     sids = [engine.open_session(p) for p in ps]
     got = at_once([lambda s=s, t=t: engine.verify(s, t, GREEDY, 8) for s, t in zip(sids, trees, strict=True)])

@@ -24,7 +24,7 @@ from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
 
-from common.model.llama_cpp import LlamaCppError, LlamaCppModel, load_gguf, resolve_backend  # noqa: E402
+from common.model.llama_cpp import LlamaCppError, LlamaCppModel, load_gguf, resolve_backend, run_trees  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -195,7 +195,8 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
         assert len(gen.target.info().forward_curve) > 1  # profiled through llama.cpp
         out = gen.generate(PROMPT, sampling)
         assert out.token_ids == expected
-        assert gen.target.info().max_tree_nodes == 256  # llama.cpp's default limit: 255 leaves
+        # llama.cpp's default limit: 256 sequence ids, one per session (8) and one per leaf
+        assert gen.target.info().max_tree_nodes == 256 - 8 + 1
         auto = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=1024), auto_budget=True)
         assert auto.tree is not None and auto.tree.budget == 16  # fitted to the smaller node
         assert auto.generate(PROMPT, sampling).token_ids == expected
@@ -225,3 +226,76 @@ def test_draft_node_refuses_the_llama_cpp_backend(ggufs):
            f"127.0.0.1:{free_port()}", "--backend", "llama.cpp", "--no-profile"]  # fmt: skip
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert run.returncode == 2 and "runs target nodes only" in run.stderr, run.stderr[-2000:]
+
+
+def llama_engine(loaded: Any, **kwargs: Any) -> Any:
+    from target_node.engine import TargetEngine
+
+    return TargetEngine(loaded, max_context=64, max_tree=24, max_sessions=6, **kwargs)
+
+
+def test_lanes_of_one_context_see_only_their_own_cells(ggufs):
+    """Two sessions' trees in one llama_decode on a shared context: each gets the logits it gets in
+    a context of its own, before and after the other keeps a path; a closed lane's id comes back clean."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    shared = model.shared_context(3, 64, 16, 64)
+    gen = torch.Generator().manual_seed(4)
+    prompts_ = [PROMPT, [9, 8, 7]]
+    lanes = [shared.lane(64, 16) for _ in prompts_]
+    alone = [model.new_context(64, 16) for _ in prompts_]
+    for ctx, prompt in zip([*lanes, *alone], prompts_ * 2, strict=True):
+        ctx.extend(prompt)
+    for step in range(2):
+        trees = [(torch.randint(0, 256, (n,), generator=gen), synthetic_parents(n, seed=step + n)) for n in (9, 5)]
+        got = run_trees([(lane, tokens, parents, None) for lane, (tokens, parents) in zip(lanes, trees, strict=True)])
+        for ctx, (tokens, parents), logits in zip(alone, trees, got, strict=True):
+            torch.testing.assert_close(logits, ctx.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+        for ctx in [*lanes, *alone]:
+            ctx.keep([0, 1])
+    lanes[0].close()
+    fresh, again = shared.lane(64, 16), model.new_context(64, 16)
+    for ctx in (fresh, again):
+        ctx.extend([5, 6])
+    tokens, parents = torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])
+    torch.testing.assert_close(fresh.tree(tokens, parents), again.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_llama_sessions_verified_in_one_pass_equal_each_alone(ggufs, setting):
+    from tests.test_batching import at_once, prompts, random_tree
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
+    ps = prompts(loaded.model.cfg.vocab_size, 5)
+    gen = torch.Generator().manual_seed(3)
+    alone = llama_engine(loaded, max_batch_tokens=1)
+    together = llama_engine(loaded, batch_window=2.0)
+    assert alone.shared is None and together.shared is not None
+    sids = {name: [e.open_session(p) for p in ps] for name, e in (("alone", alone), ("together", together))}
+    for step in range(2):
+        trees = [random_tree(0, 1 + 4 * i, loaded.model.cfg.vocab_size, gen) for i in range(len(ps))]
+        expected = []
+        for sid, tree in zip(sids["alone"], trees, strict=True):
+            root = alone.sessions.get(sid).committed[-1]
+            expected.append(alone.verify(sid, replace_root(tree, root), sampling, 8))
+        calls = [lambda s=s, t=t: together.verify(s, replace_root(t, together.sessions.get(s).committed[-1]),
+                                                  sampling, 8) for s, t in zip(sids["together"], trees, strict=True)]  # fmt: skip
+        got = at_once(calls)
+        assert [(r.tokens, r.accepted) for r in got] == [(r.tokens, r.accepted) for r in expected], step
+        assert {r.pass_sessions for r in got} == {len(ps)}
+
+
+def replace_root(tree: Any, root: int) -> Any:
+    from common.decoding.tree import TokenTree
+
+    tokens = tree.tokens.clone()
+    tokens[0] = root
+    return TokenTree(tokens, tree.parents)
+
+
+def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    from target_node.engine import TargetEngine
+
+    assert TargetEngine(loaded, max_context=64, max_tree=255, max_sessions=8).shared is None
+    assert TargetEngine(loaded, max_context=64, max_tree=248, max_sessions=8).shared is not None

@@ -76,7 +76,7 @@ def bench_config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
         draft_model=args.draft_model,
         target_model=args.target_model,
-        dtype=args.dtype,
+        dtype=args.dtype or "bfloat16",
         device=args.device,
         offload=offload_plan(args),
         draft_quantize=args.draft_quantize,
@@ -128,7 +128,11 @@ def add_bench_parser(sub: Any) -> None:
     b = sub.add_parser("bench", help="benchmark SpecExec against the baselines, with a report and plots")
     b.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     b.add_argument("--target-model", default="qwen2.5-coder-1.5b")
-    b.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default="bfloat16")
+    b.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16", "float16"),
+        help="the models' dtype (default bfloat16; float32 for --load, whose batching is exact in it)",
+    )
     b.add_argument("--device", default="cpu", help="where the models run: cpu, cuda, cuda:1, ...")
     add_offload_args(b)
     b.add_argument(
@@ -254,12 +258,12 @@ def non_negative_float(text: str) -> float:
     return value
 
 
-def pair_and_prompts(args: argparse.Namespace) -> dict[str, Any]:
-    """The models and prompts every bench mode takes from the same flags."""
+def pair_and_prompts(args: argparse.Namespace, dtype: str = "bfloat16") -> dict[str, Any]:
+    """The models and prompts every bench mode takes from the same flags; `dtype` unless --dtype."""
     return dict(
         draft_model=args.draft_model,
         target_model=args.target_model,
-        dtype=args.dtype,
+        dtype=args.dtype or dtype,
         draft_quantize=args.draft_quantize,
         prompts=args.prompts,
         categories=tuple(args.categories) if args.categories else None,
@@ -286,10 +290,8 @@ def cmd_llama_cpp(args: argparse.Namespace) -> int:
 def cmd_load(args: argparse.Namespace) -> int:
     from client.bench import load
 
-    pair = pair_and_prompts(args)
+    pair = pair_and_prompts(args, dtype="float32")
     del pair["limit"]
-    if pair["dtype"] == "bfloat16":  # the bench's default; this mode's is float32 (exact batching, fast here)
-        pair["dtype"] = "float32"
     config = load.LoadConfig(
         **{**pair, "categories": pair["categories"] or ("chat",)},
         draft_cores=args.draft_cores,

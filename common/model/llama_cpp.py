@@ -3,15 +3,19 @@ low-level bindings): a 4-bit file stays 4-bit in memory and in every pass.
 
 A tree goes through one `llama_decode` with sequence ids (checked against llama.cpp's
 `llama-batch.cpp` and `llama-kv-cache.cpp` as vendored by llama-cpp-python 0.3.36):
-- the committed tokens' cells hold sequence 0;
-- a tree's leaves get ids 1..L, and each is first copied onto the committed cells
-  (`llama_memory_seq_cp` in a unified cache adds an id to cells; it copies no data);
+- a session's committed tokens' cells hold its own sequence (its lane, `TreeContext.seq`);
+- a tree's L leaves get ids above the lanes, and each is first copied onto its session's committed
+  cells (`llama_memory_seq_cp` in a unified cache adds an id to cells; it copies no data);
 - each node carries the ids of the leaves beneath it, at position prefix + depth. A token sees a
-  cell holding its first id at a position not after its own, so a node sees exactly its ancestors;
-- afterwards the accepted path's cells gain id 0 and `llama_memory_seq_keep(0)` drops the rest.
+  cell holding its first id at a position not after its own, so a node sees exactly its ancestors
+  and its own session's committed tokens;
+- afterwards the accepted path's cells gain the session's id and the leaf ids are removed.
+Several sessions' trees go through one `llama_decode` this way (`run_trees`) when they are lanes of
+one context (`LlamaContext`), their leaves numbered across the pass.
 
-llama.cpp allows 256 sequences (LLAMA_MAX_SEQ), so a tree may have at most 255 leaves: a node
-refuses `--max-tree` over 255 at start, and a tree of at most 256 nodes never has more leaves.
+llama.cpp allows 256 sequences (LLAMA_MAX_SEQ): one per lane, one per leaf of the trees in a pass.
+A session alone may have trees of 255 leaves; sessions that share passes, 256 minus their number
+(`tree_limit`). A tree of at most that many nodes besides the root never has more leaves.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -29,6 +34,7 @@ from torch import Tensor
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
+MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
 
 log = logging.getLogger(__name__)
@@ -62,6 +68,14 @@ def _init_backend(quiet: bool) -> Any:
         if quiet:
             lib.llama_log_set(_SILENT, ctypes.c_void_p(0))
     return lib
+
+
+def tree_limit(sessions: int) -> int:
+    """The largest tree (nodes besides the root) that lets `sessions` sessions share passes:
+    llama.cpp's 256 sequence ids go one per session and one per leaf of the trees in a pass. Where
+    that would leave trees under 64 nodes, sessions do not share, and a tree may take 255."""
+    shared = MAX_SEQUENCES - sessions
+    return shared if sessions > 1 and shared >= 64 else MAX_TREE_LEAVES
 
 
 def has_amx(lib: Any) -> bool:
@@ -112,7 +126,14 @@ class LlamaCppModel:
         self.device = torch.device("cuda" if n_gpu_layers else "cpu")
 
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
-        return TreeContext(self, n_ctx, max_tree)
+        """A context of one session's own."""
+        ctx = LlamaContext(self, n_ctx, lanes=1, max_rows=max_tree + 1)
+        return TreeContext(ctx, 0, n_ctx, max_tree, owns=True)
+
+    def shared_context(self, sessions: int, n_ctx: int, max_tree: int, max_rows: int) -> LlamaContext:
+        """One context for `sessions` sessions of up to `n_ctx` cells each, whose trees share passes
+        of up to `max_rows` tokens: its KV cache is allocated here, for all of them."""
+        return LlamaContext(self, sessions * n_ctx, lanes=sessions, max_rows=max(max_rows, max_tree + 1))
 
     def curve_key(self) -> dict[str, Any]:
         """What a forward-time curve of this model depends on, besides the file and the limit."""
@@ -146,34 +167,40 @@ class LlamaCppModel:
             self.close()
 
 
-class TreeContext:
-    """A llama.cpp context whose sequence 0 holds the committed tokens with KV (`length` of them)."""
+class LlamaContext:
+    """One llama.cpp context and its preallocated batch. Its unified KV cache holds `lanes` sessions
+    (`TreeContext`s): lane i's committed tokens are sequence i, and the leaves of the trees in a
+    pass take the ids above the lanes. One context for every session lets one `llama_decode` run
+    several sessions' trees (`run_trees`); a token sees only cells holding its own ids, so the
+    sessions stay apart."""
 
-    def __init__(self, model: LlamaCppModel, n_ctx: int, max_tree: int) -> None:
+    def __init__(self, model: LlamaCppModel, n_ctx: int, *, lanes: int, max_rows: int) -> None:
         lib = model.lib
-        self.lib, self.model = lib, model
-        self.vocab = model.cfg.vocab_size
-        self.max_nodes = max_tree + 1
-        leaves = min(self.max_nodes, MAX_TREE_LEAVES)
+        if not 1 <= lanes < MAX_SEQUENCES:
+            raise ValueError(f"a llama.cpp context holds 1 to {MAX_SEQUENCES - 1} sessions, got {lanes}")
+        self.lib, self.model, self.vocab = lib, model, model.cfg.vocab_size
+        self.leaf_ids = min(MAX_SEQUENCES - lanes, max(max_rows - 1, 1))  # ids for trees' leaves
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
-        # A tree is never split in ubatches, and llama.cpp asserts n_batch >= n_seq_max (its output rows).
-        params.n_batch = params.n_ubatch = max(self.max_nodes, leaves + 1, 64)
-        params.n_seq_max = leaves + 1
+        # A pass is never split in ubatches, and llama.cpp asserts n_batch >= n_seq_max (its output rows).
+        params.n_batch = params.n_ubatch = max(max_rows, lanes + self.leaf_ids, 64)
+        params.n_seq_max = lanes + self.leaf_ids
         params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
         params.n_threads = params.n_threads_batch = model.threads
         if model.kv_type == "f32":
             params.type_k = params.type_v = GGML_TYPE_F32
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
-            raise LlamaCppError(f"llama.cpp could not make a context of {n_ctx} tokens and {leaves + 1} sequences")
+            raise LlamaCppError(
+                f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} sequences"
+            )
         self._mem = lib.llama_get_memory(self._ctx)
-        self.n_ctx, self.leaves_max, self.n_batch = n_ctx, leaves, params.n_batch
-        self.length = 0
-        self._tree_leaves = 0
-        # One batch, preallocated: sequence ids live in one (tokens, sequences) matrix whose rows
-        # the batch's per-token pointers point at, so a tree's ids are filled without a loop.
-        n, s = self.n_batch, leaves + 1
+        self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
+        self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
+        self._free = list(range(lanes - 1, -1, -1))
+        # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
+        # pointers point at, so a pass's ids are filled without a loop.
+        n, s = self.n_batch, self.leaf_ids
         self._token = np.zeros(n, dtype=np.int32)
         self._pos = np.zeros(n, dtype=np.int32)
         self._n_seq = np.zeros(n, dtype=np.int32)
@@ -190,37 +217,134 @@ class TreeContext:
         self._batch.seq_id = self._seq_ptrs
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
 
-    def _decode(self, n: int) -> None:
+    def lane(self, n_ctx: int, max_tree: int) -> TreeContext:
+        """A session's share: up to `n_ctx` cells, trees of up to `max_tree` nodes besides the root."""
+        with self.lock:
+            if not self._free:
+                raise LlamaCppError(f"all {self.lanes} sessions of this llama.cpp context are in use")
+            return TreeContext(self, self._free.pop(), n_ctx, max_tree)
+
+    def release(self, seq: int) -> None:
+        with self.lock:
+            if self._ctx:
+                self.lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
+                self._free.append(seq)
+
+    def _decode(self, n: int, at: int) -> None:
         self._batch.n_tokens = n
         rc = self.lib.llama_decode(self._ctx, self._batch)
         if rc != 0:
-            raise LlamaCppError(f"llama_decode failed ({rc}) on a batch of {n} tokens at position {self.length}")
+            raise LlamaCppError(f"llama_decode failed ({rc}) on a batch of {n} tokens at position {at}")
+
+    def close(self) -> None:
+        with self.lock:
+            if self._ctx:
+                self.lib.llama_free(self._ctx)
+                self._ctx = None
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
+
+
+class TreeContext:
+    """One session's lane on a `LlamaContext`: its sequence `seq` holds the committed tokens with
+    KV (`length` of them), and its trees are laid out in the cells after them."""
+
+    def __init__(self, ctx: LlamaContext, seq: int, n_ctx: int, max_tree: int, *, owns: bool = False) -> None:
+        self.ctx, self.seq, self.n_ctx, self.owns = ctx, seq, n_ctx, owns
+        self.max_nodes = max_tree + 1
+        self.leaves_max = ctx.leaf_ids
+        self.length = 0
+        self._leaves = np.zeros(0, dtype=np.int32)  # the last tree's leaf ids
+        self._first = np.zeros(0, dtype=np.int32)  # [n]: each node's first leaf id
 
     def extend(self, tokens: list[int]) -> None:
-        """Run committed tokens as a causal chain onto sequence 0, in batch-size pieces."""
+        """Run committed tokens as a causal chain onto this lane's sequence, in batch-size pieces."""
         if self.length + len(tokens) > self.n_ctx:
             raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        for start in range(0, len(tokens), self.n_batch):
-            piece = tokens[start : start + self.n_batch]
-            k = len(piece)
-            self._token[:k] = piece
-            self._pos[:k] = np.arange(self.length, self.length + k)
-            self._n_seq[:k] = 1
-            self._seq[:k, 0] = 0
-            self._logits[:k] = 0
-            self._decode(k)
-            self.length += k
+        c = self.ctx
+        with c.lock:
+            for start in range(0, len(tokens), c.n_batch):
+                piece = tokens[start : start + c.n_batch]
+                k = len(piece)
+                c._token[:k] = piece
+                c._pos[:k] = np.arange(self.length, self.length + k)
+                c._n_seq[:k] = 1
+                c._seq[:k, 0] = self.seq
+                c._logits[:k] = 0
+                c._decode(k, self.length)
+                self.length += k
 
     def tree(self, tokens: Tensor, parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """Every node's logits for a tree rooted right after the committed tokens.
 
         tokens, parents: [n]; ancestors: [n, n] bool, [i, j] when j is i or above it.
         Returns logits [n, vocab] (float32, on the CPU)."""
+        return run_trees([(self, tokens, parents, ancestors)])[0]
+
+    def keep(self, path: list[int]) -> None:
+        """Keep the cells of tree nodes `path` (root first, each the child of the one before) as the
+        continuation of this lane's sequence; drop every other node of the last tree."""
+        with self.ctx.lock:
+            if path:
+                leaf = int(self._first[path[-1]])  # a leaf whose sequence runs through the whole path
+                end = self.length + len(path)
+                self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, leaf, self.seq, self.length, end)
+            self.drop_tree()
+            self.length += len(path)
+
+    def drop_tree(self) -> None:
+        c = self.ctx
+        with c.lock:
+            if not self._leaves.size:
+                return
+            if c.lanes == 1:
+                c.lib.llama_memory_seq_keep(c._mem, self.seq)
+            else:
+                for leaf in self._leaves.tolist():
+                    c.lib.llama_memory_seq_rm(c._mem, leaf, -1, -1)
+            self._leaves = self._leaves[:0]
+
+    def truncate(self, length: int) -> None:
+        """Forget the KV of committed tokens from `length` on."""
+        if length < self.length:
+            with self.ctx.lock:
+                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, self.seq, length, -1)
+            self.length = length
+
+    def close(self) -> None:
+        if self.seq >= 0:
+            seq, self.seq = self.seq, -1
+            if self.owns:
+                self.ctx.close()
+            else:
+                self.ctx.release(seq)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
+
+
+TreeInput = tuple[TreeContext, Tensor, Tensor, Tensor | None]  # lane, tokens [n], parents [n], ancestors
+
+
+def run_trees(trees: list[TreeInput]) -> list[Tensor]:
+    """Several lanes' trees in one `llama_decode` on the context they share; each tree's logits
+    [n, vocab]. A node's ids are those of the leaves beneath it, numbered across the pass, and each
+    leaf id first joins its lane's committed cells, so every node sees its own prefix and ancestors
+    and nothing of the other trees or lanes."""
+    ctx = trees[0][0].ctx
+    if any(lane.ctx is not ctx for lane, *_ in trees):
+        raise ValueError("trees in one pass must share a llama.cpp context")
+    layouts = []
+    rows = next_leaf = 0
+    for lane, tokens, parents, ancestors in trees:
         n = tokens.numel()
-        if n > self.max_nodes:
-            raise ValueError(f"tree has {n} nodes, over this context's limit of {self.max_nodes}")
-        if self.length + n > self.n_ctx:
-            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
+        if n > lane.max_nodes:
+            raise ValueError(f"tree has {n} nodes, over this context's limit of {lane.max_nodes}")
+        if lane.length + n > lane.n_ctx:
+            raise ValueError(f"sequence would exceed the context of {lane.n_ctx} tokens")
         if ancestors is None:
             from common.decoding.tree import TreeStructure
 
@@ -229,56 +353,37 @@ class TreeContext:
         is_leaf = np.ones(n, dtype=bool)
         is_leaf[parents[1:].numpy()] = False
         leaves = np.flatnonzero(is_leaf)
-        if leaves.size > self.leaves_max:
-            raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {self.leaves_max}")
-        below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path
-        for leaf in range(1, leaves.size + 1):  # the committed cells join every leaf's sequence
-            self.lib.llama_memory_seq_cp(self._mem, 0, leaf, -1, -1)
-        order = np.argsort(~below, axis=1, kind="stable")  # each row: its leaves' columns first
-        self._seq[:n, : leaves.size] = order + 1
-        self._n_seq[:n] = below.sum(1)
-        self._token[:n] = tokens.numpy()
-        depths = anc.sum(1) - 1
-        self._pos[:n] = self.length + depths
-        self._logits[:n] = 1
-        self._tree_leaves = leaves.size
+        if leaves.size > lane.leaves_max:
+            raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
+        layouts.append((lane, tokens, anc, leaves, rows, next_leaf))
+        rows, next_leaf = rows + n, next_leaf + leaves.size
+    if rows > ctx.n_batch or next_leaf > ctx.leaf_ids:
+        raise ValueError(
+            f"a pass of {rows} tree tokens and {next_leaf} leaves is over this context's "
+            f"{ctx.n_batch} tokens and {ctx.leaf_ids} leaves"
+        )
+    with ctx.lock:
+        for lane, tokens, anc, leaves, at, first_leaf in layouts:
+            n, ids = tokens.numel(), ctx.lanes + first_leaf + np.arange(leaves.size, dtype=np.int32)
+            for leaf in ids.tolist():  # the committed cells join every leaf's sequence
+                ctx.lib.llama_memory_seq_cp(ctx._mem, lane.seq, leaf, -1, -1)
+            below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path
+            order = np.argsort(~below, axis=1, kind="stable")  # each row: its leaves' columns first
+            ctx._seq[at : at + n, : leaves.size] = ids[order]
+            ctx._n_seq[at : at + n] = below.sum(1)
+            ctx._token[at : at + n] = tokens.numpy()
+            ctx._pos[at : at + n] = lane.length + anc.sum(1) - 1
+            ctx._logits[at : at + n] = 1
+            lane._leaves, lane._first = ids, ctx._seq[at : at + n, 0].copy()
         try:
-            self._decode(n)
+            ctx._decode(rows, trees[0][0].length)
         except LlamaCppError:
-            self.drop_tree()
+            for lane, *_ in trees:
+                lane.drop_tree()
             raise
-        ptr = self.lib.llama_get_logits(self._ctx)
-        return torch.from_numpy(np.ctypeslib.as_array(ptr, shape=(n, self.vocab)).copy())
-
-    def keep(self, path: list[int]) -> None:
-        """Keep the cells of tree nodes `path` (root first, each the child of the one before) as the
-        continuation of sequence 0; drop every other node of the last tree."""
-        if path:
-            leaf = int(self._seq[path[-1], 0])  # a leaf whose sequence runs through the whole path
-            end = self.length + len(path)
-            self.lib.llama_memory_seq_cp(self._mem, leaf, 0, self.length, end)
-        self.drop_tree()
-        self.length += len(path)
-
-    def drop_tree(self) -> None:
-        if self._tree_leaves:
-            self.lib.llama_memory_seq_keep(self._mem, 0)
-            self._tree_leaves = 0
-
-    def truncate(self, length: int) -> None:
-        """Forget the KV of committed tokens from `length` on."""
-        if length < self.length:
-            self.lib.llama_memory_seq_rm(self._mem, 0, length, -1)
-            self.length = length
-
-    def close(self) -> None:
-        if self._ctx:
-            self.lib.llama_free(self._ctx)
-            self._ctx = None
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
-            self.close()
+        logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(rows, ctx.vocab))
+        out = torch.from_numpy(logits.copy())  # [rows, vocab]
+    return list(out.split([t.numel() for _, t, *_ in trees]))
 
 
 BACKENDS = ("auto", "torch", "llama.cpp")

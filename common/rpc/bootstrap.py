@@ -14,7 +14,7 @@ import grpc
 import torch
 
 from common.model.compiled_forward import compile_model
-from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, resolve_backend
+from common.model.llama_cpp import load_gguf, resolve_backend, tree_limit
 from common.model.loading import LoadedModel, load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.store import resolve_model
@@ -30,7 +30,7 @@ from common.runtime.batching import MAX_BATCH_TOKENS
 @dataclass(frozen=True)
 class EngineLimits:
     max_context: int = 4096
-    max_tree: int | None = None  # None: 1024, or 255 on llama.cpp (its 256 sequences)
+    max_tree: int | None = None  # None: 1024, or llama.cpp's tree_limit (its 256 sequence ids)
     max_sessions: int = 8
     idle_timeout: float = 300.0
 
@@ -125,7 +125,8 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
         loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack)
         assert loaded.path is not None
         path = loaded.path
-        limits = replace(limits, max_tree=limits.max_tree or MAX_TREE_LEAVES)
+        sharing = limits.max_sessions if config.max_batch_tokens > 1 else 1
+        limits = replace(limits, max_tree=limits.max_tree or tree_limit(sharing))
     else:
         path = resolve_model(config.model)
         loaded = load(config, path)
