@@ -142,7 +142,4 @@ class DraftEngine(NodeEngine[DraftSession]):
         if self.lookahead is not None:
             with contextlib.suppress(KeyError):
                 self.lookahead.forget(self.sessions.get(session_id, owner))
-        closed = super().close_session(session_id, owner)
-        if closed:
-            self.passes.forget(session_id)
-        return closed
+        return super().close_session(session_id, owner)

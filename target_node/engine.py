@@ -143,12 +143,6 @@ class TargetEngine(NodeEngine[TargetSession]):
         assert result is not None
         return result
 
-    def close_session(self, session_id: str, owner: str = "") -> bool:
-        closed = super().close_session(session_id, owner)
-        if closed:
-            self.batcher.forget(session_id)
-        return closed
-
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""
         steps: list[tuple[VerifyJob, TreeTicket]] = []

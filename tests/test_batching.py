@@ -200,31 +200,6 @@ def test_waiting_steps_all_return_and_the_leader_hands_over():
     assert sum(passes) == 64 and max(passes) > 1
 
 
-def test_sessions_out_of_phase_are_brought_into_phase():
-    """Two sessions that come back a little after each pass (a client drafting its next tree): a
-    pass waits for the last pass's sessions, so after the first passes they share every one."""
-    passes: list[int] = []
-
-    def run_pass(jobs: list[VerifyJob]) -> None:
-        time.sleep(0.2)
-        passes.append(len(jobs))
-        for j in jobs:
-            j.result, j.done = j.session_id, True  # type: ignore[assignment]
-
-    batcher = PassBatcher(run_pass, threading.Lock())
-
-    def client(name: str, delay: float) -> None:
-        time.sleep(delay)
-        for _ in range(8):
-            batcher.submit(job(name))
-            time.sleep(0.02)  # drafting the next tree
-
-    with ThreadPoolExecutor(2) as pool:
-        list(pool.map(lambda args: client(*args), [("a", 0.0), ("b", 0.1)]))
-    assert sum(passes) == 16
-    assert passes.count(2) >= 5, passes  # 8 at best, the first passes out of phase
-
-
 @pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}])
 def test_batcher_limits_are_checked(bad):
     with pytest.raises(ValueError, match="batch"):

@@ -75,17 +75,19 @@ class LoadLab:
         self.procs: list[subprocess.Popen] = []
         draft, target = str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
-        self.metrics: dict[str, str] = {}
+        self.metrics: dict[str, dict[str, str]] = {}  # contestant -> role -> metrics URL
         self.urls: dict[str, str] = {}
         for name, extra in (("batched", []), ("one session per pass", ["--max-batch-tokens", "1"])):
             port, metrics = free_port(), free_port()
             cmd = node_command("target", target, port, config.dtype, config.max_budget,
                                [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
             target_addr = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
-            self.metrics[name] = f"http://127.0.0.1:{metrics}/metrics"
-            port = free_port()
-            cmd = node_command("draft", draft, port, config.dtype, config.max_budget, [*sessions, *extra],
+            self.metrics[name] = {"target": f"http://127.0.0.1:{metrics}/metrics"}
+            port, metrics = free_port(), free_port()
+            cmd = node_command("draft", draft, port, config.dtype, config.max_budget,
+                               [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"],
                                config.draft_quantize, lookahead=True)  # fmt: skip
+            self.metrics[name]["draft"] = f"http://127.0.0.1:{metrics}/metrics"
             draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
             port = free_port()
             cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", target_addr, "--draft", draft_addr,
@@ -102,11 +104,14 @@ class LoadLab:
         wait_until_serving(address, timeout=1800, alive=lambda: proc.poll() is None)
         return address
 
-    def pass_sessions(self, name: str) -> tuple[float, float]:
-        """The target's specexec:verify_pass_sessions histogram: (sum, count) so far."""
-        text = urllib.request.urlopen(self.metrics[name], timeout=10).read().decode()
-        values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-        return values.get("specexec:verify_pass_sessions_sum", 0.0), values.get("specexec:verify_pass_sessions_count", 0.0)
+    def counters(self, name: str) -> dict[str, float]:
+        """Both nodes' pass-sharing histograms so far: sessions per pass (sum, count), by role."""
+        out = {}
+        for role, metric in (("target", "specexec:verify_pass_sessions"), ("draft", "specexec:draft_pass_sessions")):
+            text = urllib.request.urlopen(self.metrics[name][role], timeout=10).read().decode()
+            values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+            out[f"{role}_sum"], out[f"{role}_count"] = values.get(f"{metric}_sum", 0.0), values.get(f"{metric}_count", 0.0)
+        return out
 
     def close(self) -> None:
         stop_processes(self.procs)
@@ -191,12 +196,13 @@ def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
             for n in config.clients:
                 for name in CONTESTANTS:
                     time.sleep(1.0)  # the last round's lookahead settles
-                    before = lab.pass_sessions(name)
+                    before = lab.counters(name)
                     mine, wall = round_of(lab.urls[name], name, n, prompts, config.max_new_tokens)
-                    after = lab.pass_sessions(name)
-                    passes = after[1] - before[1]
-                    rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": passes,
-                                   "sessions_per_pass": (after[0] - before[0]) / passes if passes else 0.0})  # fmt: skip
+                    after = {k: v - before[k] for k, v in lab.counters(name).items()}
+                    rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": after["target_count"],
+                                   "sessions_per_pass": after["target_sum"] / max(after["target_count"], 1),
+                                   "draft_passes": after["draft_count"],
+                                   "draft_sessions_per_pass": after["draft_sum"] / max(after["draft_count"], 1)})  # fmt: skip
                     runs += mine
                     bar.update()
     finally:
@@ -220,7 +226,8 @@ def summarize(runs: list[ClientRun], rounds: list[dict[str, Any]]) -> list[dict[
             "client_tok_s_p50": percentile(speeds, 50), "client_tok_s_p5": percentile(speeds, 5),
             "client_x_alone_p50": percentile(speeds, 50) / alone[name],
             "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
-            "sessions_per_pass": rd["sessions_per_pass"],
+            "sessions_per_pass": rd["sessions_per_pass"], "draft_sessions_per_pass": rd["draft_sessions_per_pass"],
+            "passes": rd["passes"], "draft_passes": rd["draft_passes"],
             "same_text": all(other.get(r.client, r.text) == r.text for r in mine),
         })  # fmt: skip
     return rows
@@ -241,18 +248,21 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
         "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone (p50) "
-        "| TTFT p50 s | TTFT p95 s | sessions per pass | same text |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 s | TTFT p95 s | sessions per pass | target passes | draft sessions per pass | draft passes "
+        "| same text |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["contestant"], r["clients"])):
         lines.append(
             f"| {r['contestant']} | {r['clients']} | {r['aggregate_tok_s']:.2f} | {r['x_one_client']:.2f} "
             f"| {r['client_tok_s_p50']:.2f} | {r['client_tok_s_p5']:.2f} | {r['client_x_alone_p50']:.2f} "
-            f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['sessions_per_pass']:.2f} "
+            f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['sessions_per_pass']:.2f} | {r['passes']:.0f} "
+            f"| {r['draft_sessions_per_pass']:.2f} | {r['draft_passes']:.0f} "
             f"| {'yes' if r['same_text'] else 'no'} |"
         )
     lines += ["", "Client tok/s: its completion tokens over its request's whole time. p5: the slowest clients. "
-              "Sessions per pass: the target's specexec:verify_pass_sessions over the round. Same text: every "
+              "Sessions per pass: the target's specexec:verify_pass_sessions over the round, and the draft's "
+              "specexec:draft_pass_sessions (its expansion passes). Same text: every "
               "client's answer equals its answer from the other target at the same N."]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "load.png", rows)

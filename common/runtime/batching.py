@@ -7,12 +7,10 @@ the others wait for their results. A pass takes at most one job per session (a s
 needs this one's cache) and about `max_tokens` rows, but never fewer than one job, so an oversized
 job still runs, alone.
 
-Sessions come back between passes: a Verify step's client drafts the next tree, a draft session
-does a little bookkeeping between expansions. Left alone, two clients whose steps start out of
-phase stay out of phase, each pass serving one of them while the other drafts, and nothing is
-shared. So a pass waits for the sessions of the pass before it to come back, up to PATIENCE times
-that pass's length: once in phase, the sessions stay in phase and share every pass, and a session
-that does not come back (its generation ended) costs one such wait.
+A pass does not wait for sessions that are elsewhere (a Verify step's client drafting its next
+tree): sessions out of phase keep the draft's and the target's machines busy at once, and with
+8 clients that served more tokens per second than passes that waited to bring every session in
+(docs/benchmarks.md#many-users-on-one-target).
 """
 
 from __future__ import annotations
@@ -47,9 +45,6 @@ J = TypeVar("J", bound=Job)
 # Rows one pass takes at most (a larger job still runs, alone): bounds a pass's activations and
 # masks, and the wait a session's small job has behind others' large ones.
 MAX_BATCH_TOKENS = 2048
-# How long a pass waits for the last pass's sessions to come back, in units of that pass: waiting
-# costs the sessions already queued at most this, and each session it brings in saves a pass.
-PATIENCE = 0.5
 
 
 class PassBatcher(Generic[J]):
@@ -60,11 +55,10 @@ class PassBatcher(Generic[J]):
         *,
         window: float = 0.0,
         max_tokens: int = MAX_BATCH_TOKENS,
-        patience: float = PATIENCE,
     ) -> None:
         """`run_pass(jobs)` runs one pass and sets every job's result or error; `model_lock` is the
         engine's (start-up profiling holds it too); a pass waits `window` seconds after the first
-        job arrives, and up to `patience` times the last pass for that pass's sessions to return."""
+        job arrives."""
         if window < 0:
             raise ValueError(f"batch window must be >= 0 seconds, got {window}")
         if max_tokens < 1:
@@ -76,15 +70,6 @@ class PassBatcher(Generic[J]):
         self._cv = threading.Condition()
         self._queue: list[J] = []
         self._leading = False
-        self.patience = patience
-        self._returning: set[str] = set()  # the last pass's sessions
-        self._last_end = self._last_seconds = 0.0
-
-    def forget(self, session_id: str) -> None:
-        """A session closed: the next pass does not wait for it."""
-        with self._cv:
-            self._returning.discard(session_id)
-            self._cv.notify_all()
 
     def submit(self, job: J) -> J:
         """Queue `job` and lead passes while it is not done and none is running; raises its error."""
@@ -110,15 +95,12 @@ class PassBatcher(Generic[J]):
     def _lead(self, job: J) -> None:
         with self._cv:
             window_end = job.arrived + self.window
-            patience_end = self._last_end + self.patience * self._last_seconds
             while self._queued_tokens() < self.max_tokens:
-                missing = self._returning - {j.session_id for j in self._queue}
-                left = (max(window_end, patience_end) if missing else window_end) - time.perf_counter()
+                left = window_end - time.perf_counter()
                 if left <= 0:
                     break
                 self._cv.wait(left)
             batch = self._take()
-            self._returning = set()
         if not batch:
             return
         with self.model_lock:
@@ -135,9 +117,6 @@ class PassBatcher(Generic[J]):
                     if j.timing is not None:
                         j.timing.queue_seconds = acquired - j.arrived
                         j.timing.compute_seconds = finished - acquired
-        with self._cv:
-            self._returning = {j.session_id for j in batch if j.error is None}
-            self._last_end, self._last_seconds = finished, finished - acquired
 
     def _queued_tokens(self) -> int:
         return sum(j.tokens for j in self._queue)
