@@ -258,6 +258,8 @@ def test_lanes_of_one_context_see_only_their_own_cells(ggufs):
         ctx.extend([5, 6])
     tokens, parents = torch.tensor([1, 2, 3]), torch.tensor([-1, 0, 0])
     torch.testing.assert_close(fresh.tree(tokens, parents), again.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="context is closed"):
+        lanes[0].tree(tokens, parents)
 
 
 @pytest.mark.parametrize("setting", SETTINGS)

@@ -261,6 +261,8 @@ class TreeContext:
 
     def extend(self, tokens: list[int]) -> None:
         """Run committed tokens as a causal chain onto this lane's sequence, in batch-size pieces."""
+        if self.seq < 0:
+            raise ValueError("this session's llama.cpp context is closed")
         if self.length + len(tokens) > self.n_ctx:
             raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
         c = self.ctx
@@ -340,6 +342,8 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
     layouts = []
     rows = next_leaf = 0
     for lane, tokens, parents, ancestors in trees:
+        if lane.seq < 0:
+            raise ValueError("this session's llama.cpp context is closed")
         n = tokens.numel()
         if n > lane.max_nodes:
             raise ValueError(f"tree has {n} nodes, over this context's limit of {lane.max_nodes}")
