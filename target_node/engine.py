@@ -159,46 +159,47 @@ class TargetEngine(NodeEngine[TargetSession]):
                 self._complete(job, ticket)
             else:
                 steps.append((job, ticket))
-        shared = {"pass_sessions": len(steps), "pass_tokens": sum(t.tree.size for _, t in steps)}
-        for (job, ticket), draw in zip(steps, self._draws(steps), strict=True):
-            try:
-                if isinstance(draw, BaseException):
-                    raise draw
-                self._complete(job, replace(job.session.finish(ticket, draw), **shared))
-            except Exception as exc:
-                job.session.abort(ticket)
-                job.fail(exc)
-        if steps:
-            observe_verify_pass(**shared)
+        for group in self._passes(steps):
+            self._run_group(group)
 
-    def _draws(self, steps: list[tuple[VerifyJob, TreeTicket]]) -> list[Callable[[int], int] | BaseException]:
-        """Each tree's draw function from one shared pass, or the error its own pass raised: if the
-        shared pass fails, each tree runs alone, so a failure stays with the tree that caused it."""
-        draws: dict[int, Callable[[int], int] | BaseException] = {}
-        for group in self._passes([(job.session, ticket) for job, ticket in steps]):
-            if len(group) > 1:
-                try:
-                    run = type(group[0][0]).run_together
-                    draws |= {id(t): d for (_, t), d in zip(group, run(group), strict=True)}
-                except Exception as exc:
-                    log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
-        for job, ticket in steps:
-            if id(ticket) not in draws:
-                try:
-                    draws[id(ticket)] = job.session.run_alone(ticket)
-                except Exception as exc:
-                    draws[id(ticket)] = exc
-        return [draws[id(ticket)] for _, ticket in steps]
+    def _run_group(self, group: list[tuple[VerifyJob, TreeTicket]]) -> None:
+        """One pass for the group's trees, each walked right after; if the shared pass fails, each
+        tree runs (and is walked) alone, so a failure stays with the tree that caused it. A tree is
+        walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree."""
+        draws: list[Callable[[int], int]] | None = None
+        if len(group) > 1:
+            try:
+                draws = type(group[0][0].session).run_together([(j.session, t) for j, t in group])
+            except Exception as exc:
+                log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
+        if draws is None:
+            for job, ticket in group:
+                self._walk(job, ticket, job.session.run_alone, {"pass_sessions": 1, "pass_tokens": ticket.tree.size})
+                observe_verify_pass(1, ticket.tree.size)
+            return
+        shared = {"pass_sessions": len(group), "pass_tokens": sum(t.tree.size for _, t in group)}
+        for (job, ticket), draw in zip(group, draws, strict=True):
+            self._walk(job, ticket, lambda _, d=draw: d, shared)
+        observe_verify_pass(**shared)
+
+    def _walk(self, job: VerifyJob, ticket: TreeTicket, draw_of: Callable[[TreeTicket], Callable[[int], int]],
+              shared: dict[str, int]) -> None:  # fmt: skip
+        """The acceptance walk over one tree's draws (its pass run by `draw_of`, if not yet run)."""
+        try:
+            self._complete(job, replace(job.session.finish(ticket, draw_of(ticket)), **shared))
+        except Exception as exc:
+            job.session.abort(ticket)
+            job.fail(exc)
 
     @staticmethod
-    def _passes(steps: list[tuple[TargetSession, TreeTicket]]) -> list[list[tuple[TargetSession, TreeTicket]]]:
+    def _passes(steps: list[tuple[VerifyJob, TreeTicket]]) -> list[list[tuple[VerifyJob, TreeTicket]]]:
         """The steps packed into passes, first fit: a backend may bound what one pass holds."""
-        groups: list[list[tuple[TargetSession, TreeTicket]]] = []
-        for session, ticket in steps:
-            group = next((g for g in groups if session.fits_with(g, ticket)), None)
+        groups: list[list[tuple[VerifyJob, TreeTicket]]] = []
+        for job, ticket in steps:
+            group = next((g for g in groups if job.session.fits_with([(j.session, t) for j, t in g], ticket)), None)
             if group is None:
                 groups.append(group := [])
-            group.append((session, ticket))
+            group.append((job, ticket))
         return groups
 
     @staticmethod

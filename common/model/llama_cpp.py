@@ -198,6 +198,7 @@ class LlamaContext:
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
         self._free = list(range(lanes - 1, -1, -1))
+        self._leaf_free = list(range(lanes + self.leaf_ids - 1, lanes - 1, -1))  # ids no tree holds
         # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
         # pointers point at, so a pass's ids are filled without a loop.
         n, s = self.n_batch, self.leaf_ids
@@ -306,6 +307,7 @@ class TreeContext:
             else:
                 for leaf in self._leaves.tolist():
                     c.lib.llama_memory_seq_rm(c._mem, leaf, -1, -1)
+            c._leaf_free += self._leaves.tolist()
             self._leaves = self._leaves[:0]
 
     def truncate(self, length: int) -> None:
@@ -340,7 +342,7 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
     if any(lane.ctx is not ctx for lane, *_ in trees):
         raise ValueError("trees in one pass must share a llama.cpp context")
     layouts = []
-    rows = next_leaf = 0
+    rows = leaf_count = 0
     for lane, tokens, parents, ancestors in trees:
         if lane.seq < 0:
             raise ValueError("this session's llama.cpp context is closed")
@@ -359,16 +361,19 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
         leaves = np.flatnonzero(is_leaf)
         if leaves.size > lane.leaves_max:
             raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
-        layouts.append((lane, tokens, anc, leaves, rows, next_leaf))
-        rows, next_leaf = rows + n, next_leaf + leaves.size
-    if rows > ctx.n_batch or next_leaf > ctx.leaf_ids:
-        raise ValueError(
-            f"a pass of {rows} tree tokens and {next_leaf} leaves is over this context's "
-            f"{ctx.n_batch} tokens and {ctx.leaf_ids} leaves"
-        )
+        if lane._leaves.size:
+            raise ValueError("the lane's last tree was neither kept nor dropped")
+        layouts.append((lane, tokens, anc, leaves, rows))
+        rows, leaf_count = rows + n, leaf_count + leaves.size
     with ctx.lock:
-        for lane, tokens, anc, leaves, at, first_leaf in layouts:
-            n, ids = tokens.numel(), ctx.lanes + first_leaf + np.arange(leaves.size, dtype=np.int32)
+        if rows > ctx.n_batch or leaf_count > len(ctx._leaf_free):
+            raise ValueError(
+                f"a pass of {rows} tree tokens and {leaf_count} leaves is over this context's "
+                f"{ctx.n_batch} tokens and {len(ctx._leaf_free)} free leaf ids"
+            )
+        for lane, tokens, anc, leaves, at in layouts:
+            n = tokens.numel()
+            ids = np.array([ctx._leaf_free.pop() for _ in range(leaves.size)], dtype=np.int32)
             for leaf in ids.tolist():  # the committed cells join every leaf's sequence
                 ctx.lib.llama_memory_seq_cp(ctx._mem, lane.seq, leaf, -1, -1)
             below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path
