@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -303,17 +304,28 @@ def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):
     assert TargetEngine(loaded, max_context=64, max_tree=248, max_sessions=8).shared is not None
 
 
-def test_a_failed_shared_llama_pass_runs_each_tree_alone(ggufs, monkeypatch):
-    from target_node.llama_session import LlamaTargetSession
+def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], int]) -> list[Any]:
+    """`count` sessions' trees verified at once on a shared-context engine must give what each gets
+    on an engine whose sessions have contexts (and passes) of their own; returns the shared results."""
     from tests.test_batching import at_once, prompts, random_tree
 
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
-    sampling = SamplingParams(max_new_tokens=8)
-    ps = prompts(loaded.model.cfg.vocab_size, 3, seed=9)
-    gen = torch.Generator().manual_seed(9)
-    trees = [random_tree(p[-1], 3 + 2 * i, loaded.model.cfg.vocab_size, gen) for i, p in enumerate(ps)]
+    sampling, vocab = SamplingParams(max_new_tokens=8), loaded.model.cfg.vocab_size
+    ps = prompts(vocab, count, seed=seed)
+    gen = torch.Generator().manual_seed(seed)
+    trees = [random_tree(p[-1], size(i), vocab, gen) for i, p in enumerate(ps)]
     alone = llama_engine(loaded, max_batch_tokens=1)
     expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees, strict=True)]
+    together = llama_engine(loaded, batch_window=2.0)
+    sids = [together.open_session(p) for p in ps]
+    got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)])
+    assert [(r.tokens, r.accepted) for r in got] == [(r.tokens, r.accepted) for r in expected]
+    return got
+
+
+def test_a_failed_shared_llama_pass_runs_each_tree_alone(ggufs, monkeypatch):
+    from target_node.llama_session import LlamaTargetSession
+
     real = LlamaTargetSession.run_together
 
     def broken(steps):
@@ -322,28 +334,15 @@ def test_a_failed_shared_llama_pass_runs_each_tree_alone(ggufs, monkeypatch):
         return real(steps)
 
     monkeypatch.setattr(LlamaTargetSession, "run_together", staticmethod(broken))
-    together = llama_engine(loaded, batch_window=2.0)
-    sids = [together.open_session(p) for p in ps]
-    got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)])
-    assert [(r.tokens, r.accepted) for r in got] == [(r.tokens, r.accepted) for r in expected]
+    got = together_equals_alone(ggufs, 3, seed=9, size=lambda i: 3 + 2 * i)
+    assert {r.pass_sessions for r in got} == {1}
 
 
 def test_trees_that_do_not_fit_one_llama_pass_go_in_several(ggufs, monkeypatch):
     """A pass bounded by its batch and its leaf ids: the waiting trees go into several passes, each
     walked before the next runs, and every session gets what it gets alone."""
     import common.model.llama_cpp as backend
-    from tests.test_batching import at_once, prompts, random_tree
 
-    loaded = load_gguf(ggufs["F32"], kv_type="f32")
-    sampling = SamplingParams(max_new_tokens=8)
-    ps = prompts(loaded.model.cfg.vocab_size, 5, seed=12)
-    gen = torch.Generator().manual_seed(12)
-    trees = [random_tree(p[-1], 1 + 4 * i, loaded.model.cfg.vocab_size, gen) for i, p in enumerate(ps)]
-    alone = llama_engine(loaded, max_batch_tokens=1)
-    expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees, strict=True)]
     monkeypatch.setattr(backend, "MAX_SHARED_ROWS", 20)  # 64 rows (llama.cpp's least) and 19 leaf ids a pass
-    together = llama_engine(loaded, batch_window=2.0)
-    sids = [together.open_session(p) for p in ps]
-    got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)])
-    assert [(r.tokens, r.accepted) for r in got] == [(r.tokens, r.accepted) for r in expected]
-    assert 1 < max(r.pass_sessions for r in got) < len(ps)
+    got = together_equals_alone(ggufs, 5, seed=12, size=lambda i: 1 + 4 * i)
+    assert 1 < max(r.pass_sessions for r in got) < 5
