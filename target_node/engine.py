@@ -174,19 +174,20 @@ class TargetEngine(NodeEngine[TargetSession]):
                 log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
         if draws is None:
             for job, ticket in group:
-                self._walk(job, ticket, job.session.run_alone, {"pass_sessions": 1, "pass_tokens": ticket.tree.size})
+                self._walk(job, ticket, None, {"pass_sessions": 1, "pass_tokens": ticket.tree.size})
                 observe_verify_pass(1, ticket.tree.size)
             return
         shared = {"pass_sessions": len(group), "pass_tokens": sum(t.tree.size for _, t in group)}
         for (job, ticket), draw in zip(group, draws, strict=True):
-            self._walk(job, ticket, lambda _, d=draw: d, shared)
+            self._walk(job, ticket, draw, shared)
         observe_verify_pass(**shared)
 
-    def _walk(self, job: VerifyJob, ticket: TreeTicket, draw_of: Callable[[TreeTicket], Callable[[int], int]],
+    def _walk(self, job: VerifyJob, ticket: TreeTicket, draw: Callable[[int], int] | None,
               shared: dict[str, int]) -> None:  # fmt: skip
-        """The acceptance walk over one tree's draws (its pass run by `draw_of`, if not yet run)."""
+        """The acceptance walk over one tree's draws; `draw` None: its pass runs alone first."""
         try:
-            self._complete(job, replace(job.session.finish(ticket, draw_of(ticket)), **shared))
+            draw = draw or job.session.run_alone(ticket)
+            self._complete(job, replace(job.session.finish(ticket, draw), **shared))
         except Exception as exc:
             job.session.abort(ticket)
             job.fail(exc)

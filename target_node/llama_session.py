@@ -9,7 +9,7 @@ import torch
 
 from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
-from common.model.llama_cpp import LlamaContext, LlamaCppModel, run_trees
+from common.model.llama_cpp import LlamaContext, LlamaCppModel, run_trees, tree_leaves
 from target_node.session import TargetSession, TreeTicket
 
 
@@ -86,14 +86,11 @@ class LlamaTargetSession(TargetSession):
         if ctx.lanes == 1 or any(s.ctx.ctx is not ctx for s, _ in steps):  # type: ignore[attr-defined]
             return not steps
         trees = [t.tree for _, t in steps] + [ticket.tree]
-        return sum(t.size for t in trees) <= ctx.n_batch and sum(map(leaf_count, trees)) <= ctx.leaf_ids
+        leaves = sum(tree_leaves(t.parents).size for t in trees)
+        return sum(t.size for t in trees) <= ctx.n_batch and leaves <= ctx.leaf_ids
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
         self.ctx.keep(path)
 
     def close(self) -> None:
         self.ctx.close()
-
-
-def leaf_count(tree: TokenTree) -> int:
-    return tree.size - int(torch.unique(tree.parents[1:]).numel())

@@ -78,6 +78,13 @@ def tree_limit(sessions: int) -> int:
     return shared if sessions > 1 and shared >= 64 else MAX_TREE_LEAVES
 
 
+def tree_leaves(parents: Tensor) -> np.ndarray:
+    """The nodes no other node names as its parent: one sequence id each in a pass."""
+    is_leaf = np.ones(parents.numel(), dtype=bool)
+    is_leaf[parents[1:].numpy()] = False
+    return np.flatnonzero(is_leaf)
+
+
 def has_amx(lib: Any) -> bool:
     """Whether this build of llama.cpp holds ggml's AMX kernels, an extra buffer type that
     segfaults in llama_decode on some models and machines (seen here on a Q8_0 file)."""
@@ -356,9 +363,7 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
 
             ancestors = TreeStructure.from_parents(parents).ancestors
         anc = ancestors.numpy()
-        is_leaf = np.ones(n, dtype=bool)
-        is_leaf[parents[1:].numpy()] = False
-        leaves = np.flatnonzero(is_leaf)
+        leaves = tree_leaves(parents)
         if leaves.size > lane.leaves_max:
             raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
         if lane._leaves.size:
@@ -372,8 +377,9 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
                 f"{ctx.n_batch} tokens and {len(ctx._leaf_free)} free leaf ids"
             )
         for lane, tokens, anc, leaves, at in layouts:
-            n = tokens.numel()
-            ids = np.array([ctx._leaf_free.pop() for _ in range(leaves.size)], dtype=np.int32)
+            n, take = tokens.numel(), len(ctx._leaf_free) - leaves.size
+            ids = np.array(ctx._leaf_free[take:], dtype=np.int32)
+            del ctx._leaf_free[take:]
             for leaf in ids.tolist():  # the committed cells join every leaf's sequence
                 ctx.lib.llama_memory_seq_cp(ctx._mem, lane.seq, leaf, -1, -1)
             below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path

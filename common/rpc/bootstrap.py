@@ -61,7 +61,6 @@ class NodeConfig:
     metrics_port: str | None = None
     log: LogSettings = field(default_factory=LogSettings)
 
-
     def batching(self) -> dict[str, Any]:
         """The engine's continuous-batching options (common.runtime.batching)."""
         return {"batch_window": self.batch_window_ms / 1000, "max_batch_tokens": self.max_batch_tokens}
