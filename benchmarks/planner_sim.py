@@ -88,14 +88,12 @@ class TimedExpander:
         self.depth = {0: 0}
         self.seconds = 0.0
 
-    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
+    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
         self.seconds += interpolate(self.curve, nodes.numel()) * (1 + 0.1 * self.rng.random())
         rows = []
-        for node, token, depth, seen in zip(
-            nodes.tolist(), tokens.tolist(), depths.tolist(), visible, strict=True
+        for node, token, depth, parent in zip(
+            nodes.tolist(), tokens.tolist(), depths.tolist(), parents.tolist(), strict=True
         ):
-            ancestors = [j + 1 for j in seen.nonzero().squeeze(1).tolist() if j + 1 != node]
-            parent = max(ancestors, key=self.depth.__getitem__, default=0)
             position = self.at + depth
             on_path = self.on_path[parent] and position - 1 < len(self.text.tokens)
             on_path = on_path and self.text.tokens[position - 1] == token
@@ -110,6 +108,9 @@ class TimedExpander:
     def move(self, src: Tensor, dst: Tensor) -> None:
         for a, b in zip((src + 1).tolist(), (dst + 1).tolist(), strict=True):
             self.on_path[b], self.depth[b] = self.on_path.pop(a), self.depth.pop(a)
+
+    def drop(self, slots: Tensor) -> None:
+        """What a pruned node was is never asked again."""
 
 
 Curves = tuple[list[tuple[int, float]], list[tuple[int, float]]]  # target's, draft's: (tokens, seconds)

@@ -161,6 +161,7 @@ class SpecExec:
         backend: str = "auto",
         n_gpu_layers: int = 0,
         kv_type: str = "f16",
+        draft_backend: str = "auto",
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
@@ -170,7 +171,8 @@ class SpecExec:
         `compile_buckets` compiles both models' passes for those token counts before returning
         (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
         target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
-        GPU; the draft stays on torch."""
+        GPU; `draft_backend` does the same for the draft (on the CPU; its trees then stay within 255
+        nodes)."""
         plain = offload is None and compile_buckets is None and device == "cpu"
         if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
             if not plain:
@@ -184,18 +186,26 @@ class SpecExec:
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree)
         draft = draft_loaded = None
         if draft_model is not None and mode != "autoregressive":
-            draft_loaded = load_model(
-                draft_model,
-                dtype=draft_dtype(dtype, draft_quantize),
-                device=device,
-                repack=repack,
-                quantize=draft_quantize,
-            )
-            draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=max_tree)
+            draft_plain = plain and draft_quantize == "none"
+            if resolve_backend(draft_backend, str(draft_model), plain=draft_plain) == "llama.cpp":
+                if not draft_plain:
+                    raise ValueError("the llama.cpp draft takes no int8 quantization, offload plan, compile buckets or device")
+                draft_loaded = load_gguf(draft_model, kv_type=kv_type, repack=repack)
+                draft_tree = min(max_tree, MAX_TREE_LEAVES)
+            else:
+                draft_loaded = load_model(
+                    resolve_model(str(draft_model)),
+                    dtype=draft_dtype(dtype, draft_quantize),
+                    device=device,
+                    repack=repack,
+                    quantize=draft_quantize,
+                )
+                draft_tree = max_tree
+            draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=draft_tree)
         if compile_buckets is not None:
             compile_model(target_loaded.model, compile_buckets)  # type: ignore[arg-type]
             if draft_loaded is not None:
-                compile_model(draft_loaded.model, compile_buckets)
+                compile_model(draft_loaded.model, compile_buckets)  # type: ignore[arg-type]
         if auto_budget and draft is not None:
             target.profile()
             draft.profile()

@@ -82,8 +82,8 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
         choices=BACKENDS,
         default="auto",
         help="torch: our transformer (a GGUF is de-quantized once); llama.cpp: the GGUF as it is, quantized, "
-        "through llama.cpp's kernels (target node; needs llama-cpp-python); auto: llama.cpp for a target "
-        "whose model is a GGUF when llama-cpp-python is installed, else torch",
+        "through llama.cpp's kernels (needs llama-cpp-python); auto: llama.cpp for a model that is a GGUF "
+        "when llama-cpp-python is installed, else torch",
     )
     parser.add_argument(
         "--n-gpu-layers",

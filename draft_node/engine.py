@@ -9,18 +9,22 @@ import contextlib
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
+from common.model.llama_cpp import MAX_TREE_LEAVES
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
 from common.ops.metrics import observe_draft_pass
 from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
+from draft_node.llama_session import LlamaDraftSession
 from draft_node.lookahead import Lookahead
 from draft_node.session import DraftSession, forward_logprobs
 
@@ -67,6 +71,12 @@ class DraftEngine(NodeEngine[DraftSession]):
         with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
         (seconds) and `max_batch_tokens` shape the passes sessions share."""
         super().__init__(loaded, **limits)
+        self.llama = not isinstance(loaded.model, torch.nn.Module)  # the GGUF as it is, on llama.cpp
+        if self.llama and self.max_tree > MAX_TREE_LEAVES:
+            raise ValueError(
+                f"--max-tree {self.max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES} "
+                "(llama.cpp's 256 sequences: one per expanded node, one for the committed tokens)"
+            )
         self.lookahead = Lookahead() if lookahead else None
         self.passes: PassBatcher[ForwardJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
@@ -87,11 +97,22 @@ class DraftEngine(NodeEngine[DraftSession]):
 
         def make() -> DraftSession:
             lookahead = self.lookahead is not None
+            if self.llama:
+                return LlamaDraftSession(
+                    self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, self._llama_pass
+                )
             return DraftSession(
                 self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward
             )
 
         return self.sessions.add(make, owner, sid)
+
+    def _llama_pass(self, run: Callable[[], Tensor], rows: int) -> Tensor:
+        """llama.cpp sessions each have a context of their own, so their passes run one at a time."""
+        with self._lock:
+            result = run()
+        observe_draft_pass(1, rows)
+        return result
 
     def _run_pass(self, jobs: list[ForwardJob]) -> None:
         """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays

@@ -44,24 +44,29 @@ class DraftSession:
         lookahead: bool = False,
         forward: Forward | None = None,
     ) -> None:
+        self._start(prompt, max_context, max_tree, lookahead, MAX_LOOKAHEAD_NODES)
+        self.model = model
+        # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
+        self.cache = model.new_cache(max_context + 2 * self.tree_nodes + 1)
+        self._forward = forward or (lambda segment, rows: forward_logprobs(model, [(segment, rows)])[0])
+
+    def _start(self, prompt: list[int], max_context: int, max_tree: int, lookahead: bool, max_search: int) -> None:
+        """What every backend's session starts with; `max_search` caps the lookahead search's nodes."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) > max_context:
             raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {max_context}")
-        self.model = model
         self.max_context = max_context
         self.committed: list[int] = list(prompt)
         self.max_tree = max_tree
-        self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, MAX_LOOKAHEAD_NODES), max_tree)
-        # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
-        self.cache = model.new_cache(max_context + 2 * (self.search_nodes if lookahead else max_tree) + 1)
+        self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, max_search), max_tree)
+        self.tree_nodes = self.search_nodes if lookahead else max_tree  # the most a builder keeps
         self._builders: OrderedDict[tuple[TreeParams, bool], TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
         self.lookahead = lookahead
         self._search: TreeBuilder | None = None  # lookahead: the search below the last tree's root
         self.step = 0
         self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
-        self._forward = forward or (lambda segment, rows: forward_logprobs(model, [(segment, rows)])[0])
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
         """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before
@@ -81,7 +86,7 @@ class DraftSession:
             raise ValueError(f"sequence would exceed the context limit of {self.max_context} tokens")
         if tokens and self.cache.length == len(self.committed):
             if self._search is not None:
-                self.cache.length += self._search.reroot(tokens, self)
+                self._advance(self._search.reroot(tokens, self))
                 if self._search.used == 0:
                     self._search = None
             elif self._last is not None:
@@ -145,7 +150,11 @@ class DraftSession:
         self.cache.length = start + t
         return logprobs[0]
 
-    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
+    def _advance(self, count: int) -> None:
+        """Tree slots 0..count-1 were moved onto the committed tokens' cache positions: keep them."""
+        self.cache.length += count
+
+    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
         base = self.cache.length
         slots = base + nodes - 1
         positions = base - 1 + depths
@@ -155,6 +164,9 @@ class DraftSession:
     def move(self, src: Tensor, dst: Tensor) -> None:
         base = self.cache.length
         self.cache.move(base + src, base + dst)
+
+    def drop(self, slots: Tensor) -> None:
+        """A slot's stale KV is overwritten by the next node placed there."""
 
     def _salvage(self, tokens: list[int]) -> None:
         last = self._last

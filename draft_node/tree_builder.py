@@ -31,15 +31,21 @@ __all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "TreeBuilder", "TreeParams"]
 
 
 class Expander(Protocol):
-    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor) -> Tensor:
+    def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
         """Draft log-probs [len(nodes), V] for `nodes` (working ids, KV slot = id - 1).
 
-        `visible[r, j]` says whether row r may attend to tree slot j (the prefix is always visible).
+        `visible[r, j]` says whether row r may attend to tree slot j (the prefix is always visible);
+        `parents[r]` is row r's parent's working id (0: the root, whose KV is the prefix's last).
         """
         ...
 
     def move(self, src: Tensor, dst: Tensor) -> None:
-        """Move tree KV slots `src` to `dst` (src >= dst elementwise, both increasing)."""
+        """Move tree KV slots `src` to `dst` (src >= dst elementwise, both increasing); the KV of
+        every other slot is no longer needed."""
+        ...
+
+    def drop(self, slots: Tensor) -> None:
+        """The nodes at these tree KV slots were pruned: their KV is no longer needed."""
         ...
 
 
@@ -114,10 +120,13 @@ class TreeBuilder:
             self._compact(expander)
             nodes = self._next_batch(budget, floor)
         logprobs = expander.expand(
-            nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used]
+            nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used], self.parents[nodes]
         )
         self.expanded[nodes] = True
-        self._add_children(nodes, logprobs)
+        pruned = self._add_children(nodes, logprobs)
+        pruned = pruned[self.expanded[pruned]]
+        if pruned.numel():
+            expander.drop(pruned - 1)
         return True
 
     def take(self, budget: int, forwards: int) -> BuiltTree:
@@ -215,7 +224,8 @@ class TreeBuilder:
             candidates = candidates[order.sort().values]
         return candidates
 
-    def _add_children(self, nodes: Tensor, logprobs: Tensor) -> None:
+    def _add_children(self, nodes: Tensor, logprobs: Tensor) -> Tensor:
+        """Returns the ids of the older nodes pruned to make room."""
         p, n = self.params, self.used
         k = min(p.max_branch, logprobs.shape[-1])
         child_lp, child_tok = logprobs.float().topk(k, dim=-1)
@@ -236,7 +246,8 @@ class TreeBuilder:
             is_kept[keep] = True
         else:
             is_kept = torch.ones(scores.numel(), dtype=torch.bool)
-        self.alive[old[~is_kept[: old.numel()]]] = False
+        pruned = old[~is_kept[: old.numel()]]
+        self.alive[pruned] = False
         new = is_kept[old.numel() :]
         count = int(new.sum())
         ids = torch.arange(n, n + count)
@@ -250,6 +261,7 @@ class TreeBuilder:
         self.ancestors[ids] = self.ancestors[parents]
         self.ancestors[ids, ids] = True
         self.used = n + count
+        return pruned
 
     def _compact(self, expander: Expander) -> None:
         """Drop pruned nodes so ids stay within capacity; expanded survivors carry their KV along."""

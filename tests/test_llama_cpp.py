@@ -222,13 +222,6 @@ def test_target_node_refuses_what_llama_cpp_cannot_do(ggufs, args, needle):
     assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
 
 
-def test_draft_node_refuses_the_llama_cpp_backend(ggufs):
-    cmd = [sys.executable, "-m", "draft_node", "--model", str(ggufs["F32"]), "--listen",
-           f"127.0.0.1:{free_port()}", "--backend", "llama.cpp", "--no-profile"]  # fmt: skip
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
-    assert run.returncode == 2 and "runs target nodes only" in run.stderr, run.stderr[-2000:]
-
-
 def llama_engine(loaded: Any, **kwargs: Any) -> Any:
     from target_node.engine import TargetEngine
 

@@ -29,8 +29,9 @@ class ToyExpander:
         self.moves = 0
         self.forwards: list[int] = []
 
-    def expand(self, nodes, tokens, depths, visible):
-        for node, token in zip(nodes.tolist(), tokens.tolist(), strict=True):
+    def expand(self, nodes, tokens, depths, visible, parents):
+        for node, token, parent in zip(nodes.tolist(), tokens.tolist(), parents.tolist(), strict=True):
+            assert parent == 0 or parent - 1 in self.slots, "a node's parent must have been expanded"
             self.slots[node - 1] = token
         out = []
         for row in visible:
@@ -38,6 +39,10 @@ class ToyExpander:
             out.append(toy_logprobs((0, *path)))
         self.forwards.append(len(nodes))
         return torch.stack(out)
+
+    def drop(self, slots):
+        for slot in slots.tolist():
+            del self.slots[slot]  # a pruned node's KV is never read again
 
     def move(self, src, dst):
         self.moves += 1

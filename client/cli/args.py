@@ -11,7 +11,7 @@ from client.openai.server import TlsFiles
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-from common.model.store import resolve_model
+from common.model.llama_cpp import BACKENDS
 from common.options import (
     DTYPES,
     add_backend_args,
@@ -87,6 +87,12 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         p.add_argument("--dtype", choices=DTYPES, default="float32")
         p.add_argument("--device", default="cpu")
         add_backend_args(p)
+        p.add_argument(
+            "--draft-backend",
+            choices=BACKENDS,
+            default="auto",
+            help="the draft model's backend, as --backend is the target's (auto: llama.cpp for a GGUF)",
+        )
         add_repack_arg(p)
         add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
@@ -138,10 +144,9 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
     """In-process models when --target-model is given, otherwise the remote nodes."""
     tree = tree_from(args)
     if getattr(args, "target_model", None):
-        draft = resolve_model(args.draft_model) if args.draft_model else None
         return SpecExec.local(
-            draft,
-            args.target_model,  # resolved by `local`: a GGUF target may run as it is, on llama.cpp
+            args.draft_model,  # both resolved by `local`: a GGUF may run as it is, on llama.cpp
+            args.target_model,
             dtype=args.dtype,
             device=args.device,
             repack=args.repack,
@@ -152,6 +157,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             tree=tree,
             auto_budget=auto_budget(args),
             backend=args.backend,
+            draft_backend=args.draft_backend,
             n_gpu_layers=args.n_gpu_layers,
             kv_type=args.kv_type,
         )

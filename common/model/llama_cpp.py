@@ -193,6 +193,10 @@ class LlamaContext:
         params.n_batch = params.n_ubatch = max(max_rows, lanes + self.leaf_ids, 64)
         params.n_seq_max = lanes + self.leaf_ids
         params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
+        if model.n_gpu_layers == 0:
+            # On the CPU, flash attention's kernels put tree passes of 24+ tokens up to 0.04 away from
+            # one-token passes (F32 file); without it 4e-5, and passes took the same time (+-2%).
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = model.threads
         if model.kv_type == "f32":
             params.type_k = params.type_v = GGML_TYPE_F32
@@ -335,6 +339,131 @@ class TreeContext:
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
             self.close()
+
+
+class SearchContext:
+    """A draft session's llama.cpp context for its best-first search (draft_node.llama_session).
+
+    The committed tokens hold sequence 0. Each expanded search node holds a sequence of its own whose
+    cells are exactly its path: its parent's sequence copied onto the new id (`llama_memory_seq_cp`
+    adds an id to cells; it copies no data) plus the node's own cell, so a batch of nodes decoded
+    with one id each sees prefix and ancestors only. A dropped node's id goes back to the pool, and a
+    cell is freed with the last id holding it. Nodes are named by their tree KV slot, as in the torch
+    draft's cache, so one `TreeBuilder` drives both. The search holds at most `max_nodes` expanded
+    nodes at once (at most 255: one id each); a search's nodes never outnumber its budget."""
+
+    def __init__(self, model: LlamaCppModel, n_ctx: int, max_nodes: int, max_slots: int) -> None:
+        if not 1 <= max_nodes <= MAX_TREE_LEAVES:
+            raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
+        self.ctx = LlamaContext(model, n_ctx, lanes=1, max_rows=max_nodes + 1)
+        self.n_ctx = n_ctx
+        self.length = 0  # committed tokens with KV (sequence 0)
+        self._seq_of = np.full(max_slots, -1, dtype=np.int32)  # [slot]: the node's sequence id, -1 none
+
+    def extend(self, tokens: list[int]) -> Tensor:
+        """Run committed tokens as a causal chain onto sequence 0; the last one's logits [vocab]."""
+        if not tokens:
+            raise ValueError("nothing to run")
+        if self.length + len(tokens) > self.n_ctx:
+            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
+        c = self.ctx
+        with c.lock:
+            for start in range(0, len(tokens), c.n_batch):
+                piece = tokens[start : start + c.n_batch]
+                k = len(piece)
+                c._token[:k] = piece
+                c._pos[:k] = np.arange(self.length, self.length + k)
+                c._n_seq[:k] = 1
+                c._seq[:k, 0] = 0
+                c._logits[:k] = 0
+                c._logits[k - 1] = 1
+                c._decode(k, self.length)
+                self.length += k
+            row = c.lib.llama_get_logits_ith(c._ctx, -1)
+            return torch.from_numpy(np.ctypeslib.as_array(row, shape=(c.vocab,)).copy())
+
+    def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> Tensor:
+        """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
+        -1 for the root) in one `llama_decode`; their logits [k, vocab]."""
+        c, k = self.ctx, len(slots)
+        with c.lock:
+            if k > len(c._leaf_free):
+                raise LlamaCppError(f"a search of {k} more nodes is over llama.cpp's {len(c._leaf_free)} free sequence ids")
+            if self.length + k > self.n_ctx or k > c.n_batch:
+                raise ValueError(f"{k} nodes do not fit this search's context of {self.n_ctx} tokens")
+            parents = np.where(parent_slots >= 0, self._seq_of[np.maximum(parent_slots, 0)], 0)
+            if (parents < 0).any():
+                raise ValueError("a node's parent was never expanded")
+            take = len(c._leaf_free) - k
+            ids = np.array(c._leaf_free[take:], dtype=np.int32)
+            del c._leaf_free[take:]
+            for parent, seq in zip(parents.tolist(), ids.tolist(), strict=True):
+                c.lib.llama_memory_seq_cp(c._mem, parent, seq, -1, -1)
+            self._seq_of[slots] = ids
+            c._token[:k] = tokens
+            c._pos[:k] = positions
+            c._n_seq[:k] = 1
+            c._seq[:k, 0] = ids
+            c._logits[:k] = 1
+            try:
+                c._decode(k, int(positions.min()))
+            except LlamaCppError:
+                self._release(slots)
+                raise
+            logits = np.ctypeslib.as_array(c.lib.llama_get_logits(c._ctx), shape=(k, c.vocab))
+            return torch.from_numpy(logits.copy())
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Nodes at slots `src` now sit at `dst`; every other node is dropped."""
+        with self.ctx.lock:
+            moved = np.full_like(self._seq_of, -1)
+            moved[dst] = self._seq_of[src]
+            self._release(np.flatnonzero((self._seq_of >= 0) & ~np.isin(self._seq_of, moved)))
+            self._seq_of = moved
+
+    def drop(self, slots: np.ndarray) -> None:
+        with self.ctx.lock:
+            self._release(slots)
+
+    def keep_path(self, slot: int, count: int) -> None:
+        """The first `count` cells of the path to the node at `slot` join the committed tokens."""
+        with self.ctx.lock:
+            seq = int(self._seq_of[slot])
+            if seq < 0:
+                raise ValueError(f"tree slot {slot} holds no expanded node")
+            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, seq, 0, self.length, self.length + count)
+            self.length += count
+
+    def commit(self, count: int) -> None:
+        """Slots 0..count-1 hold a path down from the root: it becomes committed, the nodes below
+        it keep their ids and move up `count` slots."""
+        if count:
+            self.keep_path(count - 1, count)
+            rest = np.arange(count, len(self._seq_of))
+            self.move(rest, rest - count)
+
+    def reset(self) -> None:
+        """Drop every node: a new search starts from the committed tokens."""
+        self.drop(np.flatnonzero(self._seq_of >= 0))
+
+    def truncate(self, length: int) -> None:
+        """Forget the KV of committed tokens from `length` on (every node with it)."""
+        self.reset()
+        if length < self.length:
+            with self.ctx.lock:
+                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, 0, length, -1)
+            self.length = length
+
+    def _release(self, slots: np.ndarray) -> None:
+        ids = self._seq_of[slots]
+        ids = ids[ids >= 0]
+        for seq in ids.tolist():
+            self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, seq, -1, -1)
+        self.ctx._leaf_free += ids.tolist()
+        self._seq_of[slots] = -1
+
+    def close(self) -> None:
+        self.ctx.close()
 
 
 TreeInput = tuple[TreeContext, Tensor, Tensor, Tensor | None]  # lane, tokens [n], parents [n], ancestors

@@ -76,20 +76,14 @@ class NodeRole:
     engine_options: Callable[[NodeConfig], dict[str, Any]] = lambda config: {}
 
 
-def choose_backend(config: NodeConfig, role: str) -> str:
-    """The target runs a GGUF on llama.cpp when it can ("auto"); the draft's best-first search runs
-    on torch (its llama.cpp port is not written yet)."""
+def choose_backend(config: NodeConfig) -> str:
+    """A node runs a GGUF on llama.cpp when it can ("auto"): the file as it is, quantized."""
     conflicts = [flag for flag, on in (("--quantize", config.quantize != "none"), ("--offload", config.offload),
                  ("--compile", config.compile_buckets is not None), ("--device", config.device != "cpu")) if on]  # fmt: skip
-    if config.backend == "llama.cpp":
-        if role != "target":
-            raise ValueError("--backend llama.cpp runs target nodes only for now; use --backend torch for a draft")
-        if conflicts:
-            raise ValueError(
-                f"--backend llama.cpp takes the GGUF's own quantization and --n-gpu-layers; drop {', '.join(conflicts)}"
-            )
-    if role != "target":
-        return "torch"
+    if config.backend == "llama.cpp" and conflicts:
+        raise ValueError(
+            f"--backend llama.cpp takes the GGUF's own quantization and --n-gpu-layers; drop {', '.join(conflicts)}"
+        )
     return resolve_backend(config.backend, config.model, plain=not conflicts)
 
 
@@ -120,11 +114,11 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     host = split_listen(config.listen)[0]
     say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
     limits = config.limits
-    if choose_backend(config, role.name) == "llama.cpp":
+    if choose_backend(config) == "llama.cpp":
         loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack)
         assert loaded.path is not None
         path = loaded.path
-        sharing = limits.max_sessions if config.max_batch_tokens > 1 else 1
+        sharing = limits.max_sessions if config.max_batch_tokens > 1 and role.name == "target" else 1
         limits = replace(limits, max_tree=limits.max_tree or tree_limit(sharing))
     else:
         path = resolve_model(config.model)

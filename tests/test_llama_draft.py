@@ -1,0 +1,214 @@
+"""The draft's best-first search on llama.cpp (draft_node.llama_session): every expansion sees
+exactly its node's path through pruning, compaction, re-rooting and salvage; sequence ids go back
+to the pool; SpecExec with a llama.cpp draft equals the target alone, in process and through a
+real draft node with its lookahead on."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from client.api import SpecExec
+from client.remote import connect
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from tests.helpers import Proc, free_port
+from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
+
+from common.model.llama_cpp import LlamaCppModel  # noqa: E402
+from draft_node.llama_session import LlamaDraftSession  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
+SETTINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 5}}
+
+
+@pytest.fixture(scope="module")
+def ggufs(tmp_path_factory) -> dict[str, Path]:
+    """A qwen2 target and a one-layer draft cut from it, each as an F32 GGUF directory."""
+    root = tmp_path_factory.mktemp("gguf-draft")
+    target = make_tiny_model(root / "target", arch="qwen2", layers=3, seed=3)
+    dirs = {"target-hf": target, "draft-hf": truncate_layers(target, root / "draft", keep=1)}
+    for name in ("target", "draft"):
+        out = root / f"{name}-f32"
+        shutil.copytree(dirs[f"{name}-hf"], out, ignore=shutil.ignore_patterns("*.safetensors"))
+        write_gguf(dirs[f"{name}-hf"], out / "model.gguf", "F32")
+        dirs[name] = out
+    return dirs
+
+
+def chain_logprobs(model: LlamaCppModel, tokens: list[int]) -> torch.Tensor:
+    """Log-probs after the last of `tokens`, run as one plain chain in a fresh context."""
+    ctx = model.new_context(len(tokens) + 8, 4)
+    try:
+        ctx.extend(tokens[:-1])
+        return torch.log_softmax(ctx.tree(torch.tensor(tokens[-1:]), torch.tensor([-1]))[0], -1)
+    finally:
+        ctx.close()
+
+
+class CheckedSession(LlamaDraftSession):
+    """Checks every expansion against a chain over the node's path (prefix + the tokens at the
+    slots it sees), and keeps its own slot -> token map the way the cache must keep KV."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.slot_tokens: dict[int, int] = {}
+        self.checked = 0
+        self.worst = 0.0
+
+    def expand(self, nodes, tokens, depths, visible, parents):
+        out = super().expand(nodes, tokens, depths, visible, parents)
+        for node, token in zip(nodes.tolist(), tokens.tolist(), strict=True):
+            self.slot_tokens[node - 1] = token
+        prefix = self.committed[: self.cache.length]
+        for row, seen in enumerate(visible):
+            path = [self.slot_tokens[j] for j in seen.nonzero().squeeze(1).tolist()]
+            expected = chain_logprobs(self.model, prefix + path)
+            # batched kernels move the last bits; a wrong cell moves whole units
+            self.worst = max(self.worst, float((out[row] - expected).abs().max()))
+            assert self.worst < 1e-3, f"node {int(nodes[row])} saw other cells than its path's"
+            self.checked += 1
+        return out
+
+    def move(self, src, dst):
+        super().move(src, dst)
+        moved = {d: self.slot_tokens[s] for s, d in zip(src.tolist(), dst.tolist(), strict=True)}
+        self.slot_tokens = moved
+
+    def drop(self, slots):
+        super().drop(slots)
+        for slot in slots.tolist():
+            del self.slot_tokens[slot]
+
+    def _advance(self, count: int) -> None:
+        super()._advance(count)
+        self.slot_tokens = {s - count: t for s, t in self.slot_tokens.items() if s >= count}
+
+    def ids_in_use(self) -> int:
+        return int((self.cache._seq_of >= 0).sum())
+
+
+def deepest_expanded_path(built) -> list[int]:
+    """Tokens from the root's child down to the deepest node of the tree the search expanded."""
+    tree = built.tree
+    depth = [0] * tree.size
+    for i in range(1, tree.size):
+        depth[i] = depth[int(tree.parents[i])] + 1
+    node = max((i for i in range(1, tree.size) if bool(built.expanded[i])), key=depth.__getitem__, default=0)
+    path = []
+    while node > 0:
+        path.append(int(tree.tokens[node]))
+        node = int(tree.parents[node])
+    return path[::-1]
+
+
+@pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "plain"])
+def test_every_expansion_sees_exactly_its_path(ggufs, lookahead):
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    session = CheckedSession(model, PROMPT, max_context=128, max_tree=12, lookahead=lookahead)
+    params = TreeParams(budget=12, max_depth=6, max_branch=3, expand_batch=4)
+    rerooted = 0
+    for step in range(6):
+        built, reused = session.build_tree(params)
+        rerooted += reused
+        for _ in range(3):
+            session.idle_step()
+        path = deepest_expanded_path(built)
+        # Every other step the target parts from the draft after the first token: a miss.
+        tokens = path if step % 2 == 0 else [*path[:1], (path[0] + 7) % 256 if path else 9]
+        session.update(tokens)
+        expanded = session.ids_in_use()
+        assert expanded + len(session.cache.ctx._leaf_free) == session.tree_nodes  # no id leaks
+    assert session.checked > 40
+    print(f"worst difference from a chain: {session.worst:.2e} over {session.checked} nodes")
+    assert rerooted > 0 if lookahead else rerooted == 0
+    session.truncate(len(PROMPT) + 2)  # a chat turn rewrites history: every node goes, KV too
+    assert session.ids_in_use() == 0 and session.cache.length <= len(PROMPT) + 2
+    session.build_tree(params)
+
+
+def test_a_search_holds_at_most_255_nodes(ggufs):
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    with pytest.raises(ValueError, match=r"over the llama\.cpp backend's limit of 255"):
+        LlamaDraftSession(model, PROMPT, max_context=64, max_tree=300)
+    session = LlamaDraftSession(model, PROMPT, max_context=64, max_tree=100, lookahead=True)
+    assert session.search_nodes == 255  # 4x the tree, capped by llama.cpp's sequence ids
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_specexec_with_a_llama_cpp_draft_equals_the_target_alone(ggufs, setting):
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, **SETTINGS[setting])
+    alone = SpecExec.local(None, str(ggufs["target"]), mode="autoregressive", kv_type="f32")
+    gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["target"]), tree=TreeParams(budget=16), kv_type="f32")
+    assert type(gen.draft.loaded.model).__name__ == "LlamaCppModel"  # auto: a GGUF runs on llama.cpp
+    out = gen.generate(PROMPT, sampling)
+    assert out.token_ids == alone.generate(PROMPT, sampling).token_ids
+    assert out.stats.target_steps < 40
+    torch_draft = SpecExec.local(str(ggufs["draft-hf"]), str(ggufs["target"]), kv_type="f32")
+    assert isinstance(torch_draft.draft.loaded.model, torch.nn.Module)  # no GGUF: our transformer
+    assert torch_draft.generate(PROMPT, sampling).token_ids == out.token_ids
+
+
+def test_draft_node_on_llama_cpp_with_lookahead_serves_the_same_tokens(ggufs, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    env = dict(os.environ)
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, seed=2)
+    alone = SpecExec.local(None, str(ggufs["target"]), mode="autoregressive", kv_type="f32")
+    expected = alone.generate(PROMPT, sampling).token_ids
+    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
+    procs = [
+        Proc("target", ["-m", "target_node", "--model", str(ggufs["target"]), "--listen", addrs["target"],
+                        "--kv-type", "f32", "--no-profile"], env, tmp_path),
+        Proc("draft", ["-m", "draft_node", "--model", str(ggufs["draft"]), "--listen", addrs["draft"],
+                       "--kv-type", "f32"], env, tmp_path),
+    ]  # fmt: skip
+    try:
+        for proc, addr in zip(procs, addrs.values(), strict=True):
+            proc.wait_serving(addr)
+        gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+        info = gen.draft.info()
+        assert info.dtype == "gguf (f32 KV)" and info.max_tree_nodes == 256  # 255 besides the root
+        assert len(info.forward_curve) > 1  # profiled through llama.cpp
+        out = gen.generate(PROMPT, sampling)
+        assert out.token_ids == expected
+        assert out.stats.reused_trees > 0  # the lookahead search re-rooted on llama.cpp
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.stop()
+
+
+def test_draft_node_refuses_what_llama_cpp_cannot_do(ggufs):
+    for args, needle in ((["--max-tree", "300"], "over the llama.cpp backend's limit of 255"),
+                         (["--quantize", "int8"], "drop --quantize")):  # fmt: skip
+        cmd = [sys.executable, "-m", "draft_node", "--model", str(ggufs["draft"]), "--listen",
+               f"127.0.0.1:{free_port()}", "--backend", "llama.cpp", "--no-profile", *args]  # fmt: skip
+        run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
+
+
+def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    session = LlamaDraftSession(model, PROMPT, max_context=64, max_tree=8)
+    free = len(session.cache.ctx._leaf_free)
+    from common.model import llama_cpp as lc
+
+    def refuse(self, n, at):
+        raise lc.LlamaCppError("llama_decode failed (1)")
+
+    session.cache.extend(PROMPT)  # the prompt's KV, before decoding starts failing
+    monkeypatch.setattr(lc.LlamaContext, "_decode", refuse)
+    with pytest.raises(lc.LlamaCppError):
+        session.cache.expand(np.array([0, 1]), np.array([-1, -1]), np.array([5, 6]), np.array([8, 8]))
+    assert len(session.cache.ctx._leaf_free) == free and (session.cache._seq_of < 0).all()
