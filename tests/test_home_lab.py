@@ -35,6 +35,36 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
     assert (out / "home-lab.png").stat().st_size > 0
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the nodes apart")
+def test_home_lab_on_llama_cpp_runs_both_nodes_and_llama_cpp_itself(tmp_path):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    import shutil
+
+    from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
+
+    target = make_tiny_model(tmp_path / "target", arch="qwen2", layers=3, seed=3)
+    dirs = {}
+    for name, src in (("target", target), ("draft", truncate_layers(target, tmp_path / "draft", keep=1))):
+        dirs[name] = tmp_path / f"{name}-gguf"
+        shutil.copytree(src, dirs[name], ignore=shutil.ignore_patterns("*.safetensors"))
+        write_gguf(src, dirs[name] / "model.gguf", "F32")
+    out = tmp_path / "lab"
+    cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab", "--lab-backend", "llama.cpp",
+           "--draft-model", str(dirs["draft"]), "--target-model", str(dirs["target"]), "--limit", "2",
+           "--max-new-tokens", "12", "--auto-cap", "16", "--settings", "greedy", "--out", str(out)]  # fmt: skip
+    env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
+    assert run.returncode == 0, run.stderr[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    assert {r["contestant"] for r in results["runs"]} == {
+        "target alone", "split, sequential", "split, pipelined", "one process", "llama.cpp itself"
+    }
+    # f16 KV on a random model: llama.cpp itself may part at a near tie; ours agree among themselves
+    assert all(row["same_tokens"] for row in results["summary"] if row["contestant"] != "llama.cpp itself")
+    assert "both GGUF files on llama.cpp" in (out / "report.md").read_text()
+
+
 def test_home_lab_refuses_shared_or_missing_cores(tmp_path):
     cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab", "--draft-cores", "0",
            "--target-cores", "0", "--out", str(tmp_path)]  # fmt: skip

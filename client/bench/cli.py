@@ -217,6 +217,12 @@ def add_bench_parser(sub: Any) -> None:
         help="time the target alone, the sequential and the pipelined split and one process, with the "
         "nodes pinned to --draft-cores and --target-cores (one thread per core), --budget auto",
     )
+    lab.add_argument(
+        "--lab-backend",
+        choices=("torch", "llama.cpp"),
+        default="torch",
+        help="both models' backend in the home lab (llama.cpp: their GGUF files, installed with --format gguf)",
+    )
     lab.add_argument("--draft-cores", type=cores, default=(0,), metavar="N,N,...")
     lab.add_argument("--target-cores", type=cores, default=(1,), metavar="N,N,...")
     lab.add_argument(
@@ -317,6 +323,7 @@ def cmd_home_lab(args: argparse.Namespace) -> int:
         settings=tuple(bench_settings(args)),
         seed=args.seed,
         rtt_ms=args.rtt_ms,
+        backend=args.lab_backend,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

@@ -29,10 +29,12 @@ from client.bench.harness import SETTINGS, encode, free_port, load_prompts, stop
 from client.remote import connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-from common.model.store import resolve_model
+from common.model.llama_cpp import MAX_TREE_LEAVES
+from common.model.store import resolve_gguf, resolve_model
 from common.options import node_command
 
-CONTESTANTS = ("target alone", "split, sequential", "split, pipelined", "one process")
+CONTESTANTS = ("target alone", "split, sequential", "split, pipelined", "one process", "llama.cpp itself")
+LLAMA_ITSELF = CONTESTANTS[-1]  # llama-cpp-python's own generation on the target's cores (llama.cpp lab, greedy)
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,7 @@ class HomeLabConfig:
     settings: tuple[str, ...] = ("greedy",)
     seed: int = 0
     rtt_ms: float = 0.0  # client-target round trip, through client.bench.relay
+    backend: str = "torch"  # both models' backend; llama.cpp runs their GGUF files (--format gguf installs)
     out: Path = field(default_factory=lambda: Path("bench-results/home-lab"))
 
 
@@ -62,6 +65,17 @@ class LabRun:
     setting: str
     tokens: list[int]
     stats: dict[str, Any]
+
+
+def lab_models(config: HomeLabConfig) -> tuple[str, str]:
+    """The draft's and the target's model directories for the lab's backend."""
+    if config.backend == "torch":
+        return str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
+    dirs = [resolve_gguf(name) for name in (config.draft_model, config.target_model)]
+    for name, found in zip((config.draft_model, config.target_model), dirs, strict=True):
+        if found is None:
+            raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
+    return str(dirs[0]), str(dirs[1])
 
 
 def pinned(cmd: list[str], cores: tuple[int, ...]) -> tuple[list[str], dict[str, str]]:
@@ -77,15 +91,18 @@ class Lab:
         self.config = config
         self.procs: list[subprocess.Popen] = []
         self.addrs: dict[str, str] = {}
-        draft, target = str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
+        draft, target = lab_models(config)
+        quantize = config.draft_quantize if config.backend == "torch" else "none"
         nodes = (
             ("target", "target", target, config.target_cores, "none", False),
-            ("draft-seq", "draft", draft, config.draft_cores, config.draft_quantize, False),
-            ("draft-pipe", "draft", draft, config.draft_cores, config.draft_quantize, True),
+            ("draft-seq", "draft", draft, config.draft_cores, quantize, False),
+            ("draft-pipe", "draft", draft, config.draft_cores, quantize, True),
         )
+        max_tree = config.max_budget if config.backend == "torch" else min(config.max_budget, MAX_TREE_LEAVES)
         for name, role, model, cores, quantize, lookahead in nodes:
             port = free_port()
-            cmd = node_command(role, model, port, config.dtype, config.max_budget, [], quantize, lookahead)
+            backend = ["--backend", config.backend]
+            cmd = node_command(role, model, port, config.dtype, max_tree, backend, quantize, lookahead)
             argv, env = pinned(cmd, cores)
             proc = subprocess.Popen(argv, env=env)
             self.procs.append(proc)
@@ -120,11 +137,12 @@ class Lab:
             "split, sequential": lambda ids, s: seq.generate(ids, s),
             "split, pipelined": lambda ids, s: pipe.generate(ids, s),
             "one process": self._in_worker,
+            LLAMA_ITSELF: lambda ids, s: self._in_worker(ids, s, LLAMA_ITSELF),
         }
 
-    def _in_worker(self, ids: list[int], sampling: SamplingParams) -> Completion:
+    def _in_worker(self, ids: list[int], sampling: SamplingParams, who: str = "one process") -> Completion:
         assert self.worker.stdin is not None and self.worker.stdout is not None
-        self.worker.stdin.write(json.dumps({"ids": ids, "sampling": asdict(sampling)}) + "\n")
+        self.worker.stdin.write(json.dumps({"ids": ids, "sampling": asdict(sampling), "who": who}) + "\n")
         self.worker.stdin.flush()
         reply = json.loads(self.worker.stdout.readline())
         return Completion(text="", token_ids=reply["tokens"], finish_reason=reply["finish"], stats=_Stats(reply["stats"]))
@@ -146,21 +164,49 @@ class _Stats:
 def worker_main(config: HomeLabConfig) -> None:
     """The one-process contestant: both models in this (pinned, one-thread) process."""
     torch.set_num_threads(1)
+    draft, target = lab_models(config)
+    llama = config.backend == "llama.cpp"
     gen = SpecExec.local(
-        resolve_model(config.draft_model),
-        resolve_model(config.target_model),
+        draft,
+        target,
         dtype=config.dtype,
-        draft_quantize=config.draft_quantize,
-        tree=TreeParams(budget=config.max_budget),
+        draft_quantize="none" if llama else config.draft_quantize,
+        tree=TreeParams(budget=min(config.max_budget, MAX_TREE_LEAVES) if llama else config.max_budget),
         auto_budget=True,
+        backend=config.backend,
+        draft_backend=config.backend,
     )
+    itself = _llama_itself(target) if llama else None
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         sampling = SamplingParams(**{**request["sampling"], "stop": tuple(request["sampling"]["stop"])})
-        out = collect(gen.stream(request["ids"], sampling))
-        reply = {"tokens": out.token_ids, "finish": out.finish_reason, "stats": out.stats.as_dict()}
+        if request["who"] == LLAMA_ITSELF:
+            assert itself is not None
+            tokens, wall = itself(request["ids"], sampling.max_new_tokens)
+            stats = {"tokens_per_second": len(tokens) / wall, "wall_seconds": wall, "target_steps": len(tokens),
+                     "new_tokens": len(tokens), "draft_seconds": 0.0, "target_seconds": wall, "network_seconds": 0.0}
+            reply = {"tokens": tokens, "finish": "length", "stats": stats}
+        else:
+            out = collect(gen.stream(request["ids"], sampling))
+            reply = {"tokens": out.token_ids, "finish": out.finish_reason, "stats": out.stats.as_dict()}
         print(json.dumps(reply), flush=True)
+
+
+def contestants(config: HomeLabConfig, setting: str) -> tuple[str, ...]:
+    """llama.cpp itself runs in a llama.cpp lab, greedy (its own sampler draws other samples)."""
+    if config.backend == "llama.cpp" and setting == "greedy":
+        return CONTESTANTS
+    return CONTESTANTS[:-1]
+
+
+def _llama_itself(target_dir: str) -> Callable[[list[int], int], tuple[list[int], float]]:
+    from client.bench.llama_cpp import llama_itself as load
+    from common.model.llama_cpp import find_gguf
+
+    gguf = find_gguf(Path(target_dir))
+    assert gguf is not None
+    return load(gguf, 1)
 
 
 def run(config: HomeLabConfig) -> list[LabRun]:
@@ -172,16 +218,17 @@ def run(config: HomeLabConfig) -> list[LabRun]:
         gens = lab.generators()
         tokenizer = connect(None, lab.addrs["target"], mode="autoregressive").tokenizer
         prompts = load_prompts(config.prompts, config.limit, config.categories)
-        total = len(prompts) * len(config.settings) * len(CONTESTANTS)
+        total = len(prompts) * sum(len(contestants(config, s)) for s in config.settings)
         with tqdm(total=total, desc="home lab", unit="run") as bar:
             for i, p in enumerate(prompts):
                 ids = encode(tokenizer, p["prompt"])
                 for setting in config.settings:
                     sampling = SamplingParams(max_new_tokens=config.max_new_tokens, seed=config.seed + i,
                                               **SETTINGS[setting])  # fmt: skip
-                    for warm in gens.values():  # untimed: first-call costs stay out of the figures
-                        warm(ids, SamplingParams(max_new_tokens=4, **SETTINGS[setting]))
-                    for name in CONTESTANTS:
+                    names = contestants(config, setting)
+                    for name in names:  # untimed: first-call costs stay out of the figures
+                        gens[name](ids, SamplingParams(max_new_tokens=4, **SETTINGS[setting]))
+                    for name in names:
                         time.sleep(1.0)  # the last run's lookahead settles before the next run
                         out = gens[name](ids, sampling)
                         runs.append(LabRun(name, i, p["category"], setting, out.token_ids, out.stats.as_dict()))
@@ -234,7 +281,9 @@ def write_report(out: Path, config: HomeLabConfig, runs: list[LabRun], rows: lis
         {"config": asdict(config), "runs": [asdict(r) for r in runs], "summary": rows}, indent=1, default=str))  # fmt: skip
     lines = [
         "# Home lab: draft and target on separate cores, one thread each", "",
-        f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
+        (f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
+         if config.backend == "torch" else
+         f"{config.draft_model} -> {config.target_model}, both GGUF files on llama.cpp, ") +
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens} tokens, "
         f"--budget auto (cap {config.max_budget}), client-target round trip "
         f"{config.rtt_ms:g} ms{' (delaying relay)' if config.rtt_ms else ''}.", "",
@@ -264,8 +313,9 @@ def plot(path: Path, rows: list[dict[str, Any]]) -> None:
 
     cells = sorted({(r["setting"], r["category"]) for r in rows})
     fig, ax = plt.subplots(figsize=(7, 3.5))
-    width = 0.8 / len(CONTESTANTS)
-    for k, name in enumerate(CONTESTANTS):
+    names = [name for name in CONTESTANTS if any(r["contestant"] == name for r in rows)]
+    width = 0.8 / len(names)
+    for k, name in enumerate(names):
         ys = [next((r["vs_target"] for r in rows if (r["setting"], r["category"]) == c and r["contestant"] == name), 0)
               for c in cells]  # fmt: skip
         ax.bar([i + k * width for i in range(len(cells))], ys, width, label=name)

@@ -2,8 +2,9 @@
 own GGUF, and against our torch backend, interleaved prompt by prompt (greedy).
 
 Contestants: llama-cpp-python's own generation on the file; our target alone and `--budget auto`
-SpecExec on each backend (the draft on torch, int8). Also: each backend's forward-time curve (1 to
-256 tree tokens), the llama.cpp target's resident memory against the file's size, and how often
+SpecExec on each backend (the draft on torch, int8), and SpecExec with both models on llama.cpp when
+the draft's GGUF is installed. Also: each backend's forward-time curve (1 to 256 tree tokens) and
+the draft's on each (1 to 64), the llama.cpp target's resident memory against the file's size, and how often
 SpecExec's greedy text leaves its own backend's autoregressive text (llama.cpp's batched kernels
 are not bit-identical to its one-token ones).
 """
@@ -34,6 +35,7 @@ from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
 CURVE_LIMIT = 256
+DRAFT_CURVE_LIMIT = 64  # the draft's passes are expansion batches (DraftEngine.profile_limit)
 LLAMA_ITSELF = "llama.cpp itself"
 
 
@@ -52,7 +54,7 @@ class LlamaBenchConfig:
     out: Path = field(default_factory=lambda: Path("bench-results/llama-cpp"))
 
 
-def _llama_itself(gguf: Path, threads: int) -> Any:
+def llama_itself(gguf: Path, threads: int) -> Any:
     from llama_cpp import Llama
 
     llm = Llama(model_path=str(gguf), n_ctx=4096, n_threads=threads, n_threads_batch=threads, verbose=False)
@@ -106,18 +108,27 @@ def run(config: LlamaBenchConfig) -> dict[str, Any]:
     draft_loaded = load_model(resolve_model(config.draft_model), dtype=draft_dtype(config.dtype, config.draft_quantize),
                               quantize=config.draft_quantize)  # fmt: skip
     draft = DraftEngine(draft_loaded, max_tree=config.auto_cap)
+    draft_gguf = resolve_gguf(config.draft_model)
+    llama_draft = DraftEngine(load_gguf(draft_gguf, threads=config.threads), max_tree=config.auto_cap) if draft_gguf else None
     curves = {
         "llama.cpp": forward_curve(llama_t.loaded.model, CURVE_LIMIT, 1.0),
         f"torch ({config.dtype})": forward_curve(torch_loaded.model, CURVE_LIMIT, 0.5),
     }
     llama_t.forward_curve = tuple(c for c in curves["llama.cpp"] if c[0] <= config.auto_cap + 1)
     torch_t.forward_curve = tuple(c for c in curves[f"torch ({config.dtype})"] if c[0] <= config.auto_cap + 1)
-    draft.profile()
+    draft_curves = {f"draft, torch ({config.draft_quantize})": forward_curve(draft_loaded.model, DRAFT_CURVE_LIMIT, 1.0)}
+    draft.forward_curve = tuple(c for c in draft_curves[f"draft, torch ({config.draft_quantize})"] if c[0] <= config.auto_cap + 1)
+    if llama_draft is not None:
+        draft_curves["draft, llama.cpp"] = forward_curve(llama_draft.loaded.model, DRAFT_CURVE_LIMIT, 1.0)
+        llama_draft.forward_curve = tuple(c for c in draft_curves["draft, llama.cpp"] if c[0] <= config.auto_cap + 1)
     tok = torch_loaded.tokenizer
     contestants = {
-        LLAMA_ITSELF: _llama_itself(gguf, config.threads),
+        LLAMA_ITSELF: llama_itself(gguf, config.threads),
         "ours, llama.cpp, target alone": _ours(SpecExec(llama_t, None, tok, mode="autoregressive")),
         "ours, llama.cpp, specexec auto": _ours(SpecExec(llama_t, draft, tok, tree=tree, auto_budget=True)),
+        **({"ours, llama.cpp, specexec auto, llama.cpp draft": _ours(SpecExec(llama_t, llama_draft, tok, tree=tree,
+                                                                               auto_budget=True))}
+           if llama_draft is not None else {}),
         f"ours, torch {config.dtype}, target alone": _ours(SpecExec(torch_t, None, tok, mode="autoregressive")),
         f"ours, torch {config.dtype}, specexec auto": _ours(SpecExec(torch_t, draft, tok, tree=tree, auto_budget=True)),
     }  # fmt: skip
@@ -133,7 +144,8 @@ def run(config: LlamaBenchConfig) -> dict[str, Any]:
                 runs.append({"contestant": name, "prompt": i, "category": p["category"], "tokens": out[0],
                              "wall": out[1], "steps": out[2] if len(out) > 2 else len(out[0])})  # fmt: skip
                 bar.update()
-    return {"config": asdict(config), "runs": runs, "curves": curves, "gguf_mb": gguf.stat().st_size / 2**20,
+    return {"config": asdict(config), "runs": runs, "curves": curves, "draft_curves": draft_curves,
+            "gguf_mb": gguf.stat().st_size / 2**20,
             "llama_rss_mb": resident_mb(gguf, config.threads),
             "llama_rss_no_repack_mb": resident_mb(gguf, config.threads, repack=False)}  # fmt: skip
 
@@ -145,7 +157,7 @@ def summarize(result: dict[str, Any]) -> list[dict[str, Any]]:
     for category in sorted({r["category"] for r in runs}):
         for name in dict.fromkeys(r["contestant"] for r in runs):
             mine = [r for r in runs if r["contestant"] == name and r["category"] == category]
-            ref_name = name.replace("specexec auto", "target alone")
+            ref_name = name.replace(", llama.cpp draft", "").replace("specexec auto", "target alone")
             ref = {r["prompt"]: r["tokens"] for r in runs if r["contestant"] == ref_name}
             ratios = [(len(r["tokens"]) / r["wall"]) / (len(base[r["prompt"]]["tokens"]) / base[r["prompt"]]["wall"])
                       for r in mine]  # fmt: skip
@@ -180,13 +192,20 @@ def write_report(result: dict[str, Any], out: Path) -> None:
     lines += ["", f"llama.cpp target: peak RSS {rss:.0f} MiB for a {size:.0f} MiB file ({rss / size:.2f}x)"
               + (f", {lean:.0f} MiB ({lean / size:.2f}x) with --no-repack" if lean else "")
               + "; 4096-token context, torch imported.", "",
-              "Forward pass over a tree (ms):", "", "| tokens | " + " | ".join(result["curves"]) + " |",
-              "|---|" + "---|" * len(result["curves"])]  # fmt: skip
-    sizes = [n for n, _ in next(iter(result["curves"].values()))]
-    for i, n in enumerate(sizes):
-        lines.append(f"| {n} | " + " | ".join(f"{c[i][1] * 1e3:.1f}" for c in result["curves"].values()) + " |")
+              "Forward pass over a tree (ms):", ""]  # fmt: skip
+    lines += _curve_table(result["curves"])
+    if result.get("draft_curves"):
+        lines += ["", "The draft's forward pass over an expansion batch (ms):", "", *_curve_table(result["draft_curves"])]
     (out / "report.md").write_text("\n".join(lines) + "\n")
-    plot(result["curves"], out / "forward-curves.png")
+    plot({**result["curves"], **result.get("draft_curves", {})}, out / "forward-curves.png")
+
+
+def _curve_table(curves: dict[str, list[tuple[int, float]]]) -> list[str]:
+    lines = ["| tokens | " + " | ".join(curves) + " |", "|---|" + "---|" * len(curves)]
+    sizes = [n for n, _ in next(iter(curves.values()))]
+    for i, n in enumerate(sizes):
+        lines.append(f"| {n} | " + " | ".join(f"{c[i][1] * 1e3:.1f}" for c in curves.values()) + " |")
+    return lines
 
 
 def plot(curves: dict[str, list[tuple[int, float]]], path: Path) -> None:

@@ -32,10 +32,12 @@ def run_local(args: argparse.Namespace) -> int:
     target_extra = [*extra, "--backend", args.target_backend]
     # llama.cpp (chosen by "auto" for a GGUF) takes at most 255 tree nodes besides the root.
     target_budget = budget if args.target_backend == "torch" else min(budget, MAX_TREE_LEAVES)
+    draft_extra = [*extra, "--backend", args.draft_backend]
+    draft_budget = budget if args.draft_backend == "torch" else min(budget, MAX_TREE_LEAVES)
     commands = [
         node_command("target", args.target_model, args.target_port, args.dtype, target_budget, target_extra),
         node_command(
-            "draft", args.draft_model, args.draft_port, args.dtype, budget, extra, args.draft_quantize
+            "draft", args.draft_model, args.draft_port, args.dtype, draft_budget, draft_extra, args.draft_quantize
         ),
     ]
     nodes = [subprocess.Popen(cmd) for cmd in commands]

@@ -241,6 +241,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the target node's --backend (llama.cpp: the GGUF as it is; see specexec target --help)",
     )
+    lo.add_argument(
+        "--draft-backend",
+        choices=BACKENDS,
+        default="auto",
+        help="the draft node's --backend (llama.cpp: the GGUF as it is; see specexec draft --help)",
+    )
     add_quantize_arg(lo, "--draft-quantize")
     add_compile_args(lo)
     lo.add_argument("--target-port", type=int, default=50051)
