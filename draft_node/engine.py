@@ -1,7 +1,8 @@
 """The draft node's engine: a loaded draft model and its sessions. Services and the in-process client
 both call it; it knows nothing of transport. Sessions build their trees at the same time, each under
 its own lock, and their forwards share passes (common.runtime.batching): with several users the
-draft reads its weights once per expansion for all of them."""
+draft reads its weights once per expansion for all of them. On llama.cpp each session's search has
+a context of its own (draft_node.llama_session), so its passes run one at a time, unshared."""
 
 from __future__ import annotations
 

@@ -36,6 +36,9 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
+# The draft's expansion batches are 16 rows by default: a larger batch runs in pieces of this many
+# rows, and the context's compute buffer holds this many rows' logits instead of 256.
+SEARCH_UBATCH = 64
 
 log = logging.getLogger(__name__)
 
@@ -181,7 +184,9 @@ class LlamaContext:
     several sessions' trees (`run_trees`); a token sees only cells holding its own ids, so the
     sessions stay apart."""
 
-    def __init__(self, model: LlamaCppModel, n_ctx: int, *, lanes: int, max_rows: int) -> None:
+    def __init__(self, model: LlamaCppModel, n_ctx: int, *, lanes: int, max_rows: int, ubatch: int | None = None) -> None:
+        """`ubatch`: rows llama.cpp computes at once, where a pass may be split (the draft's: its
+        nodes never see each other); its compute buffer holds that many rows' logits."""
         lib = model.lib
         if not 1 <= lanes < MAX_SEQUENCES:
             raise ValueError(f"a llama.cpp context holds 1 to {MAX_SEQUENCES - 1} sessions, got {lanes}")
@@ -189,8 +194,10 @@ class LlamaContext:
         self.leaf_ids = min(MAX_SEQUENCES - lanes, max(max_rows - 1, 1))  # ids for trees' leaves
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
-        # A pass is never split in ubatches, and llama.cpp asserts n_batch >= n_seq_max (its output rows).
+        # A tree's pass is never split in ubatches, and llama.cpp asserts n_batch >= n_seq_max (its output rows).
         params.n_batch = params.n_ubatch = max(max_rows, lanes + self.leaf_ids, 64)
+        if ubatch is not None:
+            params.n_ubatch = min(ubatch, params.n_batch)
         params.n_seq_max = lanes + self.leaf_ids
         params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
         if model.n_gpu_layers == 0:
@@ -355,7 +362,7 @@ class SearchContext:
     def __init__(self, model: LlamaCppModel, n_ctx: int, max_nodes: int, max_slots: int) -> None:
         if not 1 <= max_nodes <= MAX_TREE_LEAVES:
             raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
-        self.ctx = LlamaContext(model, n_ctx, lanes=1, max_rows=max_nodes + 1)
+        self.ctx = LlamaContext(model, n_ctx, lanes=1, max_rows=max_nodes + 1, ubatch=SEARCH_UBATCH)
         self.n_ctx = n_ctx
         self.length = 0  # committed tokens with KV (sequence 0)
         self._seq_of = np.full(max_slots, -1, dtype=np.int32)  # [slot]: the node's sequence id, -1 none
