@@ -60,13 +60,20 @@ class LlamaTargetSession(TargetSession):
 
     @staticmethod
     def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
-        """Sessions on one shared context: their trees in one `llama_decode` (each session's pending
-        chain first, on its own); returns each tree's draw."""
+        """Sessions on one shared context: their trees in one `llama_decode`, each session's pending
+        chain (a prompt, the tokens accepted last step) ahead of its tree in the same pass as far as
+        the batch has room, the rest in passes of its own first; returns each tree's draw."""
         sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
+        room = sessions[0].ctx.ctx.n_batch - sum(t.tree.size for _, t in steps)
+        chains = []
         for session in sessions:
-            session.ctx.extend(session.committed[session.ctx.length : -1])
+            pending = session.committed[session.ctx.length : -1]
+            carried = max(min(len(pending), room), 0)
+            session.ctx.extend(pending[: len(pending) - carried])
+            chains.append(pending[len(pending) - carried :])
+            room -= carried
         logits = run_trees([(s.ctx, t.tree.tokens, t.tree.parents, t.structure.ancestors)
-                            for s, t in zip(sessions, (t for _, t in steps), strict=True)])  # fmt: skip
+                            for s, t in zip(sessions, (t for _, t in steps), strict=True)], chains)  # fmt: skip
         return [s._draw_from(t, rows) for s, (_, t), rows in zip(sessions, steps, logits, strict=True)]
 
     def _draw_from(self, ticket: TreeTicket, logits: torch.Tensor) -> Callable[[int], int]:

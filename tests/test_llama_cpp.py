@@ -97,6 +97,42 @@ def test_keep_leaves_the_accepted_path_as_committed_kv(ggufs):
     assert torch.allclose(again[0], chain_logits(model, PROMPT, [10, 21])[-1], atol=1e-2)
 
 
+def test_pending_tokens_in_the_tree_pass_are_as_if_run_first(ggufs):
+    """Committed tokens without KV ride in the tree's own llama_decode (their lane's id and every
+    leaf's): the nodes see them, and they become committed cells, as if extended first."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    parents = synthetic_parents(10, seed=2)
+    tokens = torch.randint(0, 256, (10,), generator=torch.Generator().manual_seed(5))
+    merged, plain = model.new_context(64, 16), model.new_context(64, 16)
+    for ctx in (merged, plain):
+        ctx.extend(PROMPT[:3])
+    plain.extend(PROMPT[3:])
+    got = run_trees([(merged, tokens, parents, None)], [PROMPT[3:]])[0]
+    torch.testing.assert_close(got, plain.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+    assert merged.length == plain.length == len(PROMPT)
+    for ctx in (merged, plain):
+        ctx.keep([0, 1])
+    after = [ctx.tree(torch.tensor([3, 4]), torch.tensor([-1, 0])) for ctx in (merged, plain)]
+    torch.testing.assert_close(after[0], after[1], rtol=1e-4, atol=1e-4)
+
+
+def test_a_prompt_longer_than_a_pass_gives_the_one_token_loops_tokens(ggufs):
+    """A prompt over the shared pass's rows: its head runs first, its tail in the first tree's pass."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    prompt = [(i * 37) % 250 for i in range(300)]
+    ctx = model.new_context(400, 4)
+    ctx.extend(prompt[:-1])
+    last, expected = prompt[-1], []
+    for _ in range(12):  # the plain loop: one token a pass
+        last = int(ctx.tree(torch.tensor([last]), torch.tensor([-1]))[0].argmax())
+        ctx.keep([0])
+        expected.append(last)
+    sampling = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), tree=TreeParams(budget=16), kv_type="f32")
+    assert gen.target.shared is not None and gen.target.shared.n_batch < len(prompt)
+    assert gen.generate(prompt, sampling).token_ids == expected
+
+
 def test_too_many_leaves_or_nodes_are_refused_clearly(ggufs):
     model = LlamaCppModel(ggufs["F32"] / "model.gguf", threads=1)
     ctx = model.new_context(64, 8)

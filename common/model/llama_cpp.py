@@ -106,8 +106,8 @@ class LlamaCppModel:
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None,
                  kv_type: str = "f16", repack: bool = True, quiet: bool = True) -> None:  # fmt: skip
         """`repack`: llama.cpp's CPU repacking of quantized weights (its "extra buffer types"): on the
-        2-core AVX2 CPU a 16-token pass took 0.78x the time, for about 0.6x the file in more RSS
-        (the file's mapped pages stay resident beside the repacked copy until the kernel needs them)."""
+        2-core AVX2 CPU a 16-token pass took 0.78x the time. The file is then read into memory
+        rather than mapped, so its pages do not stay resident beside the repacked copy."""
         lib = _init_backend(quiet)
         self.lib = lib
         self.path = Path(path)
@@ -123,6 +123,11 @@ class LlamaCppModel:
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
+        if repack and not n_gpu_layers:
+            # Repacked weights are copies: a mapped file's pages, all read to repack them, stayed
+            # resident beside them (RSS 2.06 GiB for the 1.04 GiB 1.5B file against 1.44 GiB read
+            # into memory, at the same pass time).
+            params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
@@ -219,7 +224,7 @@ class LlamaContext:
         self._leaf_free = list(range(lanes + self.leaf_ids - 1, lanes - 1, -1))  # ids no tree holds
         # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
         # pointers point at, so a pass's ids are filled without a loop.
-        n, s = self.n_batch, self.leaf_ids
+        n, s = self.n_batch, self.leaf_ids + 1  # a pending token holds its lane's id and its tree's leaves'
         self._token = np.zeros(n, dtype=np.int32)
         self._pos = np.zeros(n, dtype=np.int32)
         self._n_seq = np.zeros(n, dtype=np.int32)
@@ -476,23 +481,26 @@ class SearchContext:
 TreeInput = tuple[TreeContext, Tensor, Tensor, Tensor | None]  # lane, tokens [n], parents [n], ancestors
 
 
-def run_trees(trees: list[TreeInput]) -> list[Tensor]:
+def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) -> list[Tensor]:
     """Several lanes' trees in one `llama_decode` on the context they share; each tree's logits
     [n, vocab]. A node's ids are those of the leaves beneath it, numbered across the pass, and each
     leaf id first joins its lane's committed cells, so every node sees its own prefix and ancestors
-    and nothing of the other trees or lanes."""
+    and nothing of the other trees or lanes. `pending[i]`: committed tokens of lane i without KV yet
+    (the root excluded), run in the same pass ahead of its tree: they carry the lane's id and all
+    its leaves', so the tree sees them and they join the committed cells, with no pass of their own."""
     ctx = trees[0][0].ctx
     if any(lane.ctx is not ctx for lane, *_ in trees):
         raise ValueError("trees in one pass must share a llama.cpp context")
+    chains = pending or [[] for _ in trees]
     layouts = []
     rows = leaf_count = 0
-    for lane, tokens, parents, ancestors in trees:
+    for (lane, tokens, parents, ancestors), chain in zip(trees, chains, strict=True):
         if lane.seq < 0:
             raise ValueError("this session's llama.cpp context is closed")
-        n = tokens.numel()
+        n, k = tokens.numel(), len(chain)
         if n > lane.max_nodes:
             raise ValueError(f"tree has {n} nodes, over this context's limit of {lane.max_nodes}")
-        if lane.length + n > lane.n_ctx:
+        if lane.length + k + n > lane.n_ctx:
             raise ValueError(f"sequence would exceed the context of {lane.n_ctx} tokens")
         if ancestors is None:
             from common.decoding.tree import TreeStructure
@@ -504,26 +512,34 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
             raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
         if lane._leaves.size:
             raise ValueError("the lane's last tree was neither kept nor dropped")
-        layouts.append((lane, tokens, anc, leaves, rows))
-        rows, leaf_count = rows + n, leaf_count + leaves.size
+        layouts.append((lane, tokens, anc, leaves, chain, rows))
+        rows, leaf_count = rows + k + n, leaf_count + leaves.size
     with ctx.lock:
         if rows > ctx.n_batch or leaf_count > len(ctx._leaf_free):
             raise ValueError(
-                f"a pass of {rows} tree tokens and {leaf_count} leaves is over this context's "
+                f"a pass of {rows} tokens and {leaf_count} leaves is over this context's "
                 f"{ctx.n_batch} tokens and {len(ctx._leaf_free)} free leaf ids"
             )
-        for lane, tokens, anc, leaves, at in layouts:
-            n, take = tokens.numel(), len(ctx._leaf_free) - leaves.size
+        for lane, tokens, anc, leaves, chain, at in layouts:
+            n, k, take = tokens.numel(), len(chain), len(ctx._leaf_free) - leaves.size
             ids = np.array(ctx._leaf_free[take:], dtype=np.int32)
             del ctx._leaf_free[take:]
             for leaf in ids.tolist():  # the committed cells join every leaf's sequence
                 ctx.lib.llama_memory_seq_cp(ctx._mem, lane.seq, leaf, -1, -1)
+            if k:  # the pending chain: its lane's id first, then every leaf's
+                ctx._token[at : at + k] = chain
+                ctx._pos[at : at + k] = np.arange(lane.length, lane.length + k)
+                ctx._seq[at : at + k, 0] = lane.seq
+                ctx._seq[at : at + k, 1 : 1 + leaves.size] = ids
+                ctx._n_seq[at : at + k] = 1 + leaves.size
+                ctx._logits[at : at + k] = 0
+                at += k
             below = anc[leaves].T  # [n, L]: node j holds leaf i's id when j is on leaf i's path
             order = np.argsort(~below, axis=1, kind="stable")  # each row: its leaves' columns first
             ctx._seq[at : at + n, : leaves.size] = ids[order]
             ctx._n_seq[at : at + n] = below.sum(1)
             ctx._token[at : at + n] = tokens.numpy()
-            ctx._pos[at : at + n] = lane.length + anc.sum(1) - 1
+            ctx._pos[at : at + n] = lane.length + k + anc.sum(1) - 1
             ctx._logits[at : at + n] = 1
             lane._leaves, lane._first = ids, ctx._seq[at : at + n, 0].copy()
         try:
@@ -532,8 +548,11 @@ def run_trees(trees: list[TreeInput]) -> list[Tensor]:
             for lane, *_ in trees:
                 lane.drop_tree()
             raise
-        logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(rows, ctx.vocab))
-        out = torch.from_numpy(logits.copy())  # [rows, vocab]
+        for (lane, *_), chain in zip(trees, chains, strict=True):
+            lane.length += len(chain)
+        outputs = sum(t.numel() for _, t, *_ in trees)
+        logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(outputs, ctx.vocab))
+        out = torch.from_numpy(logits.copy())  # [outputs, vocab]
     return list(out.split([t.numel() for _, t, *_ in trees]))
 
 
