@@ -212,3 +212,31 @@ def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
     with pytest.raises(lc.LlamaCppError):
         session.cache.expand(np.array([0, 1]), np.array([-1, -1]), np.array([5, 6]), np.array([8, 8]))
     assert len(session.cache.ctx._leaf_free) == free and (session.cache._seq_of < 0).all()
+
+
+def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs):
+    """A llama.cpp draft node's sessions build trees from several threads at once (each its own
+    context, the passes one at a time, lookahead on): each tree is the one it gets alone."""
+    from common.model.llama_cpp import load_gguf
+    from draft_node.engine import DraftEngine
+    from tests.test_batching import at_once
+
+    loaded = load_gguf(ggufs["draft"], kv_type="f32")
+    params = TreeParams(budget=12, max_branch=3, expand_batch=4)
+    prompts_ = [PROMPT, PROMPT[::-1], [5, 9, 13, 17, 21]]
+
+    def run(engine: DraftEngine, sid: str, prompt: list[int]) -> list[tuple[list[int], list[int]]]:
+        trees = []
+        for step in range(3):
+            tree = engine.build_tree(sid, [] if step == 0 else [prompt[step]], params).tree
+            trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return trees
+
+    alone = []
+    for prompt in prompts_:
+        engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
+        alone.append(run(engine, engine.open_session(prompt), prompt))
+    engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
+    sids = [engine.open_session(p) for p in prompts_]
+    together = at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)])
+    assert together == alone
