@@ -162,6 +162,7 @@ class SpecExec:
         n_gpu_layers: int = 0,
         kv_type: str = "f16",
         draft_backend: str = "auto",
+        max_sessions: int = 8,
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
@@ -172,7 +173,8 @@ class SpecExec:
         (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
         target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
         GPU; `draft_backend` does the same for the draft (on the CPU; its trees then stay within 255
-        nodes)."""
+        nodes). `max_sessions`: generations at once; a llama.cpp target allocates the KV cache of
+        that many sessions up front so that their trees share passes (1: one context, one user)."""
         plain = offload is None and compile_buckets is None and device == "cpu"
         if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
             if not plain:
@@ -183,7 +185,7 @@ class SpecExec:
             target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         max_tree = max(1, (tree or TreeParams()).budget)
         target_tree = max_tree if isinstance(target_loaded.model, torch.nn.Module) else min(max_tree, MAX_TREE_LEAVES)
-        target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree)
+        target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree, max_sessions=max_sessions)
         draft = draft_loaded = None
         if draft_model is not None and mode != "autoregressive":
             draft_plain = plain and draft_quantize == "none"
@@ -201,7 +203,7 @@ class SpecExec:
                     quantize=draft_quantize,
                 )
                 draft_tree = max_tree
-            draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=draft_tree)
+            draft = DraftEngine(draft_loaded, max_context=max_context, max_tree=draft_tree, max_sessions=max_sessions)
         if compile_buckets is not None:
             compile_model(target_loaded.model, compile_buckets)  # type: ignore[arg-type]
             if draft_loaded is not None:

@@ -375,3 +375,18 @@ def test_trees_that_do_not_fit_one_llama_pass_go_in_several(ggufs, monkeypatch):
     monkeypatch.setattr(backend, "MAX_SHARED_ROWS", 20)  # 64 rows (llama.cpp's least) and 19 leaf ids a pass
     got = together_equals_alone(ggufs, 5, seed=12, size=lambda i: 1 + 4 * i)
     assert 1 < max(r.pass_sessions for r in got) < 5
+
+
+def test_one_shot_cli_runs_allocate_one_sessions_kv(ggufs):
+    """`generate`/`chat`/`profile` in process run one generation at a time: a llama.cpp target
+    then has one context of its own, not the KV cache of 8 sessions (1.63 against 2.53 GiB peak RSS
+    for the 1.5B GGUF)."""
+    from client.cli.args import generator_from
+    from client.cli.main import build_parser
+
+    args = build_parser().parse_args(
+        ["generate", "--target-model", str(ggufs["F32"]), "--mode", "autoregressive", "--prompt", "x"]
+    )
+    gen = generator_from(args)
+    assert gen.target.shared is None and gen.target.sessions.max_sessions == 1
+    assert SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive").target.shared is not None

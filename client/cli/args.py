@@ -160,6 +160,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             draft_backend=args.draft_backend,
             n_gpu_layers=args.n_gpu_layers,
             kv_type=args.kv_type,
+            max_sessions=1,  # generate, chat and profile run one generation at a time
         )
     return connect(
         args.draft,
