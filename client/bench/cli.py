@@ -240,6 +240,12 @@ def add_bench_parser(sub: Any) -> None:
         "endpoint, the target batching their trees against one session per pass; chat prompts, float32",
     )
     lab.add_argument("--clients", type=positive_int, nargs="+", default=[1, 2, 4, 8], metavar="N")
+    lab.add_argument(
+        "--load-target-backend",
+        choices=("torch", "llama.cpp"),
+        default="torch",
+        help="--load: the target node's backend (llama.cpp: its GGUF, installed with --format gguf)",
+    )
     b.set_defaults(func=cmd_bench)
 
 
@@ -304,6 +310,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         target_cores=args.target_cores,
         clients=tuple(sorted(set(args.clients))),
         max_budget=args.auto_cap or 64,
+        target_backend=args.load_target_backend,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

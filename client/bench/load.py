@@ -34,7 +34,7 @@ from tqdm import tqdm
 from client.bench.harness import free_port, load_prompts, stop_processes
 from client.bench.home_lab import pinned
 from client.remote import wait_until_serving
-from common.model.store import resolve_model
+from common.model.store import resolve_gguf, resolve_model
 from common.options import node_command
 
 CONTESTANTS = ("batched", "one session per pass")
@@ -53,6 +53,7 @@ class LoadConfig:
     categories: tuple[str, ...] | None = ("chat",)
     max_new_tokens: int = 64
     max_budget: int = 64  # --budget auto's cap, and the nodes' --max-tree
+    target_backend: str = "torch"  # llama.cpp: the target's GGUF (installed with --format gguf)
     out: Path = field(default_factory=lambda: Path("bench-results/load"))
 
 
@@ -73,14 +74,15 @@ class LoadLab:
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
         self.procs: list[subprocess.Popen] = []
-        draft, target = str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
+        draft, target = str(resolve_model(config.draft_model)), self._target_dir()
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
+        backend = ["--backend", config.target_backend]
         self.metrics: dict[str, dict[str, str]] = {}  # contestant -> role -> metrics URL
         self.urls: dict[str, str] = {}
         for name, extra in (("batched", []), ("one session per pass", ["--max-batch-tokens", "1"])):
             port, metrics = free_port(), free_port()
             cmd = node_command("target", target, port, config.dtype, config.max_budget,
-                               [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
+                               [*sessions, *extra, *backend, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
             target_addr = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
             self.metrics[name] = {"target": f"http://127.0.0.1:{metrics}/metrics"}
             port, metrics = free_port(), free_port()
@@ -96,6 +98,15 @@ class LoadLab:
             self.procs.append(subprocess.Popen(argv, env=env))
             self.urls[name] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[name] + "/health", self.procs[-1])
+
+    def _target_dir(self) -> str:
+        if self.config.target_backend == "torch":
+            return str(resolve_model(self.config.target_model))
+        found = resolve_gguf(self.config.target_model)
+        if found is None:
+            name = self.config.target_model
+            raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
+        return str(found)
 
     def _start(self, cmd: list[str], cores: tuple[int, ...], address: str) -> str:
         argv, env = pinned(cmd, cores)
@@ -244,7 +255,8 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         {"config": asdict(config), "runs": [asdict(r) for r in runs], "summary": rows}, indent=1, default=str))  # fmt: skip
     lines = [
         "# Many users on one target: concurrent streaming clients through the OpenAI endpoint", "",
-        f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
+        f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} "
+        f"({config.dtype if config.target_backend == 'torch' else 'its GGUF on llama.cpp'}), "
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
         "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone (p50) "
