@@ -13,6 +13,9 @@ A tree goes through one `llama_decode` with sequence ids (checked against llama.
 Several sessions' trees go through one `llama_decode` this way (`run_trees`) when they are lanes of
 one context (`LlamaContext`), their leaves numbered across the pass.
 
+The draft's best-first search (`SearchContext`) numbers ids by expanded node instead: each holds
+its path's cells, a copy of its parent's sequence plus its own cell.
+
 llama.cpp allows 256 sequences (LLAMA_MAX_SEQ): one per lane, one per leaf of the trees in a pass.
 A session alone may have trees of 255 leaves; sessions that share passes, 256 minus their number
 (`tree_limit`). A tree of at most that many nodes besides the root never has more leaves.
