@@ -70,15 +70,9 @@ class LlamaDraftSession(DraftSession):
     def drop(self, slots: Tensor) -> None:
         self.cache.drop(slots.numpy())  # type: ignore[attr-defined]
 
-    def _salvage(self, tokens: list[int]) -> None:
-        """The accepted path's leading expanded nodes join the committed tokens; the rest is dropped."""
-        last = self._last
-        assert last is not None
-        path = torch.tensor(last.tree.walk(tokens)[1:], dtype=torch.long)
-        unexpanded = (~last.expanded[path]).nonzero()
-        if unexpanded.numel():
-            path = path[: int(unexpanded[0])]
+    def _keep_salvaged(self, slots: Tensor) -> None:
+        """The path's cells join the committed tokens; the rest of the last tree is dropped."""
         cache: SearchContext = self.cache  # type: ignore[assignment]
-        if path.numel():
-            cache.keep_path(int(last.slots[path[-1]]), path.numel())
+        if slots.numel():
+            cache.keep_path(int(slots[-1]), slots.numel())
         cache.reset()

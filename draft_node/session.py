@@ -169,16 +169,21 @@ class DraftSession:
         """A slot's stale KV is overwritten by the next node placed there."""
 
     def _salvage(self, tokens: list[int]) -> None:
+        """The accepted path's leading expanded nodes keep their KV as committed tokens'."""
         last = self._last
         assert last is not None
         path = torch.tensor(last.tree.walk(tokens)[1:], dtype=torch.long)
         unexpanded = (~last.expanded[path]).nonzero()
         if unexpanded.numel():
             path = path[: int(unexpanded[0])]
-        if path.numel():
+        self._keep_salvaged(last.slots[path])
+
+    def _keep_salvaged(self, slots: Tensor) -> None:
+        """Tree KV slots of a path from the root's child down: moved onto the committed positions."""
+        if slots.numel():
             base = self.cache.length
-            self.cache.move(base + last.slots[path], torch.arange(base, base + path.numel()))
-            self.cache.length = base + path.numel()
+            self.cache.move(base + slots, torch.arange(base, base + slots.numel()))
+            self.cache.length = base + slots.numel()
 
 
 def forward_logprobs(model: Transformer, requests: list[tuple[Segment, Tensor]]) -> list[Tensor]:
