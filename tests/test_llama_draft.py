@@ -235,8 +235,12 @@ def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs):
     alone = []
     for prompt in prompts_:
         engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
-        alone.append(run(engine, engine.open_session(prompt), prompt))
+        sid = engine.open_session(prompt)
+        alone.append(run(engine, sid, prompt))
+        engine.close_session(sid)  # the lookahead thread lets go of it, and of its context
     engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
     sids = [engine.open_session(p) for p in prompts_]
     together = at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)])
+    for sid in sids:
+        engine.close_session(sid)
     assert together == alone
