@@ -39,16 +39,13 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the nodes apart")
 def test_home_lab_on_llama_cpp_runs_both_nodes_and_llama_cpp_itself(tmp_path):
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
-    import shutil
 
-    from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
+    from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
     target = make_tiny_model(tmp_path / "target", arch="qwen2", layers=3, seed=3)
     dirs = {}
     for name, src in (("target", target), ("draft", truncate_layers(target, tmp_path / "draft", keep=1))):
-        dirs[name] = tmp_path / f"{name}-gguf"
-        shutil.copytree(src, dirs[name], ignore=shutil.ignore_patterns("*.safetensors"))
-        write_gguf(src, dirs[name] / "model.gguf", "F32")
+        dirs[name] = gguf_model_dir(src, tmp_path / f"{name}-gguf")
     out = tmp_path / "lab"
     cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab", "--lab-backend", "llama.cpp",
            "--draft-model", str(dirs["draft"]), "--target-model", str(dirs["target"]), "--limit", "2",

@@ -5,7 +5,6 @@ same backend's autoregressive output, in process and through a real target node.
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.model.profiling import synthetic_parents
 from tests.helpers import Proc, free_port
-from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
+from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
 
@@ -40,10 +39,7 @@ def ggufs(tmp_path_factory) -> dict[str, Path]:
     target = make_tiny_model(root / "target", arch="qwen2", layers=4, seed=3)
     dirs = {"hf": target, "draft": truncate_layers(target, root / "draft", keep=1)}
     for qtype in ("F32", "Q8_0"):
-        out = root / f"target-{qtype.lower()}"
-        shutil.copytree(target, out, ignore=shutil.ignore_patterns("*.safetensors"))
-        write_gguf(target, out / "model.gguf", qtype)
-        dirs[qtype] = out
+        dirs[qtype] = gguf_model_dir(target, root / f"target-{qtype.lower()}", qtype)
     return dirs
 
 

@@ -6,7 +6,6 @@ real draft node with its lookahead on."""
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from tests.helpers import Proc, free_port
-from tests.tiny_models import make_tiny_model, truncate_layers, write_gguf
+from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
 
@@ -39,10 +38,7 @@ def ggufs(tmp_path_factory) -> dict[str, Path]:
     target = make_tiny_model(root / "target", arch="qwen2", layers=3, seed=3)
     dirs = {"target-hf": target, "draft-hf": truncate_layers(target, root / "draft", keep=1)}
     for name in ("target", "draft"):
-        out = root / f"{name}-f32"
-        shutil.copytree(dirs[f"{name}-hf"], out, ignore=shutil.ignore_patterns("*.safetensors"))
-        write_gguf(dirs[f"{name}-hf"], out / "model.gguf", "F32")
-        dirs[name] = out
+        dirs[name] = gguf_model_dir(dirs[f"{name}-hf"], root / f"{name}-f32")
     return dirs
 
 

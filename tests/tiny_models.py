@@ -155,3 +155,14 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     writer.write_tensors_to_file()
     writer.close()
     return out
+
+
+def gguf_model_dir(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
+    """A llama.cpp model directory: the tokenizer and config files of `model_dir` beside its
+    weights written as one GGUF (`write_gguf`), no safetensors."""
+    import shutil
+
+    out = Path(out)
+    shutil.copytree(model_dir, out, ignore=shutil.ignore_patterns("*.safetensors"))
+    write_gguf(model_dir, out / "model.gguf", qtype)
+    return out

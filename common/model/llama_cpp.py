@@ -257,6 +257,30 @@ class LlamaContext:
                 self.lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 self._free.append(seq)
 
+    def chain(self, tokens: list[int], seq: int, at: int, *, last_logits: bool = False) -> Tensor | None:
+        """Run `tokens` as a causal chain onto sequence `seq` from position `at`, in batch-size
+        pieces; with `last_logits`, the last token's logits [vocab]. All or nothing: a failed piece
+        takes the pieces before it back out."""
+        with self.lock:
+            for start in range(0, len(tokens), self.n_batch):
+                piece = tokens[start : start + self.n_batch]
+                k, pos = len(piece), at + start
+                self._token[:k] = piece
+                self._pos[:k] = np.arange(pos, pos + k)
+                self._n_seq[:k] = 1
+                self._seq[:k, 0] = seq
+                self._logits[:k] = 0
+                self._logits[k - 1] = last_logits
+                try:
+                    self._decode(k, pos)
+                except LlamaCppError:
+                    self.lib.llama_memory_seq_rm(self._mem, seq, at, -1)
+                    raise
+            if not last_logits:
+                return None
+            row = self.lib.llama_get_logits_ith(self._ctx, -1)
+            return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.vocab,)).copy())
+
     def _decode(self, n: int, at: int) -> None:
         self._batch.n_tokens = n
         rc = self.lib.llama_decode(self._ctx, self._batch)
@@ -292,18 +316,8 @@ class TreeContext:
             raise ValueError("this session's llama.cpp context is closed")
         if self.length + len(tokens) > self.n_ctx:
             raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        c = self.ctx
-        with c.lock:
-            for start in range(0, len(tokens), c.n_batch):
-                piece = tokens[start : start + c.n_batch]
-                k = len(piece)
-                c._token[:k] = piece
-                c._pos[:k] = np.arange(self.length, self.length + k)
-                c._n_seq[:k] = 1
-                c._seq[:k, 0] = self.seq
-                c._logits[:k] = 0
-                c._decode(k, self.length)
-                self.length += k
+        self.ctx.chain(tokens, self.seq, self.length)
+        self.length += len(tokens)
 
     def tree(self, tokens: Tensor, parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """Every node's logits for a tree rooted right after the committed tokens.
@@ -381,21 +395,10 @@ class SearchContext:
             raise ValueError("nothing to run")
         if self.length + len(tokens) > self.n_ctx:
             raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        c = self.ctx
-        with c.lock:
-            for start in range(0, len(tokens), c.n_batch):
-                piece = tokens[start : start + c.n_batch]
-                k = len(piece)
-                c._token[:k] = piece
-                c._pos[:k] = np.arange(self.length, self.length + k)
-                c._n_seq[:k] = 1
-                c._seq[:k, 0] = 0
-                c._logits[:k] = 0
-                c._logits[k - 1] = 1
-                c._decode(k, self.length)
-                self.length += k
-            row = c.lib.llama_get_logits_ith(c._ctx, -1)
-            return torch.from_numpy(np.ctypeslib.as_array(row, shape=(c.vocab,)).copy())
+        logits = self.ctx.chain(tokens, 0, self.length, last_logits=True)
+        self.length += len(tokens)
+        assert logits is not None
+        return logits
 
     def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> Tensor:
         """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
