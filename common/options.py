@@ -282,6 +282,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         lookahead=getattr(args, "lookahead", False),
         batch_window_ms=args.batch_window_ms,
         max_batch_tokens=args.max_batch_tokens,
+        kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

@@ -15,13 +15,14 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loading import LoadedModel
-from common.ops.metrics import observe_verify_pass
+from common.ops.metrics import observe_preemptions, observe_verify_pass
 from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
 from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
+DEFAULT_KV_SESSIONS = 2  # a llama.cpp target's KV pool, in sessions' worth of cells
 
 
 @dataclass(eq=False)
@@ -66,24 +67,31 @@ class TargetEngine(NodeEngine[TargetSession]):
         all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
+        kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
         call (see target_node.session); `batch_window` (seconds) and `max_batch_tokens` shape the
-        passes shared by sessions (common.runtime.batching); `limits` are NodeEngine's."""
+        passes shared by sessions (common.runtime.batching); `kv_cache_tokens`: the KV cells a
+        llama.cpp target's sessions share; `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
         )
         self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
+        self._evictions = 0  # its lanes' KV taken so far, as reported to the metrics
+        if kv_cache_tokens is not None and isinstance(loaded.model, torch.nn.Module):
+            raise ValueError("--kv-cache-tokens is for the llama.cpp backend (torch sessions each allocate their own)")
         if not isinstance(loaded.model, torch.nn.Module):
-            self.shared = self._llama_context(max_batch_tokens)
+            self.shared = self._llama_context(max_batch_tokens, kv_cache_tokens)
 
-    def _llama_context(self, max_batch_tokens: int) -> Any:
+    def _llama_context(self, max_batch_tokens: int, kv_cache_tokens: int | None) -> Any:
         """llama.cpp sessions share passes when they share one context, whose KV cache is allocated
-        now, for every session, and whose 256 sequence ids go one per session and one per leaf of
-        the trees in a pass. Trees too large to leave ids for every session get contexts of their own."""
+        now, a pool of `kv_cache_tokens` cells for all sessions (default: two sessions' worth; as in
+        llama-server, where parallel slots share one unified cache), and whose 256 sequence ids go one
+        per session and one per leaf of the trees in a pass. Trees too large to leave ids for every
+        session get contexts of their own."""
         from common.model.llama_cpp import MAX_SEQUENCES, MAX_SHARED_ROWS, MAX_TREE_LEAVES
 
         if self.max_tree > MAX_TREE_LEAVES:
@@ -100,7 +108,12 @@ class TargetEngine(NodeEngine[TargetSession]):
                         self.max_tree, lanes, MAX_SEQUENCES - lanes)  # fmt: skip
             return None
         rows = min(max_batch_tokens, lanes * (self.max_tree + 1), MAX_SHARED_ROWS)
-        return self.loaded.model.shared_context(lanes, self.max_context + self.max_tree + 1, self.max_tree, rows)
+        lane = self.max_context + self.max_tree + 1
+        cells = min(lanes, DEFAULT_KV_SESSIONS) * lane if kv_cache_tokens is None else kv_cache_tokens
+        if cells < lane:
+            raise ValueError(f"--kv-cache-tokens {cells} cannot hold one session's {lane} tokens "
+                             f"(--max-context + --max-tree + 1); give it at least {lane}")  # fmt: skip
+        return self.loaded.model.shared_context(lanes, lane, self.max_tree, rows, cells)
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)
@@ -161,6 +174,9 @@ class TargetEngine(NodeEngine[TargetSession]):
                 steps.append((job, ticket))
         for group in self._passes(steps):
             self._run_group(group)
+        if self.shared is not None and self.shared.evictions > self._evictions:
+            observe_preemptions(self.shared.evictions - self._evictions)
+            self._evictions = self.shared.evictions
 
     def _run_group(self, group: list[tuple[VerifyJob, TreeTicket]]) -> None:
         """One pass for the group's trees, each walked right after; if the shared pass fails, each

@@ -64,7 +64,10 @@ class LlamaTargetSession(TargetSession):
         chain (a prompt, the tokens accepted last step) ahead of its tree in the same pass as far as
         the batch has room, the rest in passes of its own first; returns each tree's draw."""
         sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
-        room = sessions[0].ctx.ctx.n_batch - sum(t.tree.size for _, t in steps)
+        ctx = sessions[0].ctx.ctx
+        ctx.make_room(sum(s._cells_needed(t) - s.ctx.length for s, t in zip(sessions, (t for _, t in steps), strict=True)),
+                      [s.ctx for s in sessions])  # fmt: skip
+        room = ctx.n_batch - sum(t.tree.size for _, t in steps)
         chains = []
         for session in sessions:
             pending = session.committed[session.ctx.length : -1]
@@ -94,7 +97,12 @@ class LlamaTargetSession(TargetSession):
             return not steps
         trees = [t.tree for _, t in steps] + [ticket.tree]
         leaves = sum(tree_leaves(t.parents).size for t in trees)
-        return sum(t.size for t in trees) <= ctx.n_batch and leaves <= ctx.leaf_ids
+        cells = sum(s._cells_needed(t) for s, t in steps) + self._cells_needed(ticket)  # type: ignore[attr-defined]
+        return sum(t.size for t in trees) <= ctx.n_batch and leaves <= ctx.leaf_ids and cells <= ctx.n_ctx
+
+    def _cells_needed(self, ticket: TreeTicket) -> int:
+        """KV cells this session holds during its pass: its committed tokens but the root, and the tree."""
+        return len(self.committed) - 1 + ticket.tree.size
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
         self.ctx.keep(path)

@@ -16,7 +16,7 @@ ROLE = NodeRole(
     TargetServicer,
     pb_grpc.add_TargetServiceServicer_to_server,
     "specexec.v1.TargetService",
-    engine_options=lambda config: config.batching(),
+    engine_options=lambda config: {"kv_cache_tokens": config.kv_cache_tokens, **config.batching()},
 )
 
 
@@ -24,6 +24,15 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
     add_node_args(parser, default_port=50051)
     add_offload_args(parser)
+    parser.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="llama.cpp backend: KV cells the sessions share; when they are full, the least recently used "
+        "session outside the pass gives its cells up and recomputes them at its next step (default: two "
+        "sessions' worth, 2 x (--max-context + --max-tree + 1))",
+    )
     return parser
 
 

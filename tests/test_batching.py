@@ -370,3 +370,8 @@ def test_bad_batching_flags_are_refused_before_loading(role, flag, value, needle
     run = subprocess.run([sys.executable, "-m", f"{role}_node", "--model", "no-such-model", flag, value],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
+
+
+def test_a_shared_kv_pool_is_refused_on_torch(loaded):
+    with pytest.raises(ValueError, match="--kv-cache-tokens is for the llama"):
+        TargetEngine(loaded["target"], max_context=64, max_tree=8, kv_cache_tokens=1000)

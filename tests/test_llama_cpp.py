@@ -245,6 +245,7 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
     [
         (["--max-tree", "300"], "over the llama.cpp backend's limit of 255"),
         (["--offload"], "drop --offload"),
+        (["--kv-cache-tokens", "1000"], "--kv-cache-tokens 1000 cannot hold one session's"),
     ],
 )
 def test_target_node_refuses_what_llama_cpp_cannot_do(ggufs, args, needle):
@@ -257,7 +258,7 @@ def test_target_node_refuses_what_llama_cpp_cannot_do(ggufs, args, needle):
 def llama_engine(loaded: Any, **kwargs: Any) -> Any:
     from target_node.engine import TargetEngine
 
-    return TargetEngine(loaded, max_context=64, max_tree=24, max_sessions=6, **kwargs)
+    return TargetEngine(loaded, **{"max_context": 64, "max_tree": 24, "max_sessions": 6, **kwargs})
 
 
 def test_lanes_of_one_context_see_only_their_own_cells(ggufs):
@@ -386,3 +387,55 @@ def test_one_shot_cli_runs_allocate_one_sessions_kv(ggufs):
     gen = generator_from(args)
     assert gen.target.shared is None and gen.target.sessions.max_sessions == 1
     assert SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive").target.shared is not None
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_full_kv_pool_recomputes_the_least_recent_session(ggufs, setting):
+    """Three sessions on a pool of one session's cells (100 + 16 + 1): each step that lacks room takes
+    the KV of the session used least recently, which runs its history again at its next step; every
+    step (a new chat turn among them) equals a target whose sessions have contexts of their own."""
+    from tests.test_batching import at_once, random_tree
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    vocab, sampling = loaded.model.cfg.vocab_size, SamplingParams(max_new_tokens=8, **SETTINGS[setting])
+    gen = torch.Generator().manual_seed(21)
+    ps = [torch.randint(0, vocab, (40,), generator=gen).tolist() for _ in range(3)]
+    limits = {"max_context": 100, "max_tree": 16}
+    engines = {"alone": llama_engine(loaded, max_batch_tokens=1, **limits),
+               "pooled": llama_engine(loaded, kv_cache_tokens=117, **limits)}  # fmt: skip
+    pool = engines["pooled"].shared
+    assert pool is not None and pool.n_ctx == 117
+    sids = {name: [e.open_session(p) for p in ps] for name, e in engines.items()}
+    results: dict[str, list[Any]] = {name: [] for name in engines}
+    for step in range(6):
+        trees = [random_tree(0, 2 + (step + i) % 5, vocab, gen) for i in range(len(ps))]
+        append = [int(torch.randint(0, vocab, (1,), generator=gen))] if step == 3 else []
+        for name, engine in engines.items():
+            for sid, tree in zip(sids[name], trees, strict=True):
+                root = append[-1] if append else engine.sessions.get(sid).committed[-1]
+                r = engine.verify(sid, replace_root(tree, root), sampling, 8, append=append)
+                results[name].append((r.tokens, r.accepted))
+    assert results["pooled"] == results["alone"]
+    assert pool.evictions > 0 and metric("specexec:num_preemptions_total") >= pool.evictions
+    # Trees arriving together that the pool cannot hold at once go in several passes.
+    trees = [random_tree(engines["pooled"].sessions.get(s).committed[-1], 9, vocab, gen) for s in sids["pooled"]]
+    got = at_once([lambda s=s, t=t: engines["pooled"].verify(s, t, sampling, 8)
+                   for s, t in zip(sids["pooled"], trees, strict=True)])  # fmt: skip
+    for sid, tree, r in zip(sids["alone"], trees, got, strict=True):
+        assert not isinstance(r, Exception), r
+        expected = engines["alone"].verify(sid, tree, sampling, 8)
+        assert (r.tokens, r.accepted) == (expected.tokens, expected.accepted)
+
+
+def metric(name: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value(name) or 0.0
+
+
+def test_a_kv_pool_too_small_for_one_session_is_refused(ggufs):
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    with pytest.raises(ValueError, match="cannot hold one session's 117 tokens"):
+        llama_engine(loaded, max_context=100, max_tree=16, kv_cache_tokens=116)
+    with pytest.raises(ValueError, match="smaller than a pass of 107 rows"):
+        llama_engine(loaded, max_context=40, max_tree=16, kv_cache_tokens=60)

@@ -146,12 +146,20 @@ class LlamaCppModel:
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A context of one session's own."""
         ctx = LlamaContext(self, n_ctx, lanes=1, max_rows=max_tree + 1)
-        return TreeContext(ctx, 0, n_ctx, max_tree, owns=True)
+        lane = TreeContext(ctx, 0, n_ctx, max_tree, owns=True)
+        ctx._open.append(lane)
+        return lane
 
-    def shared_context(self, sessions: int, n_ctx: int, max_tree: int, max_rows: int) -> LlamaContext:
+    def shared_context(self, sessions: int, n_ctx: int, max_tree: int, max_rows: int,
+                       cells: int | None = None) -> LlamaContext:  # fmt: skip
         """One context for `sessions` sessions of up to `n_ctx` cells each, whose trees share passes
-        of up to `max_rows` tokens: its KV cache is allocated here, for all of them."""
-        return LlamaContext(self, sessions * n_ctx, lanes=sessions, max_rows=max(max_rows, max_tree + 1))
+        of up to `max_rows` tokens. Its KV cache, allocated here, is a pool of `cells` (default: every
+        session's `n_ctx`) the sessions share: when it is full, the least recently used session
+        outside the pass loses its KV (`LlamaContext.make_room`)."""
+        cells = sessions * n_ctx if cells is None else cells
+        if cells < n_ctx:
+            raise ValueError(f"a KV cache of {cells} tokens cannot hold one session's {n_ctx}")
+        return LlamaContext(self, cells, lanes=sessions, max_rows=max(max_rows, max_tree + 1))
 
     def curve_key(self) -> dict[str, Any]:
         """What a forward-time curve of this model depends on, besides the file and the limit."""
@@ -207,6 +215,9 @@ class LlamaContext:
         if ubatch is not None:
             params.n_ubatch = min(ubatch, params.n_batch)
         params.n_seq_max = lanes + self.leaf_ids
+        if n_ctx < params.n_seq_max:  # llama.cpp would abort: a pass's rows (its batch) fit in the cache
+            raise ValueError(f"a KV cache of {n_ctx} tokens is smaller than a pass of {params.n_seq_max} rows "
+                             f"over {lanes} sessions; give it at least {params.n_seq_max}")  # fmt: skip
         params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
         if model.n_gpu_layers == 0:
             # On the CPU, flash attention's kernels put tree passes of 24+ tokens up to 0.04 away from
@@ -224,6 +235,9 @@ class LlamaContext:
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
         self._free = list(range(lanes - 1, -1, -1))
+        self._open: list[TreeContext] = []  # lanes in use, whose committed cells share the pool
+        self._clock = 0  # a lane's last use, for choosing whose KV to drop when the pool is full
+        self.evictions = 0
         self._leaf_free = list(range(lanes + self.leaf_ids - 1, lanes - 1, -1))  # ids no tree holds
         # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
         # pointers point at, so a pass's ids are filled without a loop.
@@ -249,13 +263,38 @@ class LlamaContext:
         with self.lock:
             if not self._free:
                 raise LlamaCppError(f"all {self.lanes} sessions of this llama.cpp context are in use")
-            return TreeContext(self, self._free.pop(), n_ctx, max_tree)
+            lane = TreeContext(self, self._free.pop(), n_ctx, max_tree)
+            self._open.append(lane)
+            return lane
 
-    def release(self, seq: int) -> None:
+    def release(self, lane: TreeContext, seq: int) -> None:
         with self.lock:
+            self._open = [other for other in self._open if other is not lane]
             if self._ctx:
                 self.lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 self._free.append(seq)
+
+    def make_room(self, need: int, members: list[TreeContext]) -> None:
+        """Free cells for `need` more, taking the KV of the least recently used lanes besides
+        `members` (a pass's): such a lane's committed tokens run again, as a pending chain, at its
+        next step. As vLLM preempts by recomputation; llama-server would fail the request."""
+        with self.lock:
+            self._clock += 1
+            for lane in members:
+                lane.used_at = self._clock
+            free = self.n_ctx - sum(lane.length for lane in self._open)
+            idle = sorted((lane for lane in self._open if lane.length and all(lane is not m for m in members)),
+                          key=lambda lane: lane.used_at)  # fmt: skip
+            for lane in idle:
+                if free >= need:
+                    break
+                self.lib.llama_memory_seq_rm(self._mem, lane.seq, -1, -1)
+                free += lane.length
+                lane.length = 0
+                self.evictions += 1
+            if free < need:
+                raise LlamaCppError(f"the KV cache's {self.n_ctx} tokens cannot hold this pass's {need} new ones "
+                                    f"beside its sessions' {self.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
 
     def chain(self, tokens: list[int], seq: int, at: int, *, last_logits: bool = False) -> Tensor | None:
         """Run `tokens` as a causal chain onto sequence `seq` from position `at`, in batch-size
@@ -307,6 +346,7 @@ class TreeContext:
         self.max_nodes = max_tree + 1
         self.leaves_max = ctx.leaf_ids
         self.length = 0
+        self.used_at = 0
         self._leaves = np.zeros(0, dtype=np.int32)  # the last tree's leaf ids
         self._first = np.zeros(0, dtype=np.int32)  # [n]: each node's first leaf id
 
@@ -316,8 +356,10 @@ class TreeContext:
             raise ValueError("this session's llama.cpp context is closed")
         if self.length + len(tokens) > self.n_ctx:
             raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        self.ctx.chain(tokens, self.seq, self.length)
-        self.length += len(tokens)
+        with self.ctx.lock:
+            self.ctx.make_room(len(tokens), [self])
+            self.ctx.chain(tokens, self.seq, self.length)
+            self.length += len(tokens)
 
     def tree(self, tokens: Tensor, parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
         """Every node's logits for a tree rooted right after the committed tokens.
@@ -363,7 +405,7 @@ class TreeContext:
             if self.owns:
                 self.ctx.close()
             else:
-                self.ctx.release(seq)
+                self.ctx.release(self, seq)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
@@ -526,6 +568,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
                 f"a pass of {rows} tokens and {leaf_count} leaves is over this context's "
                 f"{ctx.n_batch} tokens and {len(ctx._leaf_free)} free leaf ids"
             )
+        ctx.make_room(rows, [lane for lane, *_ in trees])
         for lane, tokens, anc, leaves, chain, at in layouts:
             n, k, take = tokens.numel(), len(chain), len(ctx._leaf_free) - leaves.size
             ids = np.array(ctx._leaf_free[take:], dtype=np.int32)

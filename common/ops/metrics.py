@@ -70,6 +70,9 @@ MAX_SESSIONS = Gauge("specexec:max_sessions", "the node's session limit (--max-s
 SESSION_EVENTS = Counter(
     "specexec:session_events", "sessions opened, closed by their client, or expired idle", ["event"]
 )
+PREEMPTIONS = Counter(
+    "specexec:num_preemptions", "sessions whose KV cache was taken to make room (recomputed at their next step)"
+)
 STEP_QUEUE_SECONDS = Histogram(
     "specexec:step_queue_seconds", "time a step waited for the model", ["step"], buckets=LATENCY_BUCKETS
 )
@@ -225,6 +228,10 @@ def observe_verify_pass(pass_sessions: int, pass_tokens: int) -> None:
     """One target pass: how many sessions shared it. Each step's wait for it is step_queue_seconds."""
     VERIFY_PASS_SESSIONS.observe(pass_sessions)
     VERIFY_PASS_TOKENS.observe(pass_tokens)
+
+
+def observe_preemptions(count: int) -> None:
+    PREEMPTIONS.inc(count)
 
 
 def observe_draft_pass(pass_sessions: int, pass_tokens: int) -> None:
