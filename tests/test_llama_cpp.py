@@ -129,6 +129,25 @@ def test_a_prompt_longer_than_a_pass_gives_the_one_token_loops_tokens(ggufs):
     assert gen.generate(prompt, sampling).token_ids == expected
 
 
+def test_a_closed_sessions_context_is_reused_clean(ggufs):
+    """A context of one session's own outlives its session for the next of its size (one-shot runs
+    made one per generation): the next session sees none of the last one's cells."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    tokens, parents = torch.tensor([3, 4, 5, 6]), torch.tensor([-1, 0, 1, 1])
+    first = model.new_context(64, 16)
+    first.extend(PROMPT)
+    first.tree(tokens, parents)
+    first.keep([0, 1, 2])
+    first.close()
+    again, fresh = model.new_context(64, 16), model.new_context(64, 16)
+    assert again.ctx is first.ctx and fresh.ctx is not first.ctx
+    for ctx in (again, fresh):
+        ctx.extend([9, 8, 7])
+    torch.testing.assert_close(again.tree(tokens, parents), fresh.tree(tokens, parents), rtol=1e-5, atol=1e-5)
+    again.close()
+    assert model.new_context(32, 16).ctx is not first.ctx  # another size gets a context of its own
+
+
 def test_too_many_leaves_or_nodes_are_refused_clearly(ggufs):
     model = LlamaCppModel(ggufs["F32"] / "model.gguf", threads=1)
     ctx = model.new_context(64, 8)

@@ -142,13 +142,37 @@ class LlamaCppModel:
         self.repack = repack
         self.dtype = f"gguf ({kv_type} KV)"
         self.device = torch.device("cuda" if n_gpu_layers else "cpu")
+        self._spare: LlamaContext | None = None  # the last context of one session's own, closed
+        self._spare_lock = threading.Lock()
 
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A context of one session's own."""
-        ctx = LlamaContext(self, n_ctx, lanes=1, max_rows=max_tree + 1)
+        ctx = self.context(n_ctx, max_rows=max_tree + 1)
         lane = TreeContext(ctx, 0, n_ctx, max_tree, owns=True)
         ctx._open.append(lane)
         return lane
+
+    def context(self, n_ctx: int, *, max_rows: int, ubatch: int | None = None) -> LlamaContext:
+        """A one-lane context; the last one given back (`give_back`) if it has this shape. Making one
+        allocates and clears its KV cache and buffers (0.15 s for the 1.5B's 4096 tokens), which
+        one-shot runs, a context per generation, paid every time."""
+        with self._spare_lock:
+            ctx, self._spare = self._spare, None
+        if ctx is not None and ctx.shape != (n_ctx, 1, max_rows, ubatch):
+            ctx.close()
+            ctx = None
+        return ctx or LlamaContext(self, n_ctx, lanes=1, max_rows=max_rows, ubatch=ubatch)
+
+    def give_back(self, ctx: LlamaContext) -> None:
+        """A context its session is done with: cleared and kept for the next `context` call."""
+        if not self._model or not ctx._ctx or ctx.lanes != 1:
+            ctx.close()
+            return
+        ctx.clear()
+        with self._spare_lock:
+            old, self._spare = self._spare, ctx
+        if old is not None and old is not ctx:
+            old.close()
 
     def shared_context(self, sessions: int, n_ctx: int, max_tree: int, max_rows: int,
                        cells: int | None = None) -> LlamaContext:  # fmt: skip
@@ -184,6 +208,10 @@ class LlamaCppModel:
             ctx.close()
 
     def close(self) -> None:
+        with self._spare_lock:
+            spare, self._spare = self._spare, None
+        if spare is not None:
+            spare.close()
         if self._model:
             self.lib.llama_model_free(self._model)
             self._model = None
@@ -233,12 +261,11 @@ class LlamaContext:
             )
         self._mem = lib.llama_get_memory(self._ctx)
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
+        self.shape = (n_ctx, lanes, max_rows, ubatch)
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
-        self._free = list(range(lanes - 1, -1, -1))
-        self._open: list[TreeContext] = []  # lanes in use, whose committed cells share the pool
         self._clock = 0  # a lane's last use, for choosing whose KV to drop when the pool is full
         self.evictions = 0
-        self._leaf_free = list(range(lanes + self.leaf_ids - 1, lanes - 1, -1))  # ids no tree holds
+        self.clear()
         # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
         # pointers point at, so a pass's ids are filled without a loop.
         n, s = self.n_batch, self.leaf_ids + 1  # a pending token holds its lane's id and its tree's leaves'
@@ -257,6 +284,16 @@ class LlamaContext:
         self._batch.n_seq_id = self._n_seq.ctypes.data_as(ctypes.POINTER(ctypes.c_int32))
         self._batch.seq_id = self._seq_ptrs
         self._batch.logits = self._logits.ctypes.data_as(ctypes.POINTER(ctypes.c_int8))
+
+    def clear(self) -> None:
+        """Every cell and id free, as made."""
+        with self.lock:
+            if not self._ctx:
+                raise LlamaCppError("this llama.cpp context is closed")
+            self.lib.llama_memory_clear(self._mem, True)
+            self._free = list(range(self.lanes - 1, -1, -1))
+            self._open: list[TreeContext] = []  # lanes in use, whose committed cells share the pool
+            self._leaf_free = list(range(self.lanes + self.leaf_ids - 1, self.lanes - 1, -1))  # ids no tree holds
 
     def lane(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A session's share: up to `n_ctx` cells, trees of up to `max_tree` nodes besides the root."""
@@ -403,7 +440,7 @@ class TreeContext:
         if self.seq >= 0:
             seq, self.seq = self.seq, -1
             if self.owns:
-                self.ctx.close()
+                self.ctx.model.give_back(self.ctx)
             else:
                 self.ctx.release(self, seq)
 
@@ -426,7 +463,8 @@ class SearchContext:
     def __init__(self, model: LlamaCppModel, n_ctx: int, max_nodes: int, max_slots: int) -> None:
         if not 1 <= max_nodes <= MAX_TREE_LEAVES:
             raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
-        self.ctx = LlamaContext(model, n_ctx, lanes=1, max_rows=max_nodes + 1, ubatch=SEARCH_UBATCH)
+        self.ctx = model.context(n_ctx, max_rows=max_nodes + 1, ubatch=SEARCH_UBATCH)
+        self._closed = False
         self.n_ctx = n_ctx
         self.length = 0  # committed tokens with KV (sequence 0)
         self._seq_of = np.full(max_slots, -1, dtype=np.int32)  # [slot]: the node's sequence id, -1 none
@@ -523,7 +561,13 @@ class SearchContext:
         self._seq_of[slots] = -1
 
     def close(self) -> None:
-        self.ctx.close()
+        if not self._closed:
+            self._closed = True
+            self.ctx.model.give_back(self.ctx)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
 
 
 TreeInput = tuple[TreeContext, Tensor, Tensor, Tensor | None]  # lane, tokens [n], parents [n], ancestors
