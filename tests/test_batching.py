@@ -289,9 +289,11 @@ def test_lookahead_searches_while_other_sessions_build(loaded):
     alone = draft_engine(loaded)
     expected = trees_of(alone, [alone.open_session(p) for p in ps], rounds, together=False)
     engine = draft_engine(loaded, lookahead=True)
+    assert engine.lookahead is not None
+    engine.lookahead.alone_seconds = 0.0  # grow while others are served too
     sids = [engine.open_session(p) for p in ps]
     assert trees_of(engine, sids, rounds, together=True) == expected
-    assert engine.lookahead is not None and engine.lookahead.idle(timeout=60)
+    assert engine.lookahead.idle(timeout=60)
     assert engine.lookahead.forwards > 0
 
 

@@ -3,6 +3,8 @@ the next tree starts from the verified node's subtree, KV included. Output never
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from client.api import SpecExec
@@ -152,3 +154,24 @@ def test_lookahead_output_equals_the_target_alone(loaded, sampling):
         assert roots and all(root == last for root, last in roots)
         if draft == "self":
             assert out.stats.tokens_per_step > 2
+
+
+def test_the_worker_rests_while_other_sessions_are_served(loaded):
+    """With several sessions asking for trees, idle forwards would delay the others' requests: the
+    search grows only once its session has been the only one served for `alone_seconds`."""
+    engine = DraftEngine(loaded["truncated"], max_context=256, max_tree=64, lookahead=True)
+    assert engine.lookahead is not None
+    engine.lookahead.alone_seconds = 1.5
+    first, second = engine.open_session(PROMPT), engine.open_session(PROMPT[:-1])
+    engine.build_tree(first, [], PARAMS)
+    engine.build_tree(second, [], PARAMS)
+    start = time.monotonic()
+    time.sleep(0.5)
+    assert engine.lookahead.forwards == 0
+    assert engine.lookahead.idle(timeout=60)
+    assert engine.lookahead.forwards > 0 and time.monotonic() - start > 1.2
+    engine.close_session(second)  # a closed session no longer counts as another
+    engine.lookahead.alone_seconds = 600.0
+    before = engine.lookahead.forwards
+    engine.build_tree(first, [], PARAMS)
+    assert engine.lookahead.idle(timeout=60) and engine.lookahead.forwards > before
