@@ -17,7 +17,7 @@ import torch
 from client.api import SpecExec
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import TreeParams
+from common.decoding.tree import TokenTree, TreeParams
 from common.model.profiling import synthetic_parents
 from tests.helpers import Proc, free_port
 from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
@@ -458,3 +458,16 @@ def test_a_kv_pool_too_small_for_one_session_is_refused(ggufs):
         llama_engine(loaded, max_context=100, max_tree=16, kv_cache_tokens=116)
     with pytest.raises(ValueError, match="smaller than a pass of 107 rows"):
         llama_engine(loaded, max_context=40, max_tree=16, kv_cache_tokens=60)
+
+
+def test_closed_sessions_give_their_lanes_back(ggufs):
+    """A shared context's lanes come back when their sessions close: more sessions than lanes, one
+    after another, all verify."""
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    engine = llama_engine(loaded, max_sessions=2, max_tree=16)
+    assert engine.shared is not None
+    for i in range(5):
+        sid = engine.open_session(PROMPT[: 3 + i])
+        tree = TokenTree(torch.tensor([PROMPT[2 + i], 1, 2]), torch.tensor([-1, 0, 1]))
+        assert engine.verify(sid, tree, SamplingParams(max_new_tokens=4), 4).tokens
+        assert engine.close_session(sid)

@@ -28,6 +28,7 @@ import ctypes
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -149,7 +150,7 @@ class LlamaCppModel:
         """A context of one session's own."""
         ctx = self.context(n_ctx, max_rows=max_tree + 1)
         lane = TreeContext(ctx, 0, n_ctx, max_tree, owns=True)
-        ctx._open.append(lane)
+        ctx._open.add(lane)
         return lane
 
     def context(self, n_ctx: int, *, max_rows: int, ubatch: int | None = None) -> LlamaContext:
@@ -292,7 +293,9 @@ class LlamaContext:
                 raise LlamaCppError("this llama.cpp context is closed")
             self.lib.llama_memory_clear(self._mem, True)
             self._free = list(range(self.lanes - 1, -1, -1))
-            self._open: list[TreeContext] = []  # lanes in use, whose committed cells share the pool
+            # Lanes in use, whose committed cells share the pool; weak, as a session's lane is released
+            # when the session is collected.
+            self._open: weakref.WeakSet[TreeContext] = weakref.WeakSet()
             self._leaf_free = list(range(self.lanes + self.leaf_ids - 1, self.lanes - 1, -1))  # ids no tree holds
 
     def lane(self, n_ctx: int, max_tree: int) -> TreeContext:
@@ -301,12 +304,12 @@ class LlamaContext:
             if not self._free:
                 raise LlamaCppError(f"all {self.lanes} sessions of this llama.cpp context are in use")
             lane = TreeContext(self, self._free.pop(), n_ctx, max_tree)
-            self._open.append(lane)
+            self._open.add(lane)
             return lane
 
     def release(self, lane: TreeContext, seq: int) -> None:
         with self.lock:
-            self._open = [other for other in self._open if other is not lane]
+            self._open.discard(lane)
             if self._ctx:
                 self.lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 self._free.append(seq)
@@ -319,8 +322,9 @@ class LlamaContext:
             self._clock += 1
             for lane in members:
                 lane.used_at = self._clock
-            free = self.n_ctx - sum(lane.length for lane in self._open)
-            idle = sorted((lane for lane in self._open if lane.length and all(lane is not m for m in members)),
+            lanes = list(self._open)
+            free = self.n_ctx - sum(lane.length for lane in lanes)
+            idle = sorted((lane for lane in lanes if lane.length and all(lane is not m for m in members)),
                           key=lambda lane: lane.used_at)  # fmt: skip
             for lane in idle:
                 if free >= need:
