@@ -65,7 +65,8 @@ class LlamaTargetSession(TargetSession):
         the batch has room, the rest in passes of its own first; returns each tree's draw."""
         sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
         ctx = sessions[0].ctx.ctx
-        ctx.make_room(sum(s._cells_needed(t) - s.ctx.length for s, t in zip(sessions, (t for _, t in steps), strict=True)),
+        # Room for the whole pass first: a chain run ahead of it must not take a neighbour's cells.
+        ctx.make_room(sum(s._cells_needed(t) - s.ctx.length for s, (_, t) in zip(sessions, steps, strict=True)),
                       [s.ctx for s in sessions])  # fmt: skip
         room = ctx.n_batch - sum(t.tree.size for _, t in steps)
         chains = []

@@ -471,3 +471,18 @@ def test_closed_sessions_give_their_lanes_back(ggufs):
         tree = TokenTree(torch.tensor([PROMPT[2 + i], 1, 2]), torch.tensor([-1, 0, 1]))
         assert engine.verify(sid, tree, SamplingParams(max_new_tokens=4), 4).tokens
         assert engine.close_session(sid)
+
+
+def test_llama_cpp_itself_runs_in_a_process_of_its_own(ggufs):
+    """The benches' llama.cpp contestant holds its model in a process of its own (a model loaded
+    second in a process decoded faster), with the tokens of llama-cpp-python's own loop."""
+    from client.bench.llama_cpp import LlamaItself, llama_itself
+
+    gguf = ggufs["F32"] / "model.gguf"
+    itself = LlamaItself(gguf, 1)
+    try:
+        tokens, seconds = itself(PROMPT, 6)
+    finally:
+        itself.close()
+    assert itself.proc.poll() is not None
+    assert tokens == llama_itself(gguf, 1)(PROMPT, 6)[0] and len(tokens) == 6 and seconds > 0

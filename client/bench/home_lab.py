@@ -26,10 +26,11 @@ from tqdm import tqdm
 
 from client.api import Completion, SpecExec, collect
 from client.bench.harness import SETTINGS, encode, free_port, load_prompts, stop_processes
+from client.bench.llama_cpp import LlamaItself
 from client.remote import connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-from common.model.llama_cpp import MAX_TREE_LEAVES
+from common.model.llama_cpp import MAX_TREE_LEAVES, find_gguf
 from common.model.store import resolve_gguf, resolve_model
 from common.options import node_command
 
@@ -119,6 +120,13 @@ class Lab:
             if self.relay.stdout.readline().strip() != "ready":  # type: ignore[union-attr]
                 raise RuntimeError("the delaying relay did not start")
             self.target = f"127.0.0.1:{port}"
+        self.itself = None
+        if config.backend == "llama.cpp":
+            gguf = find_gguf(Path(target))
+            assert gguf is not None
+            prefix, env = pinned([], config.target_cores)
+            self.itself = LlamaItself(gguf, 1, prefix, env)
+            self.procs.append(self.itself.proc)
         argv, env = pinned([sys.executable, "-m", "client.bench.home_lab", json.dumps(asdict(config), default=str)],
                            config.target_cores)  # fmt: skip
         self.worker = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
@@ -137,12 +145,20 @@ class Lab:
             "split, sequential": lambda ids, s: seq.generate(ids, s),
             "split, pipelined": lambda ids, s: pipe.generate(ids, s),
             "one process": self._in_worker,
-            LLAMA_ITSELF: lambda ids, s: self._in_worker(ids, s, LLAMA_ITSELF),
+            LLAMA_ITSELF: self._llama_itself,
         }
 
-    def _in_worker(self, ids: list[int], sampling: SamplingParams, who: str = "one process") -> Completion:
+    def _llama_itself(self, ids: list[int], sampling: SamplingParams) -> Completion:
+        """llama.cpp itself, greedy, in a pinned process of its own (client.bench.llama_cpp.LlamaItself)."""
+        assert self.itself is not None
+        tokens, wall = self.itself(ids, sampling.max_new_tokens)
+        stats = {"tokens_per_second": len(tokens) / wall, "wall_seconds": wall, "target_steps": len(tokens),
+                 "new_tokens": len(tokens), "draft_seconds": 0.0, "target_seconds": wall, "network_seconds": 0.0}
+        return Completion(text="", token_ids=tokens, finish_reason="length", stats=_Stats(stats))
+
+    def _in_worker(self, ids: list[int], sampling: SamplingParams) -> Completion:
         assert self.worker.stdin is not None and self.worker.stdout is not None
-        self.worker.stdin.write(json.dumps({"ids": ids, "sampling": asdict(sampling), "who": who}) + "\n")
+        self.worker.stdin.write(json.dumps({"ids": ids, "sampling": asdict(sampling)}) + "\n")
         self.worker.stdin.flush()
         reply = json.loads(self.worker.stdout.readline())
         return Completion(text="", token_ids=reply["tokens"], finish_reason=reply["finish"], stats=_Stats(reply["stats"]))
@@ -176,20 +192,12 @@ def worker_main(config: HomeLabConfig) -> None:
         backend=config.backend,
         draft_backend=config.backend,
     )
-    itself = _llama_itself(target) if llama else None
     print("ready", flush=True)
     for line in sys.stdin:
         request = json.loads(line)
         sampling = SamplingParams(**{**request["sampling"], "stop": tuple(request["sampling"]["stop"])})
-        if request["who"] == LLAMA_ITSELF:
-            assert itself is not None
-            tokens, wall = itself(request["ids"], sampling.max_new_tokens)
-            stats = {"tokens_per_second": len(tokens) / wall, "wall_seconds": wall, "target_steps": len(tokens),
-                     "new_tokens": len(tokens), "draft_seconds": 0.0, "target_seconds": wall, "network_seconds": 0.0}
-            reply = {"tokens": tokens, "finish": "length", "stats": stats}
-        else:
-            out = collect(gen.stream(request["ids"], sampling))
-            reply = {"tokens": out.token_ids, "finish": out.finish_reason, "stats": out.stats.as_dict()}
+        out = collect(gen.stream(request["ids"], sampling))
+        reply = {"tokens": out.token_ids, "finish": out.finish_reason, "stats": out.stats.as_dict()}
         print(json.dumps(reply), flush=True)
 
 
@@ -198,15 +206,6 @@ def contestants(config: HomeLabConfig, setting: str) -> tuple[str, ...]:
     if config.backend == "llama.cpp" and setting == "greedy":
         return CONTESTANTS
     return CONTESTANTS[:-1]
-
-
-def _llama_itself(target_dir: str) -> Callable[[list[int], int], tuple[list[int], float]]:
-    from client.bench.llama_cpp import llama_itself as load
-    from common.model.llama_cpp import find_gguf
-
-    gguf = find_gguf(Path(target_dir))
-    assert gguf is not None
-    return load(gguf, 1)
 
 
 def run(config: HomeLabConfig) -> list[LabRun]:
