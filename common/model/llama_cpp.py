@@ -266,7 +266,7 @@ class LlamaContext:
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
         self._clock = 0  # a lane's last use, for choosing whose KV to drop when the pool is full
         self.evictions = 0
-        self.clear()
+        self._free_all()
         # One batch: sequence ids live in one (tokens, ids) matrix whose rows the batch's per-token
         # pointers point at, so a pass's ids are filled without a loop.
         n, s = self.n_batch, self.leaf_ids + 1  # a pending token holds its lane's id and its tree's leaves'
@@ -292,11 +292,14 @@ class LlamaContext:
             if not self._ctx:
                 raise LlamaCppError("this llama.cpp context is closed")
             self.lib.llama_memory_clear(self._mem, True)
-            self._free = list(range(self.lanes - 1, -1, -1))
-            # Lanes in use, whose committed cells share the pool; weak, as a session's lane is released
-            # when the session is collected.
-            self._open: weakref.WeakSet[TreeContext] = weakref.WeakSet()
-            self._leaf_free = list(range(self.lanes + self.leaf_ids - 1, self.lanes - 1, -1))  # ids no tree holds
+            self._free_all()
+
+    def _free_all(self) -> None:
+        self._free = list(range(self.lanes - 1, -1, -1))
+        # Lanes in use, whose committed cells share the pool; weak, as a session's lane is released
+        # when the session is collected.
+        self._open: weakref.WeakSet[TreeContext] = weakref.WeakSet()
+        self._leaf_free = list(range(self.lanes + self.leaf_ids - 1, self.lanes - 1, -1))  # ids no tree holds
 
     def lane(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A session's share: up to `n_ctx` cells, trees of up to `max_tree` nodes besides the root."""
