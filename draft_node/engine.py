@@ -10,6 +10,7 @@ import contextlib
 import logging
 import secrets
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -79,6 +80,8 @@ class DraftEngine(NodeEngine[DraftSession]):
                 "(llama.cpp's 256 sequences: one per expanded node, one for the committed tokens)"
             )
         self.lookahead = Lookahead() if lookahead else None
+        if self.lookahead is not None:  # an engine dropped without close() still ends its worker
+            weakref.finalize(self, self.lookahead.close, 1.0).atexit = False
         self.passes: PassBatcher[ForwardJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
         )
@@ -159,6 +162,10 @@ class DraftEngine(NodeEngine[DraftSession]):
 
     def _request(self) -> contextlib.AbstractContextManager[None]:
         return self.lookahead.request() if self.lookahead is not None else contextlib.nullcontext()
+
+    def close(self) -> None:
+        if self.lookahead is not None:
+            self.lookahead.close()
 
     def close_session(self, session_id: str, owner: str = "") -> bool:
         if self.lookahead is not None:

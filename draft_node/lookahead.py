@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Protocol
@@ -32,12 +33,24 @@ ALONE_SECONDS = 1.0  # the worker runs while no other session has asked for a tr
 class Lookahead:
     def __init__(self, alone_seconds: float = ALONE_SECONDS) -> None:
         self._cv = threading.Condition()
-        self._session: Searching | None = None  # the search to grow, until it has nothing left
+        # The search to grow, until it has nothing left: held weakly, so a session (and its engine)
+        # dropped by its owner is not kept alive by the worker.
+        self._session: weakref.ref[Searching] | None = None
         self._served: dict[int, float] = {}  # id(session) -> when it was last served, lately
         self._waiting = 0  # requests waiting for (or holding) the model
         self.alone_seconds = alone_seconds
         self.forwards = 0  # batches expanded in idle time, for tests and metrics
-        threading.Thread(target=self._run, daemon=True, name="draft-lookahead").start()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, daemon=True, name="draft-lookahead")
+        self._thread.start()
+
+    def close(self, timeout: float | None = None) -> None:
+        """The worker ends after its current batch, if any; the sessions stay as they are."""
+        with self._cv:
+            self._closed, self._session = True, None
+            self._cv.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     @contextmanager
     def request(self) -> Iterator[None]:
@@ -55,41 +68,58 @@ class Lookahead:
         """`session` was just served: its search grows next, once no other open session has been
         served for `alone_seconds`."""
         with self._cv:
+            if self._closed:
+                return
             now = time.monotonic()
             self._served = {sid: t for sid, t in self._served.items() if now - t < self.alone_seconds}
             self._served[id(session)] = now
-            self._session = session
+            self._session = weakref.ref(session)
             self._cv.notify_all()
 
     def forget(self, session: object) -> None:
         with self._cv:
-            if self._session is session:
+            if self._current() is session:
                 self._session = None
             self._served.pop(id(session), None)
 
     def idle(self, timeout: float) -> bool:
         """Wait until the worker has nothing left to grow (tests)."""
         with self._cv:
-            return self._cv.wait_for(lambda: self._session is None, timeout)
+            return self._cv.wait_for(lambda: self._current() is None, timeout)
+
+    def _current(self) -> Searching | None:
+        session = self._session() if self._session is not None else None
+        if session is None:
+            self._session = None
+        return session
 
     def _run(self) -> None:
-        while True:
+        while self._step():
+            pass
+
+    def _step(self) -> bool:
+        """One idle batch, or a wait; False once closed. The session is a local of this call only,
+        so the worker never holds one (and its engine) while it waits."""
+        with self._cv:
+            self._cv.wait_for(lambda: self._closed or (self._current() is not None and not self._waiting))
+            if self._closed:
+                return False
+            session = self._current()
+            others = [t for sid, t in self._served.items() if sid != id(session)]
+            rest = max(others) + self.alone_seconds - time.monotonic() if others else 0.0
+            if rest > 0:  # other sessions are active: no idle steps until this one is alone
+                del session
+                self._cv.wait(rest)
+                return True
+        assert session is not None
+        with session.lock:
             with self._cv:
-                self._cv.wait_for(lambda: self._session is not None and not self._waiting)
-                session = self._session
-                others = [t for sid, t in self._served.items() if sid != id(session)]
-                rest = max(others) + self.alone_seconds - time.monotonic() if others else 0.0
-                if rest > 0:  # other sessions are active: no idle steps until this one is alone
-                    self._cv.wait(rest)
-                    continue
-            assert session is not None
-            with session.lock:
-                with self._cv:
-                    if self._waiting or self._session is not session:
-                        continue
-                grew = session.idle_step()
-            with self._cv:
-                self.forwards += grew
-                if not grew and self._session is session:
-                    self._session = None
-                    self._cv.notify_all()
+                if self._waiting or self._current() is not session:
+                    return True
+            grew = session.idle_step()
+        with self._cv:
+            self.forwards += grew
+            if not grew and self._current() is session:
+                self._session = None
+                self._cv.notify_all()
+        return True

@@ -163,11 +163,13 @@ def test_the_worker_rests_while_other_sessions_are_served(loaded):
     assert engine.lookahead is not None
     engine.lookahead.alone_seconds = 1.5
     first, second = engine.open_session(PROMPT), engine.open_session(PROMPT[:-1])
-    engine.build_tree(first, [], PARAMS)
+    engine.build_tree(first, [], PARAMS)  # alone until the second asks: its search may grow
     engine.build_tree(second, [], PARAMS)
     start = time.monotonic()
-    time.sleep(0.5)
-    assert engine.lookahead.forwards == 0
+    time.sleep(0.1)  # a batch begun for the first before the second asked ends
+    begun = engine.lookahead.forwards
+    time.sleep(0.4)
+    assert engine.lookahead.forwards == begun
     assert engine.lookahead.idle(timeout=60)
     assert engine.lookahead.forwards > 0 and time.monotonic() - start > 1.2
     engine.close_session(second)  # a closed session no longer counts as another
@@ -175,3 +177,31 @@ def test_the_worker_rests_while_other_sessions_are_served(loaded):
     before = engine.lookahead.forwards
     engine.build_tree(first, [], PARAMS)
     assert engine.lookahead.idle(timeout=60) and engine.lookahead.forwards > before
+
+
+def test_the_worker_ends_with_its_engine(loaded):
+    """A node that stops, or an engine dropped without close() (tests, the in-process client), takes
+    its lookahead thread with it: no thread, and no session it held, outlives the engine."""
+    import gc
+    import threading
+
+    def workers() -> int:
+        return sum(t.name == "draft-lookahead" and t.is_alive() for t in threading.enumerate())
+
+    gc.collect()
+    before = workers()
+    engine = DraftEngine(loaded["truncated"], max_context=256, max_tree=64, lookahead=True)
+    engine.build_tree(engine.open_session(PROMPT), [], PARAMS)
+    assert workers() == before + 1
+    engine.close()
+    assert workers() == before
+    engine.build_tree(engine.open_session(PROMPT), [], PARAMS)  # a closed lookahead only stops growing
+    dropped = DraftEngine(loaded["truncated"], max_context=256, max_tree=64, lookahead=True)
+    dropped.build_tree(dropped.open_session(PROMPT), [], PARAMS)
+    assert workers() == before + 1
+    del dropped
+    deadline = time.monotonic() + 10
+    while workers() > before and time.monotonic() < deadline:
+        gc.collect()  # the engine's cycles go once the worker's current batch has ended
+        time.sleep(0.05)
+    assert workers() == before

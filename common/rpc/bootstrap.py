@@ -141,6 +141,7 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     )
     server.wait()
     reaper.set()
+    engine.close()
     return 0
 
 

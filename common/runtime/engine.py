@@ -74,5 +74,8 @@ class NodeEngine(Generic[S]):
             raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {self.max_context}")
         check_token_ids(prompt, self.loaded.model.cfg.vocab_size, "prompt")
 
+    def close(self) -> None:
+        """Ends the engine's own threads, if any (the node is stopping)."""
+
     def close_session(self, session_id: str, owner: str = "") -> bool:
         return self.sessions.remove(session_id, owner)
