@@ -10,8 +10,9 @@ interleaved at every N:
   batching.
 The nodes are pinned as in the home lab (`--draft-cores`, `--target-cores`, one thread per core);
 the gateways and the clients run on the draft's cores. Reported per contestant and N: aggregate
-tokens/s, each client's time to first token and tokens/s (p50, p95), sessions per target pass (the
-target's own metric), and whether every client's text matched the other contestant's.
+tokens/s, each client's time to first token and tokens/s (p50, p95) and its tokens/s over its own
+prompt's alone (each client's prompt is first run alone), sessions per target pass (the target's own
+metric), and whether every client's text matched the other contestant's.
 """
 
 from __future__ import annotations
@@ -169,8 +170,11 @@ def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[float, float, i
     return first, time.perf_counter() - start, tokens, "".join(text)
 
 
-def round_of(url: str, name: str, n: int, prompts: list[str], max_tokens: int) -> tuple[list[ClientRun], float]:
-    """n clients released together; their runs and the round's wall time."""
+def round_of(
+    url: str, name: str, n: int, prompts: list[str], max_tokens: int, first: int = 0
+) -> tuple[list[ClientRun], float]:
+    """n clients released together, client i with prompt `first + i`; their runs and the round's wall
+    time."""
     runs: list[ClientRun | None] = [None] * n
     errors: list[BaseException] = []
     barrier = threading.Barrier(n)
@@ -178,8 +182,8 @@ def round_of(url: str, name: str, n: int, prompts: list[str], max_tokens: int) -
     def client(i: int) -> None:
         barrier.wait()
         try:
-            ttft, seconds, tokens, text = stream_chat(url, prompts[i % len(prompts)], max_tokens)
-            runs[i] = ClientRun(name, n, i, ttft, seconds, tokens, text)
+            ttft, seconds, tokens, text = stream_chat(url, prompts[(first + i) % len(prompts)], max_tokens)
+            runs[i] = ClientRun(name, n, first + i, ttft, seconds, tokens, text)
         except BaseException as exc:
             errors.append(exc)
 
@@ -203,39 +207,48 @@ def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
     try:
         for url in lab.urls.values():  # untimed: first-call costs stay out of the figures
             stream_chat(url, prompts[0], 4)
-        with tqdm(total=len(config.clients) * len(CONTESTANTS), desc="load", unit="round") as bar:
-            for n in config.clients:
+        # Every client's prompt alone first (client i's own speed alone), then the concurrent rounds.
+        steps = [(1, i) for i in range(max(config.clients))] + [(n, 0) for n in config.clients if n > 1]
+        with tqdm(total=len(steps) * len(CONTESTANTS), desc="load", unit="round") as bar:
+            for n, first in steps:
                 for name in CONTESTANTS:
                     time.sleep(1.0)  # the last round's lookahead settles
                     before = lab.counters(name)
-                    mine, wall = round_of(lab.urls[name], name, n, prompts, config.max_new_tokens)
+                    mine, wall = round_of(lab.urls[name], name, n, prompts, config.max_new_tokens, first)
                     after = {k: v - before[k] for k, v in lab.counters(name).items()}
+                    runs += mine
+                    bar.update()
+                    if first:
+                        continue  # another prompt alone: a client's baseline, not a row
                     rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": after["target_count"],
                                    "sessions_per_pass": after["target_sum"] / max(after["target_count"], 1),
                                    "draft_passes": after["draft_count"],
                                    "draft_sessions_per_pass": after["draft_sum"] / max(after["draft_count"], 1)})  # fmt: skip
-                    runs += mine
-                    bar.update()
     finally:
         lab.close()
     return runs, rounds
 
 
 def summarize(runs: list[ClientRun], rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    alone = {r.contestant: r.tokens / r.seconds for r in runs if r.clients == 1}
+    """A client's speed is set against its own prompt's alone (answers differ in length, and a short
+    one pays its time to first token over fewer tokens); the aggregate against the same prompts run
+    alone one after another."""
+    alone = {(r.contestant, r.client): r for r in runs if r.clients == 1}
     rows = []
     for rd in rounds:
         name, n = rd["contestant"], rd["clients"]
-        mine = [r for r in runs if (r.contestant, r.clients) == (name, n)]
+        mine = [r for r in runs if (r.contestant, r.clients) == (name, n) and (n > 1 or r.client == 0)]
+        solo = [alone[name, r.client] for r in mine]
         other = {r.client: r.text for r in runs if r.clients == n and r.contestant != name}
         speeds = [r.tokens / r.seconds for r in mine]
+        ratios = [speed * s.seconds / s.tokens for speed, s in zip(speeds, solo, strict=True)]
         ttfts = [r.ttft for r in mine]
         aggregate = sum(r.tokens for r in mine) / rd["wall"]
         rows.append({
             "contestant": name, "clients": n, "aggregate_tok_s": aggregate,
-            "x_one_client": aggregate / alone[name],
+            "x_one_client": aggregate * sum(s.seconds for s in solo) / sum(s.tokens for s in solo),
             "client_tok_s_p50": percentile(speeds, 50), "client_tok_s_p5": percentile(speeds, 5),
-            "client_x_alone_p50": percentile(speeds, 50) / alone[name],
+            "client_x_alone_p50": percentile(ratios, 50), "client_x_alone_min": min(ratios),
             "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
             "sessions_per_pass": rd["sessions_per_pass"], "draft_sessions_per_pass": rd["draft_sessions_per_pass"],
             "passes": rd["passes"], "draft_passes": rd["draft_passes"],
@@ -259,20 +272,23 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         f"({config.dtype if config.target_backend == 'torch' else 'its GGUF on llama.cpp'}), "
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
-        "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone (p50) "
+        "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone p50 | min "
         "| TTFT p50 s | TTFT p95 s | sessions per pass | target passes | draft sessions per pass | draft passes "
         "| same text |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["contestant"], r["clients"])):
         lines.append(
             f"| {r['contestant']} | {r['clients']} | {r['aggregate_tok_s']:.2f} | {r['x_one_client']:.2f} "
             f"| {r['client_tok_s_p50']:.2f} | {r['client_tok_s_p5']:.2f} | {r['client_x_alone_p50']:.2f} "
+            f"| {r['client_x_alone_min']:.2f} "
             f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['sessions_per_pass']:.2f} | {r['passes']:.0f} "
             f"| {r['draft_sessions_per_pass']:.2f} | {r['draft_passes']:.0f} "
             f"| {'yes' if r['same_text'] else 'no'} |"
         )
     lines += ["", "Client tok/s: its completion tokens over its request's whole time. p5: the slowest clients. "
+              "Client x alone: its tok/s over its own prompt's tok/s alone (p50 and the slowest); x one "
+              "client: the aggregate over the same prompts run alone one after another. "
               "Sessions per pass: the target's specexec:verify_pass_sessions over the round, and the draft's "
               "specexec:draft_pass_sessions (its expansion passes). Same text: every "
               "client's answer equals its answer from the other target at the same N."]  # fmt: skip
