@@ -264,6 +264,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms:g}")
     if args.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
+    if getattr(args, "batch_regroup_ms", 0.0) < 0:
+        raise ValueError(f"--batch-regroup-ms must be >= 0, got {args.batch_regroup_ms:g}")
     return NodeConfig(
         model=args.model,
         listen=args.listen,
@@ -283,6 +285,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         batch_window_ms=args.batch_window_ms,
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
+        batch_regroup_ms=getattr(args, "batch_regroup_ms", 0.0),
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

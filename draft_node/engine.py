@@ -32,6 +32,10 @@ from draft_node.session import DraftSession, forward_logprobs
 
 log = logging.getLogger("specexec.draft")
 
+# Sessions building trees at once choose their next expansions within a few milliseconds of each
+# other (one core: one after another); an expansion pass waits this long at most to take them all.
+DEFAULT_REGROUP = 0.010
+
 
 @dataclass(eq=False)
 class ForwardJob:
@@ -67,11 +71,12 @@ class DraftEngine(NodeEngine[DraftSession]):
         lookahead: bool = False,
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
+        regroup: float = DEFAULT_REGROUP,
         **limits: Any,
     ) -> None:
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
         with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
-        (seconds) and `max_batch_tokens` shape the passes sessions share."""
+        (seconds), `max_batch_tokens` and `regroup` (seconds) shape the passes sessions share."""
         super().__init__(loaded, **limits)
         self.llama = not isinstance(loaded.model, torch.nn.Module)  # the GGUF as it is, on llama.cpp
         if self.llama and self.max_tree > MAX_TREE_LEAVES:
@@ -83,7 +88,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         if self.lookahead is not None:  # an engine dropped without close() still ends its worker
             weakref.finalize(self, self.lookahead.close, 1.0).atexit = False
         self.passes: PassBatcher[ForwardJob] = PassBatcher(
-            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
+            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
 
     def profile_limit(self) -> int:
@@ -153,8 +158,9 @@ class DraftEngine(NodeEngine[DraftSession]):
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
         with self._request(), timed_lock(session.lock, timing):
             check_step(session.step, step_id)
-            session.update(new_tokens, truncate_to)
-            built, reused = session.build_tree(params)
+            with self.passes.working(session_id):
+                session.update(new_tokens, truncate_to)
+                built, reused = session.build_tree(params)
             session.step = step_id if step_id is not None else session.step + 1
         if self.lookahead is not None:
             self.lookahead.schedule(session)

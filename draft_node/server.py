@@ -7,7 +7,7 @@ import argparse
 from common.options import add_node_args, add_quantize_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
-from draft_node.engine import DraftEngine
+from draft_node.engine import DEFAULT_REGROUP, DraftEngine
 from draft_node.service import DraftServicer
 
 ROLE = NodeRole(
@@ -16,7 +16,11 @@ ROLE = NodeRole(
     DraftServicer,
     pb_grpc.add_DraftServiceServicer_to_server,
     "specexec.v1.DraftService",
-    engine_options=lambda config: {"lookahead": config.lookahead, **config.batching()},
+    engine_options=lambda config: {
+        "lookahead": config.lookahead,
+        "regroup": config.batch_regroup_ms / 1000,
+        **config.batching(),
+    },
 )
 
 
@@ -30,6 +34,14 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         action="store_false",
         help="do not grow the next tree while the target verifies (for a draft sharing the target's "
         "cores, where that work would slow the target down)",
+    )
+    parser.add_argument(
+        "--batch-regroup-ms",
+        type=float,
+        default=DEFAULT_REGROUP * 1000,
+        metavar="MS",
+        help="continuous batching: how long an expansion pass waits for the other sessions building a tree "
+        "to choose their next expansion (default %(default)g; 0: the first ready runs alone)",
     )
     return parser
 

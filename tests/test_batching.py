@@ -200,7 +200,52 @@ def test_waiting_steps_all_return_and_the_leader_hands_over():
     assert sum(passes) == 64 and max(passes) > 1
 
 
-@pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}])
+def recording_batcher(**kwargs: Any) -> tuple[PassBatcher, list[list[str]]]:
+    passes: list[list[str]] = []
+
+    def run_pass(jobs: list[VerifyJob]) -> None:
+        passes.append(sorted(j.session_id for j in jobs))
+        for j in jobs:
+            j.result, j.done = j.session_id, True  # type: ignore[assignment]
+
+    return PassBatcher(run_pass, threading.Lock(), **kwargs), passes
+
+
+def test_a_pass_waits_for_the_sessions_working_between_jobs():
+    """Sessions building trees at once choose their next expansions a few milliseconds apart: the
+    first ready waits for the others instead of running alone and leaving them a pass behind."""
+    batcher, passes = recording_batcher(regroup=30.0)
+
+    def session(sid: str, delay: float) -> str:
+        with batcher.working(sid):
+            time.sleep(delay)
+            return batcher.submit(job(sid)).result
+
+    start = time.monotonic()
+    assert at_once([lambda: session("a", 0.0), lambda: session("b", 0.2)]) == ["a", "b"]
+    assert passes == [["a", "b"]]
+    assert time.monotonic() - start < 20  # it waited for b's job, not for the 30 s cap
+
+
+def test_a_pass_does_not_wait_for_a_session_that_is_not_working():
+    batcher, passes = recording_batcher(regroup=30.0)
+    start = time.monotonic()
+    with batcher.working("a"):
+        assert batcher.submit(job("a")).result == "a"
+    assert batcher.submit(job("b")).result == "b"  # outside working(): nothing to wait for
+    assert passes == [["a"], ["b"]] and time.monotonic() - start < 20
+
+
+def test_the_regroup_wait_is_capped():
+    """A working session that queues nothing (its tree is done) holds a pass up for `regroup` only."""
+    batcher, passes = recording_batcher(regroup=0.05)
+    with batcher.working("idle"), batcher.working("a"):
+        assert batcher.submit(job("a")).result == "a"
+        assert batcher.submit(job("a")).result == "a"
+    assert passes == [["a"], ["a"]]
+
+
+@pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}, {"regroup": -0.5}])
 def test_batcher_limits_are_checked(bad):
     with pytest.raises(ValueError, match="batch"):
         PassBatcher(lambda jobs: None, threading.Lock(), **bad)
@@ -372,6 +417,15 @@ def test_bad_batching_flags_are_refused_before_loading(role, flag, value, needle
     run = subprocess.run([sys.executable, "-m", f"{role}_node", "--model", "no-such-model", flag, value],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
+
+
+def test_a_bad_regroup_wait_is_refused_before_loading():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "draft_node", "--model", "no-such-model", "--batch-regroup-ms", "-1"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "--batch-regroup-ms must be >= 0, got -1" in run.stderr, run.stderr[-2000:]
 
 
 def test_a_shared_kv_pool_is_refused_on_torch(loaded):

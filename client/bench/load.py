@@ -38,7 +38,11 @@ from client.remote import wait_until_serving
 from common.model.store import resolve_gguf, resolve_model
 from common.options import node_command
 
-CONTESTANTS = ("batched", "one session per pass")
+# Each contestant's extra flags: (target node's, draft node's).
+CONTESTANTS: dict[str, tuple[list[str], list[str]]] = {
+    "batched": ([], []),
+    "one session per pass": (["--max-batch-tokens", "1"], ["--max-batch-tokens", "1"]),
+}
 
 
 @dataclass(frozen=True)
@@ -80,15 +84,15 @@ class LoadLab:
         backend = ["--backend", config.target_backend]
         self.metrics: dict[str, dict[str, str]] = {}  # contestant -> role -> metrics URL
         self.urls: dict[str, str] = {}
-        for name, extra in (("batched", []), ("one session per pass", ["--max-batch-tokens", "1"])):
+        for name, (target_extra, draft_extra) in CONTESTANTS.items():
             port, metrics = free_port(), free_port()
             cmd = node_command("target", target, port, config.dtype, config.max_budget,
-                               [*sessions, *extra, *backend, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
+                               [*sessions, *target_extra, *backend, "--metrics-port", f"127.0.0.1:{metrics}"])  # fmt: skip
             target_addr = self._start(cmd, config.target_cores, f"127.0.0.1:{port}")
             self.metrics[name] = {"target": f"http://127.0.0.1:{metrics}/metrics"}
             port, metrics = free_port(), free_port()
             cmd = node_command("draft", draft, port, config.dtype, config.max_budget,
-                               [*sessions, *extra, "--metrics-port", f"127.0.0.1:{metrics}"],
+                               [*sessions, *draft_extra, "--metrics-port", f"127.0.0.1:{metrics}"],
                                config.draft_quantize, lookahead=True)  # fmt: skip
             self.metrics[name]["draft"] = f"http://127.0.0.1:{metrics}/metrics"
             draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")

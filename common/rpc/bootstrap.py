@@ -57,6 +57,7 @@ class NodeConfig:
     batch_window_ms: float = 0.0  # how long a shared pass waits for more sessions' work
     max_batch_tokens: int = MAX_BATCH_TOKENS  # rows one shared pass takes at most
     kv_cache_tokens: int | None = None  # llama.cpp target: the KV cells its sessions share
+    batch_regroup_ms: float = 0.0  # draft: how long a pass waits for sessions between expansions
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None

@@ -10,14 +10,19 @@ job still runs, alone.
 A pass does not wait for sessions that are elsewhere (a Verify step's client drafting its next
 tree): sessions out of phase keep the draft's and the target's machines busy at once, and with
 8 clients that served more tokens per second than passes that waited to bring every session in
-(docs/benchmarks.md#many-users-on-one-target).
+(docs/benchmarks.md#many-users-on-one-target). It does wait, up to `regroup` seconds, for the
+sessions working on this machine between two of their jobs (`working`: the draft's tree builders
+choosing their next expansion, a few milliseconds of CPU that must run anyway): otherwise the first
+to finish choosing runs alone, the rest follow in the next pass, and sessions that shared a pass
+drift apart for good.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Generic, Protocol, TypeVar
 
 from common.runtime.sessions import StepCancelled, StepTiming
@@ -55,21 +60,41 @@ class PassBatcher(Generic[J]):
         *,
         window: float = 0.0,
         max_tokens: int = MAX_BATCH_TOKENS,
+        regroup: float = 0.0,
     ) -> None:
         """`run_pass(jobs)` runs one pass and sets every job's result or error; `model_lock` is the
         engine's (start-up profiling holds it too); a pass waits `window` seconds after the first
-        job arrives."""
+        job arrives, and up to `regroup` seconds for sessions inside `working()` to queue theirs."""
         if window < 0:
             raise ValueError(f"batch window must be >= 0 seconds, got {window}")
+        if regroup < 0:
+            raise ValueError(f"batch regroup wait must be >= 0 seconds, got {regroup}")
         if max_tokens < 1:
             raise ValueError(f"max batch tokens must be >= 1, got {max_tokens}")
         self.run_pass = run_pass
         self.model_lock = model_lock
         self.window = window
         self.max_tokens = max_tokens
+        self.regroup = regroup
         self._cv = threading.Condition()
         self._queue: list[J] = []
         self._leading = False
+        self._working: dict[str, int] = {}  # session id -> its callers inside working()
+
+    @contextmanager
+    def working(self, session_id: str) -> Iterator[None]:
+        """Around a session's run of jobs on this machine (a tree build): between two of them it is
+        about to queue the next, and a pass waits up to `regroup` seconds for it."""
+        with self._cv:
+            self._working[session_id] = self._working.get(session_id, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._working[session_id] -= 1
+                if not self._working[session_id]:
+                    del self._working[session_id]
+                self._cv.notify_all()
 
     def submit(self, job: J) -> J:
         """Queue `job` and lead passes while it is not done and none is running; raises its error."""
@@ -95,11 +120,13 @@ class PassBatcher(Generic[J]):
     def _lead(self, job: J) -> None:
         with self._cv:
             window_end = job.arrived + self.window
+            regroup_end = time.perf_counter() + self.regroup
             while self._queued_tokens() < self.max_tokens:
-                left = window_end - time.perf_counter()
-                if left <= 0:
+                now = time.perf_counter()
+                end = max(window_end, regroup_end) if self._missing() else window_end
+                if end <= now:
                     break
-                self._cv.wait(left)
+                self._cv.wait(end - now)
             batch = self._take()
         if not batch:
             return
@@ -117,6 +144,11 @@ class PassBatcher(Generic[J]):
                     if j.timing is not None:
                         j.timing.queue_seconds = acquired - j.arrived
                         j.timing.compute_seconds = finished - acquired
+
+    def _missing(self) -> bool:
+        """Whether a working session has no job queued yet."""
+        queued = {j.session_id for j in self._queue}
+        return any(sid not in queued for sid in self._working)
 
     def _queued_tokens(self) -> int:
         return sum(j.tokens for j in self._queue)
