@@ -285,7 +285,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         batch_window_ms=args.batch_window_ms,
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-        batch_regroup_ms=getattr(args, "batch_regroup_ms", 0.0),
+        batch_regroup_ms=getattr(args, "batch_regroup_ms", 0.0),  # the target has no regroup wait
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

@@ -23,7 +23,7 @@ from common.model.llama_cpp import MAX_TREE_LEAVES
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
 from common.ops.metrics import observe_draft_pass
-from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
+from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
 from draft_node.llama_session import LlamaDraftSession
@@ -31,10 +31,6 @@ from draft_node.lookahead import Lookahead
 from draft_node.session import DraftSession, forward_logprobs
 
 log = logging.getLogger("specexec.draft")
-
-# Sessions building trees at once choose their next expansions within a few milliseconds of each
-# other (one core: one after another); an expansion pass waits this long at most to take them all.
-DEFAULT_REGROUP = 0.010
 
 
 @dataclass(eq=False)

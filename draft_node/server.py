@@ -7,7 +7,8 @@ import argparse
 from common.options import add_node_args, add_quantize_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
-from draft_node.engine import DEFAULT_REGROUP, DraftEngine
+from common.runtime.batching import DEFAULT_REGROUP
+from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 
 ROLE = NodeRole(

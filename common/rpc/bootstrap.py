@@ -24,7 +24,7 @@ from common.ops.memory import peak_rss_bytes
 from common.ops.metrics import start_metrics_server
 from common.rpc.security import ServerSecurity
 from common.rpc.server import Server, check_listen, split_listen, start_reaper
-from common.runtime.batching import MAX_BATCH_TOKENS
+from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,7 @@ class NodeConfig:
     batch_window_ms: float = 0.0  # how long a shared pass waits for more sessions' work
     max_batch_tokens: int = MAX_BATCH_TOKENS  # rows one shared pass takes at most
     kv_cache_tokens: int | None = None  # llama.cpp target: the KV cells its sessions share
-    batch_regroup_ms: float = 0.0  # draft: how long a pass waits for sessions between expansions
+    batch_regroup_ms: float = DEFAULT_REGROUP * 1000  # draft: a pass's wait for sessions mid-build
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
