@@ -17,6 +17,7 @@ from common.ops.logs import FORMATS, LEVELS, LogSettings
 from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node
 from common.rpc.security import ClientSecurity, ServerSecurity
 from common.runtime.batching import MAX_BATCH_TOKENS
+from common.runtime.sessions import DEFAULT_MAX_SESSIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -41,7 +42,7 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         help="largest tree (nodes besides the root); default 1024, or on the llama.cpp backend 256 minus "
         "--max-sessions (its 256 sequence ids, one per session and one per leaf in a shared pass; 255 at most)",
     )
-    parser.add_argument("--max-sessions", type=int, default=8)
+    parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
     parser.add_argument(
         "--batch-window-ms",
         type=float,

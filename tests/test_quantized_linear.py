@@ -148,3 +148,19 @@ def test_local_starts_nodes_with_flags_they_accept():
     assert target_parser().parse_args(node_command("target", "m", 1, "bfloat16", 8)[3:]).dtype == "bfloat16"
     with pytest.raises(ValueError, match="only a draft node"):
         node_command("target", "m", 1, "bfloat16", 8, quantize="int8")
+
+
+def test_local_gives_a_llama_cpp_target_trees_its_sessions_can_share():
+    """`specexec local` once gave a llama.cpp target --max-tree 255, which leaves no sequence ids for
+    its 8 sessions to share passes: the main job warned about its own flags at start."""
+    from client.cli.local import node_commands
+    from client.cli.main import build_parser
+    from common.model.llama_cpp import tree_limit
+    from common.runtime.sessions import DEFAULT_MAX_SESSIONS
+
+    for backend, want in (("llama.cpp", tree_limit(DEFAULT_MAX_SESSIONS)), ("torch", 1024)):
+        args = build_parser().parse_args(["local", "--draft-model", "d", "--target-model", "t", "--budget", "auto",
+                                          "--max-budget", "1024", "--target-backend", backend])  # fmt: skip
+        target, _ = node_commands(args, [])
+        assert target[target.index("--max-tree") + 1] == str(want)
+    assert tree_limit(DEFAULT_MAX_SESSIONS) <= 256 - DEFAULT_MAX_SESSIONS

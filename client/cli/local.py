@@ -9,11 +9,32 @@ import sys
 from client.cli.args import auto_budget, prompt_from, sampling_from, tree_from
 from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
-from common.model.llama_cpp import MAX_TREE_LEAVES
+from common.model.llama_cpp import MAX_TREE_LEAVES, tree_limit
 from common.options import node_command
 from common.rpc.security import ClientSecurity
+from common.runtime.sessions import DEFAULT_MAX_SESSIONS
 
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+
+
+def node_commands(args: argparse.Namespace, security_args: list[str]) -> list[list[str]]:
+    """The target node's command, then the draft node's."""
+    budget = tree_from(args).budget
+    extra = security_args
+    if args.compile:
+        extra = [*extra, "--compile", "--compile-buckets", ",".join(map(str, args.compile_buckets))]
+    target_extra = [*extra, "--backend", args.target_backend]
+    # llama.cpp (chosen by "auto" for a GGUF) takes at most 255 tree nodes besides the root, and
+    # fewer where the node's sessions are to share passes (`specexec serve` on these nodes).
+    target_budget = budget if args.target_backend == "torch" else min(budget, tree_limit(DEFAULT_MAX_SESSIONS))
+    draft_extra = [*extra, "--backend", args.draft_backend]
+    draft_budget = budget if args.draft_backend == "torch" else min(budget, MAX_TREE_LEAVES)
+    return [
+        node_command("target", args.target_model, args.target_port, args.dtype, target_budget, target_extra),
+        node_command(
+            "draft", args.draft_model, args.draft_port, args.dtype, draft_budget, draft_extra, args.draft_quantize
+        ),
+    ]
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -25,21 +46,7 @@ def run_local(args: argparse.Namespace) -> int:
     security = ClientSecurity.from_files(
         args.node_tls_ca, args.node_tls_cert, args.node_tls_key, args.auth_token_file
     )
-    budget = tree_from(args).budget
-    extra = security_args
-    if args.compile:
-        extra = [*extra, "--compile", "--compile-buckets", ",".join(map(str, args.compile_buckets))]
-    target_extra = [*extra, "--backend", args.target_backend]
-    # llama.cpp (chosen by "auto" for a GGUF) takes at most 255 tree nodes besides the root.
-    target_budget = budget if args.target_backend == "torch" else min(budget, MAX_TREE_LEAVES)
-    draft_extra = [*extra, "--backend", args.draft_backend]
-    draft_budget = budget if args.draft_backend == "torch" else min(budget, MAX_TREE_LEAVES)
-    commands = [
-        node_command("target", args.target_model, args.target_port, args.dtype, target_budget, target_extra),
-        node_command(
-            "draft", args.draft_model, args.draft_port, args.dtype, draft_budget, draft_extra, args.draft_quantize
-        ),
-    ]
+    commands = node_commands(args, security_args)
     nodes = [subprocess.Popen(cmd) for cmd in commands]
     try:
         for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):

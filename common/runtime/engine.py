@@ -10,7 +10,7 @@ from common.decoding.tree import MAX_TREE_DEPTH, check_token_ids
 from common.decoding.types import NodeInfo
 from common.model.loading import LoadedModel
 from common.model.profiling import cached_forward_curve
-from common.runtime.sessions import SessionTable
+from common.runtime.sessions import DEFAULT_MAX_SESSIONS, SessionTable
 
 S = TypeVar("S")
 
@@ -25,7 +25,7 @@ class NodeEngine(Generic[S]):
         *,
         max_context: int = 4096,
         max_tree: int = 1024,
-        max_sessions: int = 8,
+        max_sessions: int = DEFAULT_MAX_SESSIONS,
         idle_timeout: float = 300.0,
     ) -> None:
         self.loaded = loaded

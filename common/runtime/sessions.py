@@ -16,6 +16,8 @@ from typing import Generic, TypeVar
 
 S = TypeVar("S")
 
+DEFAULT_MAX_SESSIONS = 8  # a node's open sessions at once, unless --max-sessions says otherwise
+
 
 class SessionNotFound(KeyError):
     def __str__(self) -> str:
