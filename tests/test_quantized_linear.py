@@ -117,7 +117,8 @@ def test_quantized_rows_depend_on_the_batch():
 
 
 def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp_path):
-    """The real pair is stored in bf16: linears quantize from it, embeddings and norms become --dtype."""
+    """The real pair is stored in bf16: linears quantize from it, norms become --dtype, and the
+    embedding table stays bf16 (lookups only; its rows cast exactly), saving a float32 copy."""
     import shutil
 
     from safetensors.torch import load_file, save_file
@@ -127,8 +128,17 @@ def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp
     weights = next((tmp_path / "bf16").glob("*.safetensors"))
     save_file({k: v.bfloat16() for k, v in load_file(weights).items()}, weights, metadata={"format": "pt"})
     model = load_model(tmp_path / "bf16", dtype="float32", quantize="int8").model
-    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    table = model.model.embed_tokens.weight
+    assert table.dtype == torch.bfloat16 and model.dtype == torch.float32
+    assert {p.dtype for p in model.parameters() if p is not table} == {torch.float32}
     assert model.inv_freq.dtype == torch.float32
+    widened = load_model(tmp_path / "bf16", dtype="float32", quantize="int8").model
+    widened.model.embed_tokens.weight.data = widened.model.embed_tokens.weight.data.float()
+    tree_prefix = torch.tensor([5, 17, 99, 3, 42])
+    assert torch.equal(  # the bf16 table gives the float32 table's numbers, bit for bit
+        model.logits(prefix_then_tree(model, tree_prefix, SAMPLE_TREE)[1]),
+        widened.logits(prefix_then_tree(widened, tree_prefix, SAMPLE_TREE)[1]),
+    )
     ref = load_model(src).model
     prefix = torch.tensor([5, 17, 99, 3, 42])
     ours = model.logits(prefix_then_tree(model, prefix, SAMPLE_TREE)[1])

@@ -78,7 +78,7 @@ def load_model(
     del state
     if quantize != "none":
         quantized_linear.quantize(model, quantize)
-        model.to(dtype=torch_dtype)
+        quantized_linear.cast_float_parts(model, torch_dtype)
     elif repack:
         packed_linear.repack(model)
     model.inv_freq = inv_freq.float().to(device)

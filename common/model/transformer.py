@@ -290,7 +290,9 @@ class Transformer(nn.Module):
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.model.embed_tokens.weight.dtype
+        """The activations' and caches' dtype. The embedding table may be narrower (an int8 draft keeps
+        it as stored, for lookups only): its rows are cast, exactly, as they are looked up."""
+        return self.model.norm.weight.dtype
 
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg
@@ -319,7 +321,7 @@ class Transformer(nn.Module):
     ) -> Tensor:
         """The pass itself, on plain tensors only, so that `torch.compile` can trace it whole."""
         cos, sin = self.rope(positions)
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens).to(self.dtype)
         for i, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, slots, bias, k[i], v[i])
         return self.model.norm(x)
@@ -337,7 +339,7 @@ class Transformer(nn.Module):
         tokens = torch.cat([s.tokens for s in segments]).to(device)
         cos, sin = self.rope(torch.cat([s.positions for s in segments]).to(device))
         inputs = [(s.slots.to(device), s.bias.to(device), s.cache) for s in segments]
-        x = self.model.embed_tokens(tokens)
+        x = self.model.embed_tokens(tokens).to(self.dtype)
         for i, layer in enumerate(self.model.layers):
             views = [LayerSegment(slots, bias, cache.k[i], cache.v[i]) for slots, bias, cache in inputs]
             x = layer.forward_segments(x, cos, sin, views)
