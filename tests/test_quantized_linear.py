@@ -132,16 +132,13 @@ def test_int8_load_from_bf16_weights_casts_only_what_stays_float(model_dirs, tmp
     assert table.dtype == torch.bfloat16 and model.dtype == torch.float32
     assert {p.dtype for p in model.parameters() if p is not table} == {torch.float32}
     assert model.inv_freq.dtype == torch.float32
-    widened = load_model(tmp_path / "bf16", dtype="float32", quantize="int8").model
-    widened.model.embed_tokens.weight.data = widened.model.embed_tokens.weight.data.float()
-    tree_prefix = torch.tensor([5, 17, 99, 3, 42])
-    assert torch.equal(  # the bf16 table gives the float32 table's numbers, bit for bit
-        model.logits(prefix_then_tree(model, tree_prefix, SAMPLE_TREE)[1]),
-        widened.logits(prefix_then_tree(widened, tree_prefix, SAMPLE_TREE)[1]),
-    )
-    ref = load_model(src).model
     prefix = torch.tensor([5, 17, 99, 3, 42])
     ours = model.logits(prefix_then_tree(model, prefix, SAMPLE_TREE)[1])
+    widened = load_model(tmp_path / "bf16", dtype="float32", quantize="int8").model
+    widened.model.embed_tokens.weight.data = widened.model.embed_tokens.weight.data.float()
+    # the bf16 table gives the float32 table's numbers, bit for bit
+    assert torch.equal(ours, widened.logits(prefix_then_tree(widened, prefix, SAMPLE_TREE)[1]))
+    ref = load_model(src).model
     theirs = ref.logits(prefix_then_tree(ref, prefix, SAMPLE_TREE)[1])
     assert torch.nn.functional.cosine_similarity(ours, theirs, dim=-1).min() > 0.9
 

@@ -81,7 +81,7 @@ class Int8DynamicLinear(nn.Module):
 
 
 def draft_dtype(dtype: str, scheme: str) -> str:
-    """The float dtype an int8 draft runs its embeddings and norms in when the user asked for `dtype`
+    """The float dtype an int8 draft runs its norms and activations in when the user asked for `dtype`
     for both models: float32, its fastest on a CPU (no conversions around each int8 product)."""
     return dtype if scheme == "none" else "float32"
 
@@ -115,7 +115,7 @@ def cast_float_parts(model: Transformer, dtype: torch.dtype) -> None:
 
 def quantize(model: Transformer, scheme: str) -> None:
     """Quantize every projection of `model` in place, the LM head included even when tied (the
-    embedding keeps its float table for lookups; the head gets its own int8 copy, a quarter of it)."""
+    embedding keeps its table as stored for lookups; the head gets its own int8 copy, a quarter of it)."""
     check_quantize(scheme, model.device)
     if scheme == "none":
         return
