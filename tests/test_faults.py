@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -90,4 +92,63 @@ def test_target_restart_replays_the_sequence(cluster, model_dirs):
     out = generate_with_fault(addrs, restart_target, notices)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
     assert len(out.token_ids) == PARAMS.max_new_tokens
+    assert any("reopening the target session" in n for n in notices)
+
+
+def concurrent_with_fault(addrs, fault, notices: list[str], clients: int = 4):
+    """`clients` streams on shared channels (as the gateway runs them). Each pauses after its first
+    chunks until all have them; then they go on and the fault strikes at once, so it finds every
+    session open and some mid-step."""
+    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), step_timeout=20)
+    recovery = Recovery(draft_retry_seconds=0.5, target_retry_seconds=60, notify=notices.append)
+    jobs = [(PROMPT[i:] + PROMPT[:i], SamplingParams(max_new_tokens=60, ignore_eos=True, seed=i,
+                                                       temperature=0.9 if i % 2 else 0.0)) for i in range(clients)]  # fmt: skip
+    started = threading.Barrier(clients + 1)
+    resume = threading.Event()
+
+    def run(i: int):
+        def chunks():
+            for n, chunk in enumerate(gen.stream(jobs[i][0], jobs[i][1], recovery=recovery)):
+                if n == 2:
+                    started.wait()
+                    resume.wait()
+                yield chunk
+
+        return collect(chunks())
+
+    with ThreadPoolExecutor(clients) as pool:
+        futures = [pool.submit(run, i) for i in range(clients)]
+        started.wait(timeout=120)
+        resume.set()
+        fault()
+        results = [f.result(timeout=300) for f in futures]
+    return jobs, results
+
+
+@pytest.mark.slow
+def test_concurrent_sessions_survive_a_draft_death_and_a_target_restart(cluster, model_dirs):
+    addrs, procs = cluster
+    notices: list[str] = []
+
+    def kill_draft():
+        procs["draft"].kill()
+        procs["draft"].wait()
+
+    jobs, results = concurrent_with_fault(addrs, kill_draft, notices)
+    for (prompt, sampling), got in zip(jobs, results, strict=True):
+        assert got.token_ids == reference_decode(model_dirs["target"], prompt, sampling)
+    assert sum(r.stats.draft_failures for r in results) >= 1
+    assert any("continuing with the target alone" in n for n in notices)
+    procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
+
+    def restart_target():
+        procs["target"].kill()
+        procs["target"].wait()
+        procs["target"] = start("target", model_dirs["target"], addrs["target"])
+
+    notices.clear()
+    jobs, results = concurrent_with_fault(addrs, restart_target, notices)
+    for (prompt, sampling), got in zip(jobs, results, strict=True):
+        assert got.token_ids == reference_decode(model_dirs["target"], prompt, sampling)
+        assert len(got.token_ids) == sampling.max_new_tokens and got.stats.budgets
     assert any("reopening the target session" in n for n in notices)
