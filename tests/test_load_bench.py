@@ -29,7 +29,8 @@ def test_load_bench_runs_both_targets_and_matches_their_texts(model_dirs, tmp_pa
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=ROOT, env=env)
     assert run.returncode == 0, run.stderr[-3000:]
     results = json.loads((out / "results.json").read_text())
-    assert len(results["runs"]) == 2 * (3 + 3)  # each client's prompt alone, then 3 together
+    assert len(results["runs"]) == 2 * (3 + 3 + 3)  # each client's prompt alone, 3 together, alone again
+    assert sum(r["repeat"] for r in results["runs"]) == 2 * 3
     assert all(r["tokens"] > 0 and 0 < r["ttft"] <= r["seconds"] for r in results["runs"])
     rows = {(r["contestant"], r["clients"]): r for r in results["summary"]}
     assert set(rows) == {(c, n) for c in ("batched", "one session per pass") for n in (1, 3)}
@@ -38,6 +39,8 @@ def test_load_bench_runs_both_targets_and_matches_their_texts(model_dirs, tmp_pa
     assert 1.0 <= rows["batched", 3]["sessions_per_pass"] <= 3.0
     for row in rows.values():
         assert 0 < row["client_x_alone_min"] <= row["client_x_alone_p50"]
-    assert rows["batched", 1]["client_x_alone_p50"] == 1.0
+        assert row["stream_tok_s_p50"] > 0 and row["stream_x_alone_p50"] > 0
+    # One client's round is its first run alone, set against the mean of its two runs alone.
+    assert 0.5 < rows["batched", 1]["client_x_alone_p50"] < 2.0
     assert "| batched | 3 |" in (out / "report.md").read_text()
     assert (out / "load.png").stat().st_size > 0

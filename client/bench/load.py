@@ -11,8 +11,9 @@ interleaved at every N:
 The nodes are pinned as in the home lab (`--draft-cores`, `--target-cores`, one thread per core);
 the gateways and the clients run on the draft's cores. Reported per contestant and N: aggregate
 tokens/s, each client's time to first token and tokens/s (p50, p95) and its tokens/s over its own
-prompt's alone (each client's prompt is first run alone), sessions per target pass (the target's own
-metric), and whether every client's text matched the other contestant's.
+prompt's alone (each client's prompt runs alone before the rounds and again after them, and a
+client is set against the mean of the two), sessions per target pass (the target's own metric), and
+whether every client's text matched the other contestant's.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +72,7 @@ class ClientRun:
     seconds: float  # request to last byte
     tokens: int  # completion tokens, as the endpoint's usage reports them
     text: str
+    repeat: int = 0  # 1: a prompt's second run alone, after the concurrent rounds
 
 
 class LoadLab:
@@ -211,18 +213,21 @@ def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
     try:
         for url in lab.urls.values():  # untimed: first-call costs stay out of the figures
             stream_chat(url, prompts[0], 4)
-        # Every client's prompt alone first (client i's own speed alone), then the concurrent rounds.
-        steps = [(1, i) for i in range(max(config.clients))] + [(n, 0) for n in config.clients if n > 1]
+        # Every client's prompt alone (client i's own speed alone), the concurrent rounds, and every
+        # prompt alone again: a client is set against both solo runs, which bracket its round in time,
+        # so the machine's drift over the bench (minutes) does not move its ratio.
+        alone = [(1, i, 0) for i in range(max(config.clients))]
+        steps = alone + [(n, 0, 0) for n in config.clients if n > 1] + [(1, i, 1) for _, i, _ in alone]
         with tqdm(total=len(steps) * len(CONTESTANTS), desc="load", unit="round") as bar:
-            for n, first in steps:
+            for n, first, repeat in steps:
                 for name in CONTESTANTS:
                     time.sleep(1.0)  # the last round's lookahead settles
                     before = lab.counters(name)
                     mine, wall = round_of(lab.urls[name], name, n, prompts, config.max_new_tokens, first)
                     after = {k: v - before[k] for k, v in lab.counters(name).items()}
-                    runs += mine
+                    runs += [replace(r, repeat=repeat) for r in mine]
                     bar.update()
-                    if first:
+                    if first or repeat:
                         continue  # another prompt alone: a client's baseline, not a row
                     rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": after["target_count"],
                                    "sessions_per_pass": after["target_sum"] / max(after["target_count"], 1),
@@ -235,30 +240,44 @@ def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
 
 def summarize(runs: list[ClientRun], rounds: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A client's speed is set against its own prompt's alone (answers differ in length, and a short
-    one pays its time to first token over fewer tokens); the aggregate against the same prompts run
-    alone one after another."""
-    alone = {(r.contestant, r.client): r for r in runs if r.clients == 1}
+    one pays its time to first token over fewer tokens), the mean of its runs alone before and after
+    the rounds; the aggregate against the same prompts run alone one after another."""
+    alone: dict[tuple[str, int], list[ClientRun]] = {}
+    for r in runs:
+        if r.clients == 1:
+            alone.setdefault((r.contestant, r.client), []).append(r)
     rows = []
     for rd in rounds:
         name, n = rd["contestant"], rd["clients"]
-        mine = [r for r in runs if (r.contestant, r.clients) == (name, n) and (n > 1 or r.client == 0)]
+        mine = [r for r in runs if (r.contestant, r.clients, r.repeat) == (name, n, 0) and (n > 1 or r.client == 0)]
         solo = [alone[name, r.client] for r in mine]
-        other = {r.client: r.text for r in runs if r.clients == n and r.contestant != name}
+        other = {r.client: r.text for r in runs if r.clients == n and r.contestant != name and not r.repeat}
         speeds = [r.tokens / r.seconds for r in mine]
-        ratios = [speed * s.seconds / s.tokens for speed, s in zip(speeds, solo, strict=True)]
+        ratios = [speed / statistics.mean(s.tokens / s.seconds for s in own) for speed, own in zip(speeds, solo, strict=True)]
         ttfts = [r.ttft for r in mine]
+        streams = [streaming_rate(r) for r in mine]
+        stream_ratios = [rate / max(statistics.mean(streaming_rate(s) for s in own), 1e-9)
+                         for rate, own in zip(streams, solo, strict=True)]  # fmt: skip
         aggregate = sum(r.tokens for r in mine) / rd["wall"]
+        solo_runs = [s for own in solo for s in own]
         rows.append({
             "contestant": name, "clients": n, "aggregate_tok_s": aggregate,
-            "x_one_client": aggregate * sum(s.seconds for s in solo) / sum(s.tokens for s in solo),
+            "x_one_client": aggregate * sum(s.seconds for s in solo_runs) / sum(s.tokens for s in solo_runs),
             "client_tok_s_p50": percentile(speeds, 50), "client_tok_s_p5": percentile(speeds, 5),
             "client_x_alone_p50": percentile(ratios, 50), "client_x_alone_min": min(ratios),
             "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
+            "stream_tok_s_p50": percentile(streams, 50), "stream_x_alone_p50": percentile(stream_ratios, 50),
             "sessions_per_pass": rd["sessions_per_pass"], "draft_sessions_per_pass": rd["draft_sessions_per_pass"],
             "passes": rd["passes"], "draft_passes": rd["draft_passes"],
             "same_text": all(other.get(r.client, r.text) == r.text for r in mine),
         })  # fmt: skip
     return rows
+
+
+def streaming_rate(run: ClientRun) -> float:
+    """Tokens per second after the first text (vLLM's 1 / TPOT): the speed a user watches the answer
+    stream at once it has started, apart from the wait for it to start."""
+    return (run.tokens - 1) / max(run.seconds - run.ttft, 1e-9)
 
 
 def percentile(xs: list[float], q: int) -> float:
@@ -277,22 +296,26 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
         "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone p50 | min "
-        "| TTFT p50 s | TTFT p95 s | sessions per pass | target passes | draft sessions per pass | draft passes "
+        "| TTFT p50 s | TTFT p95 s | streaming tok/s p50 | x alone | sessions per pass | target passes | draft sessions per pass | draft passes "
         "| same text |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["contestant"], r["clients"])):
         lines.append(
             f"| {r['contestant']} | {r['clients']} | {r['aggregate_tok_s']:.2f} | {r['x_one_client']:.2f} "
             f"| {r['client_tok_s_p50']:.2f} | {r['client_tok_s_p5']:.2f} | {r['client_x_alone_p50']:.2f} "
             f"| {r['client_x_alone_min']:.2f} "
-            f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['sessions_per_pass']:.2f} | {r['passes']:.0f} "
+            f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['stream_tok_s_p50']:.2f} | {r['stream_x_alone_p50']:.2f} "
+            f"| {r['sessions_per_pass']:.2f} | {r['passes']:.0f} "
             f"| {r['draft_sessions_per_pass']:.2f} | {r['draft_passes']:.0f} "
             f"| {'yes' if r['same_text'] else 'no'} |"
         )
     lines += ["", "Client tok/s: its completion tokens over its request's whole time. p5: the slowest clients. "
-              "Client x alone: its tok/s over its own prompt's tok/s alone (p50 and the slowest); x one "
+              "Client x alone: its tok/s over its own prompt's tok/s alone, run before and after the rounds "
+              "(p50 and the slowest); x one "
               "client: the aggregate over the same prompts run alone one after another. "
+              "Streaming tok/s: a client's tokens after the first over the time from its first text to its last "
+              "(vLLM's 1 / TPOT), and x alone that over its own prompt's alone (p50). "
               "Sessions per pass: the target's specexec:verify_pass_sessions over the round, and the draft's "
               "specexec:draft_pass_sessions (its expansion passes). Same text: every "
               "client's answer equals its answer from the other target at the same N."]  # fmt: skip
