@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import hashlib
 import json
 from dataclasses import dataclass
@@ -9,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file
+from safetensors import safe_open
 
 from common.model import packed_linear, quantized_linear
 from common.model.transformer import Transformer, config_from_hf, rope_inverse_frequencies
@@ -59,13 +61,12 @@ def load_model(
     quantized_linear.check_quantize(quantize, device)
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq, scaling)
-    state = _read_safetensors(path)
-    if cfg.tie_word_embeddings:
-        state.pop("lm_head.weight", None)
     # int8 linears are built from the stored weights, and only what stays float is cast (below): a
     # float32 copy of the whole model would more than double the load's peak memory.
     cast = torch_dtype if quantize == "none" else None
-    state = {k: v.to(device=device, dtype=cast) for k, v in state.items()}
+    state = _read_safetensors(path, device, cast)
+    if cfg.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
     missing, unexpected = model.load_state_dict(state, strict=False, assign=True)
     missing = [m for m in missing if not (cfg.tie_word_embeddings and m == "lm_head.weight")]
     if missing or unexpected:
@@ -81,6 +82,7 @@ def load_model(
         quantized_linear.cast_float_parts(model, torch_dtype)
     elif repack:
         packed_linear.repack(model)
+    _release_freed_memory()
     model.inv_freq = inv_freq.float().to(device)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return LoadedModel(
@@ -94,14 +96,27 @@ def load_model(
     )
 
 
-def _read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+def _read_safetensors(path: Path, device: str, cast: torch.dtype | None) -> dict[str, torch.Tensor]:
+    """Each tensor read with plain reads (pread, not a mapping) and cast as it arrives, so a load
+    holds about one copy of the weights. Mapped (safetensors' default), every page a load touched
+    stayed resident beside the copies made from it for as long as one tensor (the tied embedding
+    table) still pointed into the file: the bf16 1.5B target node held 6.4 GiB for 3.1 GB."""
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(f))
+        with safe_open(f, framework="pt", backend="pread") as weights:
+            for name in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                state[name] = weights.get_tensor(name).to(device=device, dtype=cast)
     return state
+
+
+def _release_freed_memory() -> None:
+    """glibc keeps freed blocks under 32 MB (a layer's weights once repacked or quantized) in its
+    heap for reuse; malloc_trim hands their pages back (bf16 1.5B target: 4.3 -> 3.8 GiB resident)."""
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
