@@ -60,21 +60,25 @@ def generate_with_fault(addrs, fault, notices: list[str]):
     return collect(chunks())
 
 
+def kill(procs, role: str) -> None:
+    procs[role].kill()
+    procs[role].wait()
+
+
+def restart_target(addrs, procs, model_dirs) -> None:
+    kill(procs, "target")
+    procs["target"] = start("target", model_dirs["target"], addrs["target"])
+
+
 def test_draft_death_falls_back_to_target_alone_and_recovers(cluster, model_dirs):
     addrs, procs = cluster
     notices: list[str] = []
-    restarted = {}
-
-    def kill_draft():
-        procs["draft"].kill()
-        procs["draft"].wait()
-
-    out = generate_with_fault(addrs, kill_draft, notices)
+    out = generate_with_fault(addrs, lambda: kill(procs, "draft"), notices)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
     assert out.stats.draft_failures >= 1
     assert any("continuing with the target alone" in n for n in notices)
     # The draft comes back: a new generation uses it again.
-    restarted["draft"] = procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
+    procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
     notices.clear()
     out = generate_with_fault(addrs, lambda: None, notices)
     assert out.stats.draft_failures == 0 and out.stats.budgets
@@ -83,13 +87,7 @@ def test_draft_death_falls_back_to_target_alone_and_recovers(cluster, model_dirs
 def test_target_restart_replays_the_sequence(cluster, model_dirs):
     addrs, procs = cluster
     notices: list[str] = []
-
-    def restart_target():
-        procs["target"].kill()
-        procs["target"].wait()
-        procs["target"] = start("target", model_dirs["target"], addrs["target"])
-
-    out = generate_with_fault(addrs, restart_target, notices)
+    out = generate_with_fault(addrs, lambda: restart_target(addrs, procs, model_dirs), notices)
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
     assert len(out.token_ids) == PARAMS.max_new_tokens
     assert any("reopening the target session" in n for n in notices)
@@ -129,25 +127,14 @@ def concurrent_with_fault(addrs, fault, notices: list[str], clients: int = 4):
 def test_concurrent_sessions_survive_a_draft_death_and_a_target_restart(cluster, model_dirs):
     addrs, procs = cluster
     notices: list[str] = []
-
-    def kill_draft():
-        procs["draft"].kill()
-        procs["draft"].wait()
-
-    jobs, results = concurrent_with_fault(addrs, kill_draft, notices)
+    jobs, results = concurrent_with_fault(addrs, lambda: kill(procs, "draft"), notices)
     for (prompt, sampling), got in zip(jobs, results, strict=True):
         assert got.token_ids == reference_decode(model_dirs["target"], prompt, sampling)
     assert sum(r.stats.draft_failures for r in results) >= 1
     assert any("continuing with the target alone" in n for n in notices)
     procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
-
-    def restart_target():
-        procs["target"].kill()
-        procs["target"].wait()
-        procs["target"] = start("target", model_dirs["target"], addrs["target"])
-
     notices.clear()
-    jobs, results = concurrent_with_fault(addrs, restart_target, notices)
+    jobs, results = concurrent_with_fault(addrs, lambda: restart_target(addrs, procs, model_dirs), notices)
     for (prompt, sampling), got in zip(jobs, results, strict=True):
         assert got.token_ids == reference_decode(model_dirs["target"], prompt, sampling)
         assert len(got.token_ids) == sampling.max_new_tokens and got.stats.budgets
