@@ -9,8 +9,15 @@ host-to-device copy sets (streamed bytes / measured pinned-copy bandwidth), and 
 memory and peak RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
 where a GPU is).
 
+`--llama-layers` times llama.cpp on the same shape beside it: a GGUF of random Q4_K blocks (every
+matrix, as a Q4_K_M file holds most of them) run with each `n_gpu_layers` given. With 0 every
+weight stays in RAM; llama.cpp then multiplies passes of 32+ rows on the GPU, copying each
+CPU-resident weight over for the pass (its operator offload), and smaller ones on the CPU. Needs a
+llama.cpp built with CUDA (scripts/gpu_check.sh builds one).
+
     python3 -m benchmarks.bench_offload --shape qwen2.5-14b --out offload.json       # on a GPU
     .venv/bin/python -m benchmarks.bench_offload --shape tiny --device cpu --ks 1 8 --resident-layers 0 2  # a dry run here
+    .venv/bin/python -m benchmarks.bench_offload --plot docs/gpu/offload-torch-7b.json --png docs/gpu/offload-7b.png
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from pathlib import Path
 import torch
 
 from common.model.offload import offload
-from common.model.profiling import time_tree_forward
+from common.model.profiling import synthetic_parents, time_tree_forward
 from common.model.transformer import ModelConfig, Transformer
 from common.ops.memory import peak_rss_bytes
 
@@ -60,6 +67,69 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
     return model.eval()
 
 
+def random_gguf(cfg: ModelConfig, path: Path) -> Path:
+    """A qwen2 GGUF of `cfg`'s shape whose matrices are random Q4_K blocks (one random row repeated,
+    scales set small so no value overflows): a pass costs what a real file of that shape costs.
+    Rows not a multiple of 256 long take Q8_0 blocks, as llama.cpp's quantizer falls back."""
+    import gguf
+    import numpy as np
+
+    from tests.tiny_models import qwen2_gguf_writer
+
+    rng = np.random.default_rng(0)
+
+    def matrix(rows: int, cols: int) -> tuple[np.ndarray, gguf.GGMLQuantizationType]:
+        q4k = cols % 256 == 0
+        qtype = gguf.GGMLQuantizationType.Q4_K if q4k else gguf.GGMLQuantizationType.Q8_0
+        block_values, block_bytes = gguf.GGML_QUANT_SIZES[qtype]
+        blocks = rng.integers(0, 256, (cols // block_values, block_bytes), dtype=np.uint8)
+        scales = [1e-3, 1e-3] if q4k else [1e-3]  # Q4_K: d and dmin; Q8_0: d
+        blocks[:, : 2 * len(scales)] = np.array(scales, dtype=np.float16).view(np.uint8)
+        return np.tile(blocks.reshape(1, -1), (rows, 1)), qtype  # contiguous: numpy writes a strided view slowly
+
+    writer = qwen2_gguf_writer(
+        path, name=f"random-{cfg.num_layers}x{cfg.hidden_size}", hidden=cfg.hidden_size,
+        intermediate=cfg.intermediate_size, layers=cfg.num_layers, heads=cfg.num_heads,
+        kv_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings,
+        eps=cfg.rms_norm_eps, rope_theta=1e6, file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M,
+    )  # fmt: skip
+    h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+    def add_matrix(name: str, rows: int, cols: int) -> None:
+        data, qtype = matrix(rows, cols)
+        writer.add_tensor(name, data, raw_dtype=qtype)
+
+    add_matrix("token_embd.weight", cfg.vocab_size, h)
+    writer.add_tensor("output_norm.weight", np.ones(h, dtype=np.float32))
+    if not cfg.tie_word_embeddings:
+        add_matrix("output.weight", cfg.vocab_size, h)
+    shapes = {"attn_q": (h, h), "attn_k": (kv, h), "attn_v": (kv, h), "attn_output": (h, h),
+              "ffn_gate": (cfg.intermediate_size, h), "ffn_up": (cfg.intermediate_size, h),
+              "ffn_down": (h, cfg.intermediate_size)}  # fmt: skip
+    for i in range(cfg.num_layers):
+        for norm in ("attn_norm", "ffn_norm"):
+            writer.add_tensor(f"blk.{i}.{norm}.weight", np.ones(h, dtype=np.float32))
+        for name, (rows, cols) in shapes.items():
+            add_matrix(f"blk.{i}.{name}.weight", rows, cols)
+        for name, rows in (("attn_q", h), ("attn_k", kv), ("attn_v", kv)):
+            writer.add_tensor(f"blk.{i}.{name}.bias", np.zeros(rows, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def time_llama_cpp(path: Path, n_gpu_layers: int, ks: list[int], seconds: float) -> dict[str, float]:
+    """Seconds of one k-node tree pass after a 64-token prefix, for each k, through our backend."""
+    from common.model.llama_cpp import LlamaCppModel
+
+    model = LlamaCppModel(path, n_gpu_layers=n_gpu_layers)
+    try:
+        return {str(k): model.time_tree(k, 64, synthetic_parents(k), budget_seconds=seconds) for k in ks}
+    finally:
+        model.close()
+
+
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
     """Bytes per second of a pinned host-to-device copy, the offloaded pass's bottleneck."""
     if device.type != "cuda":
@@ -79,17 +149,56 @@ def copy_text(gb_s: float | None) -> str:
     return "not measured (no GPU)" if gb_s is None else f"{gb_s:.1f} GB/s"
 
 
+def plot(results: list[dict], png: Path) -> None:
+    """Pass time against tree tokens for every layout of every result file, beside each copy floor."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for result in results:
+        where = f"{result['shape']}, {result['gpu'] or result['device']}"
+        for row in result["rows"]:
+            ks = sorted(int(k) for k in row["seconds"])
+            line = ax.plot(ks, [row["seconds"][str(k)] for k in ks], marker="o",
+                           label=f"torch {result['dtype']}, {row['resident_layers']} layers resident ({where})")  # fmt: skip
+            if row["floor_s"]:
+                ax.axhline(row["floor_s"], color=line[0].get_color(), linestyle=":", linewidth=1)
+        for row in result.get("llama_cpp", []):
+            ks = sorted(int(k) for k in row["seconds"])
+            ax.plot(ks, [row["seconds"][str(k)] for k in ks], marker="s",
+                    label=f"llama.cpp Q4_K, {row['n_gpu_layers']} GPU layers ({where})")  # fmt: skip
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("tree tokens in the pass")
+    ax.set_ylabel("seconds per pass")
+    ax.set_title("Target pass time against tree size (dotted: host-to-device copy floor)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--plot", type=Path, nargs="+", help="draw these result files (to --png) and exit")
+    ap.add_argument("--png", type=Path, default=Path("offload.png"))
     ap.add_argument("--shape", choices=sorted(SHAPES), default="qwen2.5-14b")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
-    ap.add_argument("--resident-layers", type=int, nargs="+", default=[0, 8], help="layouts to time")
+    ap.add_argument("--resident-layers", type=int, nargs="*", default=[0, 8], help="layouts to time (none: llama.cpp only)")
     ap.add_argument("--prefetch-layers", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=1.0, help="timing budget per size (minimum kept)")
+    ap.add_argument("--llama-layers", type=int, nargs="*", default=[],
+                    help="also time llama.cpp on a random Q4_K GGUF of this shape, with each n_gpu_layers")
+    ap.add_argument("--llama-ks", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256])
+    ap.add_argument("--gguf", type=Path, default=Path("/tmp/random-q4k.gguf"), help="where that GGUF is written")
     ap.add_argument("--out", type=Path, help="write the measurements as JSON here")
     args = ap.parse_args()
+    if args.plot:
+        plot([json.loads(f.read_text()) for f in args.plot], args.png)
+        return
     device, dtype, cfg = torch.device(args.device), getattr(torch, args.dtype), SHAPES[args.shape]
     layer_bytes = cfg.layer_parameter_count * torch.finfo(dtype).bits // 8
     bandwidth = copy_bandwidth(device)
@@ -107,11 +216,21 @@ def main() -> None:
             peak_gpu_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         ))  # fmt: skip
         del model
+    llama_rows = []
+    if args.llama_layers:
+        start = time.perf_counter()
+        random_gguf(cfg, args.gguf)
+        print(f"wrote {args.gguf} ({args.gguf.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - start:.0f} s")
+        for layers in args.llama_layers:
+            seconds = time_llama_cpp(args.gguf, layers, args.llama_ks, args.seconds)
+            llama_rows.append(dict(n_gpu_layers=layers, seconds=seconds))
+        args.gguf.unlink()
     result = dict(
         shape=args.shape, device=str(device), dtype=args.dtype, gpu=torch.cuda.get_device_name(device)
         if device.type == "cuda" else None, parameters_b=cfg.parameter_count / 1e9,
         copy_gb_s=bandwidth / 1e9 if bandwidth else None, prefetch_layers=args.prefetch_layers, rows=rows,
-        peak_rss_gb=peak_rss_bytes() / 1e9,
+        peak_rss_gb=peak_rss_bytes() / 1e9, llama_cpp=llama_rows,
+        gguf_gb=cfg.parameter_count * 144 / 256 / 1e9 if llama_rows else None,
     )  # fmt: skip
     print(f"{args.shape} ({result['parameters_b']:.1f}B parameters, {args.dtype}) on {result['gpu'] or device}; "
           f"pinned host-to-device copy {copy_text(result['copy_gb_s'])}; peak RSS {result['peak_rss_gb']:.1f} GB")  # fmt: skip
@@ -126,6 +245,12 @@ def main() -> None:
         cells = " | ".join(f"{r['seconds'][str(k)]:.4f}" for k in args.ks)
         floor = "–" if r["floor_s"] is None else f"{r['floor_s']:.4f}"
         print(f"| {r['resident_layers']} | {r['streamed_gb']:.1f} | {floor} | {cells} | {gpu} |")
+    if llama_rows:
+        print(f"\nllama.cpp, random Q4_K GGUF of the same shape ({result['gguf_gb']:.1f} GB)")
+        print("| n_gpu_layers | " + " | ".join(f"k={k} s" for k in args.llama_ks) + " |")
+        print("|---|" + "---|" * len(args.llama_ks))
+        for r in llama_rows:
+            print(f"| {r['n_gpu_layers']} | " + " | ".join(f"{r['seconds'][str(k)]:.4f}" for k in args.llama_ks) + " |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -29,6 +29,9 @@ from common.model.llama_cpp import LlamaCppError, LlamaCppModel, load_gguf, reso
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
 SETTINGS = {"greedy": {"temperature": 0.0}, "seeded": {"temperature": 0.8, "seed": 5}}
+# Every layer on the GPU where this llama.cpp was built with one (scripts/gpu_check.sh builds it with CUDA).
+LAYERS = [pytest.param(0, id="cpu"), pytest.param(99, id="gpu", marks=pytest.mark.skipif(
+    not llama_cpp.llama_supports_gpu_offload(), reason="this llama.cpp was built without a GPU backend"))]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +57,9 @@ def chain_logits(model: LlamaCppModel, prefix: list[int], path: list[int]) -> to
         ctx.close()
 
 
-def test_a_tree_in_one_pass_sees_exactly_its_ancestors(ggufs):
-    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
+def test_a_tree_in_one_pass_sees_exactly_its_ancestors(ggufs, n_gpu_layers):
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1, n_gpu_layers=n_gpu_layers)
     parents = synthetic_parents(24, seed=3)
     tokens = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0))
     ctx = model.new_context(64, 32)
@@ -174,19 +178,23 @@ def test_a_file_llama_cpp_cannot_load_gets_a_clear_error(tmp_path):
         LlamaCppModel(bad)
 
 
-def generate_both(ggufs, qtype: str, sampling: SamplingParams, budget: int = 16) -> dict[str, Any]:
+def generate_both(
+    ggufs, qtype: str, sampling: SamplingParams, budget: int = 16, n_gpu_layers: int = 0
+) -> dict[str, Any]:
     kv = "f32" if qtype == "F32" else "f16"
     runs = {}
     for mode in ("autoregressive", "specexec"):
         gen = SpecExec.local(str(ggufs["draft"]), str(ggufs[qtype]), mode=mode, tree=TreeParams(budget=budget),
-                             backend="llama.cpp", kv_type=kv)  # fmt: skip
+                             backend="llama.cpp", kv_type=kv, n_gpu_layers=n_gpu_layers)  # fmt: skip
         runs[mode] = gen.generate(PROMPT, sampling)
     return runs
 
 
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_specexec_on_llama_cpp_f32_equals_its_autoregressive_output(ggufs, setting):
-    runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=40, ignore_eos=True, **SETTINGS[setting]))
+def test_specexec_on_llama_cpp_f32_equals_its_autoregressive_output(ggufs, setting, n_gpu_layers):
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, **SETTINGS[setting])
+    runs = generate_both(ggufs, "F32", sampling, n_gpu_layers=n_gpu_layers)
     assert runs["specexec"].token_ids == runs["autoregressive"].token_ids
     assert runs["specexec"].stats.target_steps < runs["autoregressive"].stats.target_steps
 
@@ -308,11 +316,12 @@ def test_lanes_of_one_context_see_only_their_own_cells(ggufs):
         lanes[0].tree(tokens, parents)
 
 
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_llama_sessions_verified_in_one_pass_equal_each_alone(ggufs, setting):
+def test_llama_sessions_verified_in_one_pass_equal_each_alone(ggufs, setting, n_gpu_layers):
     from tests.test_batching import at_once, prompts, random_tree
 
-    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    loaded = load_gguf(ggufs["F32"], kv_type="f32", n_gpu_layers=n_gpu_layers)
     sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
     ps = prompts(loaded.model.cfg.vocab_size, 5)
     gen = torch.Generator().manual_seed(3)

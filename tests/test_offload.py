@@ -31,7 +31,12 @@ def _two_steps(model) -> list[torch.Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("resident", "ring"), [(0, 1), (0, 2), (0, 3), (1, 2), (2, 8), (4, 2)])
 def test_offloaded_logits_equal_resident_model(device, resident, ring, model_dirs, loaded):
-    reference = _two_steps(loaded["target"].model)
+    """Against the model resident on the same device: CUDA's float32 kernels differ from the CPU's
+    by up to 6e-5 in these logits (H200, 26 Nov), whatever the layout."""
+    if device == "cuda":
+        reference = _two_steps(load_model(model_dirs["target"], repack=False, device="cuda").model)
+    else:
+        reference = _two_steps(loaded["target"].model)
     model = offload(
         load_model(model_dirs["target"], repack=False).model, device, resident_layers=resident, ring=ring
     )

@@ -7,6 +7,7 @@ the servers) runs exactly as it does for a real checkpoint.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -87,6 +88,44 @@ def truncate_layers(src: str | Path, dst: str | Path, keep: int) -> Path:
     return Path(dst)
 
 
+def qwen2_gguf_writer(out: str | Path, *, name: str, hidden: int, intermediate: int, layers: int, heads: int,
+                      kv_heads: int, vocab_size: int, context: int, eps: float, rope_theta: float,
+                      file_type: int) -> Any:  # fmt: skip
+    """A `gguf.GGUFWriter` for a qwen2 model of this shape, its header and vocabulary written: the
+    byte-level tokenizer as a gpt2 vocabulary, padded with unused tokens to `vocab_size`. The caller
+    adds the tensors and writes the file."""
+    import gguf
+
+    tok = make_tokenizer()
+    writer = gguf.GGUFWriter(str(out), "qwen2")
+    writer.add_name(name)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(intermediate)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(eps)
+    writer.add_file_type(file_type)
+    vocab = tok.get_vocab()
+    tokens = [""] * vocab_size
+    for text, i in vocab.items():
+        tokens[i] = text
+    types = [gguf.TokenType.NORMAL] * vocab_size
+    for i in range(len(vocab), vocab_size):
+        tokens[i], types[i] = f"[PAD{i}]", gguf.TokenType.UNUSED
+    types[tok.eos_token_id] = gguf.TokenType.CONTROL
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_types(types)
+    writer.add_token_merges(["a b"])  # llama.cpp needs the key; our tokenizer is the HF one
+    writer.add_eos_token_id(tok.eos_token_id)
+    writer.add_bos_token_id(tok.eos_token_id)
+    return writer
+
+
 def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Path:
     """The tiny qwen2 model in `model_dir` as a GGUF llama.cpp loads: weights as F32 or quantized
     (`qtype` Q8_0; norms and biases stay F32), and its byte-level tokenizer as a gpt2 vocabulary."""
@@ -99,35 +138,15 @@ def write_gguf(model_dir: str | Path, out: str | Path, qtype: str = "F32") -> Pa
     if cfg.model_type != "qwen2":
         raise ValueError(f"write_gguf writes qwen2 models, not {cfg.model_type}")
     state = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).state_dict()
-    tok = make_tokenizer()
-    writer = gguf.GGUFWriter(str(out), "qwen2")
-    writer.add_name(model_dir.name)
-    writer.add_context_length(cfg.max_position_embeddings)
-    writer.add_embedding_length(cfg.hidden_size)
-    writer.add_block_count(cfg.num_hidden_layers)
-    writer.add_feed_forward_length(cfg.intermediate_size)
-    writer.add_head_count(cfg.num_attention_heads)
-    writer.add_head_count_kv(cfg.num_key_value_heads)
-    rope = getattr(cfg, "rope_parameters", None) or {}
-    writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))))
-    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     quant = {"F32": gguf.GGMLQuantizationType.F32, "Q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
-    writer.add_file_type({"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
-    vocab = tok.get_vocab()
-    tokens = [""] * cfg.vocab_size
-    for text, i in vocab.items():
-        tokens[i] = text
-    types = [gguf.TokenType.NORMAL] * cfg.vocab_size
-    for i in range(len(vocab), cfg.vocab_size):
-        tokens[i], types[i] = f"[PAD{i}]", gguf.TokenType.UNUSED
-    types[tok.eos_token_id] = gguf.TokenType.CONTROL
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("default")
-    writer.add_token_list(tokens)
-    writer.add_token_types(types)
-    writer.add_token_merges(["a b"])  # llama.cpp needs the key; our tokenizer is the HF one
-    writer.add_eos_token_id(tok.eos_token_id)
-    writer.add_bos_token_id(tok.eos_token_id)
+    rope = getattr(cfg, "rope_parameters", None) or {}
+    writer = qwen2_gguf_writer(
+        out, name=model_dir.name, hidden=cfg.hidden_size, intermediate=cfg.intermediate_size,
+        layers=cfg.num_hidden_layers, heads=cfg.num_attention_heads, kv_heads=cfg.num_key_value_heads,
+        vocab_size=cfg.vocab_size, context=cfg.max_position_embeddings, eps=cfg.rms_norm_eps,
+        rope_theta=float(rope.get("rope_theta", getattr(cfg, "rope_theta", 10000.0))),
+        file_type={"F32": gguf.LlamaFileType.ALL_F32, "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype],
+    )  # fmt: skip
     names = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
              "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
