@@ -4,7 +4,9 @@ Large trees where a target pass costs the same for any size; small, confident on
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +19,7 @@ from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
 from tests.test_exactness import PROMPT
 
+ROOT = Path(__file__).resolve().parents[1]
 BASE = TreeParams(budget=1024, max_depth=32, max_branch=8, expand_batch=64)
 DRAFT = [(1, 0.0155), (16, 0.036), (64, 0.09)]  # this CPU's int8 0.5B draft
 CPU = [(1, 0.078), (8, 0.082), (16, 0.107), (64, 0.32)]  # its 1.5B target: a pass grows with the tree
@@ -44,6 +47,21 @@ def test_flat_forward_curve_grows_trees_to_the_cap():
     params = plan.choose()
     assert params.budget == BASE.budget
     assert params.min_prob < 0.02 and params.min_node_prob < 0.001
+
+
+def test_the_measured_offload_curve_leaves_only_the_draft_to_bound_the_trees():
+    """The 7B target streamed to an H200 (docs/gpu/): its pass costs the same for 1 and 1,024 tokens,
+    so every node the draft gives any chance is proposed, and only the draft's own expansions are
+    priced; on the CPU's curve the same steps propose far fewer."""
+    measured = json.loads((ROOT / "docs" / "gpu" / "offload-torch-7b.json").read_text())["rows"][0]["seconds"]
+    gpu = sorted((int(k), t) for k, t in measured.items())
+    plans = {name: BudgetPlanner(curve, DRAFT, base=BASE) for name, curve in (("gpu", gpu), ("cpu", CPU))}
+    for plan in plans.values():
+        observe(plan, accepted=6, seconds=0.3)
+    on_gpu, on_cpu = plans["gpu"].thresholds(), plans["cpu"].thresholds()
+    assert on_gpu.slope_seconds < 0.01 * on_cpu.slope_seconds
+    assert on_gpu.params.min_node_prob < 0.001 < 0.03 < on_cpu.params.min_node_prob
+    assert on_gpu.params.min_prob < on_cpu.params.min_prob
 
 
 def test_steep_forward_curve_keeps_only_likely_nodes():
