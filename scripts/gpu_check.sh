@@ -7,7 +7,7 @@
 #      tests' GPU cases (tree passes see only their ancestors; SpecExec equals the same backend's
 #      one-token loop; sessions sharing a pass equal each alone);
 #   3. llama.cpp's pass time on a random Q4_K GGUF of Qwen2.5-7B's shape: every weight in RAM,
-#      half the layers on the GPU, all of them (benchmarks/bench_offload.py);
+#      half the layers on the GPU, all of them (benchmarks/llama_pass_time.py, torch-free);
 #   4. the offloaded torch target's pass time against the tree size for the same shape.
 # On 26 Nov (H200) the build took about 7 minutes and the torch bench, beside it, another 7 (making
 # 7.6B random weights on 4 cores); a device call lasts at most 10, so plan for the last steps to
@@ -77,9 +77,11 @@ b = l.llama_batch_get_one((l.llama_token * 3)(72, 101, 108), 3); assert l.llama_
 print('ok', l.llama_get_logits_ith(c, -1)[0])"
     done
     step "llama.cpp tests, GPU cases" python3 -m pytest -q -p no:cacheprovider tests/test_llama_cpp.py -k gpu -rs
-    step "llama.cpp pass time, Qwen2.5-7B shape" python3 -m benchmarks.bench_offload --shape qwen2.5-7b \
-        --resident-layers --llama-layers 0 14 99 --llama-ks 1 16 32 64 128 256 --seconds 0.5 \
-        --gguf /tmp/random-7b.gguf --out "$OUT/offload-llama-7b.json"
+    step "random Q4_K GGUF, Qwen2.5-7B shape" python3 -c "from pathlib import Path
+from benchmarks.bench_offload import SHAPES, random_gguf
+random_gguf(SHAPES['qwen2.5-7b'], Path('/tmp/random-7b.gguf'))"
+    step "llama.cpp pass time, Qwen2.5-7B shape, no torch in the process" python3 -m benchmarks.llama_pass_time \
+        --gguf /tmp/random-7b.gguf --layers 0 14 99 --ks 1 16 32 64 128 256 --out "$OUT/llama-7b.json"
 else
     echo "!! llama.cpp build failed"
     failed=$((failed + 1))

@@ -495,3 +495,20 @@ def test_llama_cpp_itself_runs_in_a_process_of_its_own(ggufs):
         itself.close()
     assert itself.proc.poll() is not None
     assert tokens == llama_itself(gguf, 1)(PROMPT, 6)[0] and len(tokens) == 6 and seconds > 0
+
+
+def test_llama_cpp_pass_times_are_measured_without_torch(ggufs, tmp_path):
+    """benchmarks/llama_pass_time.py must not import torch: on a GPU machine llama.cpp's CUDA load
+    crashed in a process holding PyTorch's CUDA build (docs/benchmarks.md, "On a GPU")."""
+    import json
+
+    out = tmp_path / "times.json"
+    cmd = [sys.executable, "-m", "benchmarks.llama_pass_time", "--gguf", str(ggufs["Q8_0"] / "model.gguf"),
+           "--layers", "0", "--ks", "1", "8", "--seconds", "0.02", "--threads", "1", "--out", str(out)]  # fmt: skip
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert run.returncode == 0, run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["torch_loaded"] is False
+    (row,) = result["llama_cpp"]
+    assert row["n_gpu_layers"] == 0 and set(row["seconds"]) == {"1", "8"} and min(row["seconds"].values()) > 0
+    assert "| n_gpu_layers |" in run.stdout
