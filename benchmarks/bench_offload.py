@@ -9,14 +9,13 @@ host-to-device copy sets (streamed bytes / measured pinned-copy bandwidth), and 
 memory and peak RSS. Offloaded logits equal the resident model's: `tests/test_offload.py` (its cuda cases run
 where a GPU is).
 
-`--llama-layers` times llama.cpp on the same shape beside it: a GGUF of random Q4_K blocks (every
-matrix, as a Q4_K_M file holds most of them) run with each `n_gpu_layers` given. With 0 every
-weight stays in RAM; llama.cpp then multiplies passes of 32+ rows on the GPU, copying each
-CPU-resident weight over for the pass (its operator offload), and smaller ones on the CPU. Needs a
-llama.cpp built with CUDA (scripts/gpu_check.sh builds one).
+`--write-gguf PATH` writes llama.cpp's counterpart instead, a GGUF of the same shape whose matrices
+are random Q4_K blocks, for `benchmarks/llama_pass_time.py` to time; `--plot` draws the result
+files of both.
 
     python3 -m benchmarks.bench_offload --shape qwen2.5-14b --out offload.json       # on a GPU
     .venv/bin/python -m benchmarks.bench_offload --shape tiny --device cpu --ks 1 8 --resident-layers 0 2  # a dry run here
+    .venv/bin/python -m benchmarks.bench_offload --shape qwen2.5-7b --write-gguf /tmp/random-7b.gguf
     .venv/bin/python -m benchmarks.bench_offload --plot docs/gpu/offload-torch-7b.json --png docs/gpu/offload-7b.png
 """
 
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 
 from common.model.offload import offload
-from common.model.profiling import synthetic_parents, time_tree_forward
+from common.model.profiling import time_tree_forward
 from common.model.transformer import ModelConfig, Transformer
 from common.ops.memory import peak_rss_bytes
 
@@ -69,8 +68,10 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
 
 def random_gguf(cfg: ModelConfig, path: Path) -> Path:
     """A qwen2 GGUF of `cfg`'s shape whose matrices are random Q4_K blocks (one random row repeated,
-    scales set small so no value overflows): a pass costs what a real file of that shape costs.
-    Rows not a multiple of 256 long take Q8_0 blocks, as llama.cpp's quantizer falls back."""
+    scales set small so no value overflows), as a Q4_K_M file holds most of them: a pass costs what
+    a real file of that shape costs (for the 1.5B shape, 0.84-1.09x the real Q4_K_M file's pass on a
+    CPU, interleaved). Rows not a multiple of 256 long take Q8_0 blocks, as llama.cpp's quantizer
+    falls back."""
     import gguf
     import numpy as np
 
@@ -94,6 +95,7 @@ def random_gguf(cfg: ModelConfig, path: Path) -> Path:
         eps=cfg.rms_norm_eps, rope_theta=1e6, file_type=gguf.LlamaFileType.MOSTLY_Q4_K_M,
     )  # fmt: skip
     h, kv = cfg.hidden_size, cfg.num_kv_heads * cfg.head_dim
+
     def add_matrix(name: str, rows: int, cols: int) -> None:
         data, qtype = matrix(rows, cols)
         writer.add_tensor(name, data, raw_dtype=qtype)
@@ -117,17 +119,6 @@ def random_gguf(cfg: ModelConfig, path: Path) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def time_llama_cpp(path: Path, n_gpu_layers: int, ks: list[int], seconds: float) -> dict[str, float]:
-    """Seconds of one k-node tree pass after a 64-token prefix, for each k, through our backend."""
-    from common.model.llama_cpp import LlamaCppModel
-
-    model = LlamaCppModel(path, n_gpu_layers=n_gpu_layers)
-    try:
-        return {str(k): model.time_tree(k, 64, synthetic_parents(k), budget_seconds=seconds) for k in ks}
-    finally:
-        model.close()
 
 
 def copy_bandwidth(device: torch.device, nbytes: int = 1 << 30) -> float | None:
@@ -187,17 +178,21 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--dtype", choices=("bfloat16", "float16", "float32"), default="bfloat16")
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 16, 64, 256, 1024, 4096])
-    ap.add_argument("--resident-layers", type=int, nargs="*", default=[0, 8], help="layouts to time (none: llama.cpp only)")
+    ap.add_argument("--resident-layers", type=int, nargs="+", default=[0, 8], help="layouts to time")
     ap.add_argument("--prefetch-layers", type=int, default=2)
     ap.add_argument("--seconds", type=float, default=1.0, help="timing budget per size (minimum kept)")
-    ap.add_argument("--llama-layers", type=int, nargs="*", default=[],
-                    help="also time llama.cpp on a random Q4_K GGUF of this shape, with each n_gpu_layers")
-    ap.add_argument("--llama-ks", type=int, nargs="+", default=[1, 16, 32, 64, 128, 256])
-    ap.add_argument("--gguf", type=Path, default=Path("/tmp/random-q4k.gguf"), help="where that GGUF is written")
+    ap.add_argument("--write-gguf", type=Path, metavar="PATH",
+                    help="write a random Q4_K GGUF of --shape here for llama.cpp, and exit")  # fmt: skip
     ap.add_argument("--out", type=Path, help="write the measurements as JSON here")
     args = ap.parse_args()
     if args.plot:
         plot([json.loads(f.read_text()) for f in args.plot], args.png)
+        return
+    if args.write_gguf:
+        start = time.perf_counter()
+        random_gguf(SHAPES[args.shape], args.write_gguf)
+        size = args.write_gguf.stat().st_size / 1e9
+        print(f"wrote {args.write_gguf} ({size:.1f} GB) in {time.perf_counter() - start:.0f} s")
         return
     device, dtype, cfg = torch.device(args.device), getattr(torch, args.dtype), SHAPES[args.shape]
     layer_bytes = cfg.layer_parameter_count * torch.finfo(dtype).bits // 8
@@ -216,21 +211,11 @@ def main() -> None:
             peak_gpu_gb=torch.cuda.max_memory_allocated(device) / 1e9 if device.type == "cuda" else None,
         ))  # fmt: skip
         del model
-    llama_rows = []
-    if args.llama_layers:
-        start = time.perf_counter()
-        random_gguf(cfg, args.gguf)
-        print(f"wrote {args.gguf} ({args.gguf.stat().st_size / 1e9:.1f} GB) in {time.perf_counter() - start:.0f} s")
-        for layers in args.llama_layers:
-            seconds = time_llama_cpp(args.gguf, layers, args.llama_ks, args.seconds)
-            llama_rows.append(dict(n_gpu_layers=layers, seconds=seconds))
-        args.gguf.unlink()
     result = dict(
         shape=args.shape, device=str(device), dtype=args.dtype, gpu=torch.cuda.get_device_name(device)
         if device.type == "cuda" else None, parameters_b=cfg.parameter_count / 1e9,
         copy_gb_s=bandwidth / 1e9 if bandwidth else None, prefetch_layers=args.prefetch_layers, rows=rows,
-        peak_rss_gb=peak_rss_bytes() / 1e9, llama_cpp=llama_rows,
-        gguf_gb=cfg.parameter_count * 144 / 256 / 1e9 if llama_rows else None,
+        peak_rss_gb=peak_rss_bytes() / 1e9,
     )  # fmt: skip
     print(f"{args.shape} ({result['parameters_b']:.1f}B parameters, {args.dtype}) on {result['gpu'] or device}; "
           f"pinned host-to-device copy {copy_text(result['copy_gb_s'])}; peak RSS {result['peak_rss_gb']:.1f} GB")  # fmt: skip
@@ -245,12 +230,6 @@ def main() -> None:
         cells = " | ".join(f"{r['seconds'][str(k)]:.4f}" for k in args.ks)
         floor = "–" if r["floor_s"] is None else f"{r['floor_s']:.4f}"
         print(f"| {r['resident_layers']} | {r['streamed_gb']:.1f} | {floor} | {cells} | {gpu} |")
-    if llama_rows:
-        print(f"\nllama.cpp, random Q4_K GGUF of the same shape ({result['gguf_gb']:.1f} GB)")
-        print("| n_gpu_layers | " + " | ".join(f"k={k} s" for k in args.llama_ks) + " |")
-        print("|---|" + "---|" * len(args.llama_ks))
-        for r in llama_rows:
-            print(f"| {r['n_gpu_layers']} | " + " | ".join(f"{r['seconds'][str(k)]:.4f}" for k in args.llama_ks) + " |")
     if args.out:
         args.out.write_text(json.dumps(result, indent=1))
 

@@ -7,6 +7,12 @@ curve can be measured there whatever the cause. Each pass is k tokens after a 64
 logits on every row, as a chain: a tree of k nodes differs only in its attention mask, which costs
 the same. Minimum over repeats, after one warm-up pass per k.
 
+With `--layers 0` on a GPU build every weight stays in RAM: llama.cpp then multiplies passes of 32+
+rows on the GPU, copying each CPU-resident weight over for the pass (its operator offload), and
+smaller ones on the CPU. A real model's shape without its weights: `benchmarks/bench_offload.py
+--write-gguf`.
+
+    python -m benchmarks.bench_offload --shape qwen2.5-7b --write-gguf /tmp/random-7b.gguf
     python -m benchmarks.llama_pass_time --gguf /tmp/random-7b.gguf --layers 0 14 99 --out llama.json
 """
 

@@ -77,9 +77,8 @@ b = l.llama_batch_get_one((l.llama_token * 3)(72, 101, 108), 3); assert l.llama_
 print('ok', l.llama_get_logits_ith(c, -1)[0])"
     done
     step "llama.cpp tests, GPU cases" python3 -m pytest -q -p no:cacheprovider tests/test_llama_cpp.py -k gpu -rs
-    step "random Q4_K GGUF, Qwen2.5-7B shape" python3 -c "from pathlib import Path
-from benchmarks.bench_offload import SHAPES, random_gguf
-random_gguf(SHAPES['qwen2.5-7b'], Path('/tmp/random-7b.gguf'))"
+    step "random Q4_K GGUF, Qwen2.5-7B shape" python3 -m benchmarks.bench_offload --shape qwen2.5-7b \
+        --write-gguf /tmp/random-7b.gguf
     step "llama.cpp pass time, Qwen2.5-7B shape, no torch in the process" python3 -m benchmarks.llama_pass_time \
         --gguf /tmp/random-7b.gguf --layers 0 14 99 --ks 1 16 32 64 128 256 --out "$OUT/llama-7b.json"
 else

@@ -512,3 +512,19 @@ def test_llama_cpp_pass_times_are_measured_without_torch(ggufs, tmp_path):
     (row,) = result["llama_cpp"]
     assert row["n_gpu_layers"] == 0 and set(row["seconds"]) == {"1", "8"} and min(row["seconds"].values()) > 0
     assert "| n_gpu_layers |" in run.stdout
+
+
+@pytest.mark.parametrize("hidden", [64, 256], ids=["q8_0 rows", "q4_k rows"])
+def test_a_random_gguf_of_a_real_shape_runs_with_finite_logits(tmp_path, hidden):
+    """benchmarks/bench_offload.py --write-gguf: the GPU check times llama.cpp on such a file, so its
+    blocks must be ones llama.cpp computes with, whatever the row length."""
+    from benchmarks.bench_offload import random_gguf
+    from common.model.transformer import ModelConfig
+
+    cfg = ModelConfig("qwen2", 1024, hidden, 2 * hidden, 2, 4, 2, hidden // 4, 1e-6, True, False, False, 512)
+    model = LlamaCppModel(random_gguf(cfg, tmp_path / "random.gguf"), threads=1)
+    try:
+        logits = chain_logits(model, PROMPT, [1, 2, 3])
+    finally:
+        model.close()
+    assert logits.shape == (3, 1024) and bool(torch.isfinite(logits).all())
