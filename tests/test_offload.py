@@ -90,6 +90,43 @@ def test_generation_with_an_offloaded_target_is_unchanged(device, model_dirs):
     assert run(OffloadPlan(resident_layers=1, prefetch_layers=2), device) == run(None, "cpu")
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_offloaded_target_node_serves_the_target_alone_tokens(device, model_dirs, tmp_path):
+    """Through real nodes over gRPC, as a home lab runs it: the target node streams its layers
+    (`--offload`, one resident) to `device`, the draft runs on the CPU, and the text, greedy and
+    seeded, is the target alone's (Hugging Face reference)."""
+    import os
+
+    from client.remote import connect
+    from common.decoding.sampling import SamplingParams
+    from common.decoding.tree import TreeParams
+    from tests.helpers import Proc, free_port, reference_decode
+
+    env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}  # its forward-time curve cache
+    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
+    procs = [
+        Proc("target", ["-m", "target_node", "--model", str(model_dirs["target"]), "--listen", addrs["target"],
+                        "--device", device, "--offload", "--resident-layers", "1", "--max-tree", "32"], env, tmp_path),
+        Proc("draft", ["-m", "draft_node", "--model", str(model_dirs["truncated"]), "--listen", addrs["draft"],
+                       "--max-tree", "32"], env, tmp_path),
+    ]  # fmt: skip
+    try:
+        for proc, addr in zip(procs, addrs.values(), strict=True):
+            proc.wait_serving(addr)
+        gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), auto_budget=True)
+        assert gen.target.info().device.startswith(device)
+        for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=7)):
+            params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+            out = gen.generate([5, 17, 99, 3], params)
+            assert out.token_ids == reference_decode(model_dirs["target"], [5, 17, 99, 3], params)
+            assert out.stats.target_steps < 24  # trees were accepted, not only the target's own tokens
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.stop()
+
+
 def test_target_command_accepts_offload_flags():
     from client.cli.main import build_parser
 
