@@ -171,6 +171,18 @@ def test_a_build_with_amx_kernels_loads_without_repacked_weights(ggufs, monkeypa
     assert "AMX" in caplog.text
 
 
+def test_gpu_layers_beside_a_cuda_torch_are_warned_about(ggufs, monkeypatch, caplog):
+    """On the H200 a CUDA llama.cpp load crashed in a process holding PyTorch's CUDA build: a user who
+    asks for GPU layers in such a process is told, before the load, what to try if it dies."""
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    monkeypatch.setattr(llama_cpp, "llama_supports_gpu_offload", lambda: True)
+    LlamaCppModel(ggufs["F32"] / "model.gguf", threads=1, n_gpu_layers=99).close()
+    assert "CPU wheel" in caplog.text
+    caplog.clear()
+    LlamaCppModel(ggufs["F32"] / "model.gguf", threads=1).close()  # no GPU layers asked for
+    assert "CPU wheel" not in caplog.text
+
+
 def test_a_file_llama_cpp_cannot_load_gets_a_clear_error(tmp_path):
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 64)

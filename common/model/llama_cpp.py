@@ -124,6 +124,10 @@ class LlamaCppModel:
                         "(ggml-org/llama.cpp#20824): loading without repacked weights; "
                         "scripts/setup.sh builds it without them")  # fmt: skip
             repack = False
+        if n_gpu_layers and torch.version.cuda and lib.llama_supports_gpu_offload():
+            log.warning("llama.cpp's CUDA backend beside PyTorch's CUDA build (%s): on the one GPU machine "
+                        "tried, loading a model this way crashed the process (docs/benchmarks.md, 'On a GPU'); "
+                        "if it does here, install PyTorch's CPU wheel", torch.version.cuda)  # fmt: skip
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
