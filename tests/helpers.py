@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from client.bench.harness import free_port  # noqa: F401  (re-exported for the tests)
+from client.bench.harness import free_port  # also used by the tests
 from common.decoding.sampling import SamplingParams, sample_rows
 from common.decoding.tree import TokenTree, TreeStructure, attention_bias
 
@@ -81,6 +83,25 @@ class Proc:
                 self.popen.kill()
                 self.popen.wait()
         self._file.close()
+
+
+
+@contextmanager
+def node_pair(target_args: list[str], draft_args: list[str], env: dict[str, str], logs: Path) -> Iterator[dict[str, str]]:
+    """A target node and a draft node on free loopback ports, serving until the block ends; yields
+    their addresses. The args follow `--model M` (each node gets its own `--listen`)."""
+    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
+    procs = [Proc(role, ["-m", f"{role}_node", *args, "--listen", addrs[role]], env, logs)
+             for role, args in (("target", target_args), ("draft", draft_args))]  # fmt: skip
+    try:
+        for proc, addr in zip(procs, addrs.values(), strict=True):
+            proc.wait_serving(addr)
+        yield addrs
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.stop()
 
 
 SAMPLE_TREE = TokenTree(torch.tensor([3, 10, 11, 12, 13, 14, 15]), torch.tensor([-1, 0, 0, 1, 1, 3, 2]))

@@ -19,7 +19,7 @@ from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeParams
 from common.model.profiling import synthetic_parents
-from tests.helpers import Proc, free_port
+from tests.helpers import free_port, node_pair
 from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
@@ -252,16 +252,8 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
     sampling = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=0.8, seed=2)
     alone = SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive", backend="llama.cpp", kv_type="f32")
     expected = alone.generate(PROMPT, sampling).token_ids
-    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
-    procs = [
-        Proc("target", ["-m", "target_node", "--model", str(ggufs["F32"]), "--listen", addrs["target"],
-                        "--backend", "llama.cpp", "--kv-type", "f32"], env, tmp_path),
-        Proc("draft", ["-m", "draft_node", "--model", str(ggufs["draft"]), "--listen", addrs["draft"],
-                       "--max-tree", "16"], env, tmp_path),
-    ]  # fmt: skip
-    try:
-        for proc, addr in zip(procs, addrs.values(), strict=True):
-            proc.wait_serving(addr)
+    target = ["--model", str(ggufs["F32"]), "--backend", "llama.cpp", "--kv-type", "f32"]
+    with node_pair(target, ["--model", str(ggufs["draft"]), "--max-tree", "16"], env, tmp_path) as addrs:
         gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
         assert gen.target.info().dtype == "gguf (f32 KV)"
         assert len(gen.target.info().forward_curve) > 1  # profiled through llama.cpp
@@ -272,11 +264,6 @@ def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkey
         auto = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=1024), auto_budget=True)
         assert auto.tree is not None and auto.tree.budget == 16  # fitted to the smaller node
         assert auto.generate(PROMPT, sampling).token_ids == expected
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.stop()
 
 
 @pytest.mark.parametrize(

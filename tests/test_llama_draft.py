@@ -18,7 +18,7 @@ from client.api import SpecExec
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-from tests.helpers import Proc, free_port
+from tests.helpers import free_port, node_pair
 from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
@@ -161,16 +161,8 @@ def test_draft_node_on_llama_cpp_with_lookahead_serves_the_same_tokens(ggufs, tm
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True, temperature=0.8, seed=2)
     alone = SpecExec.local(None, str(ggufs["target"]), mode="autoregressive", kv_type="f32")
     expected = alone.generate(PROMPT, sampling).token_ids
-    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
-    procs = [
-        Proc("target", ["-m", "target_node", "--model", str(ggufs["target"]), "--listen", addrs["target"],
-                        "--kv-type", "f32", "--no-profile"], env, tmp_path),
-        Proc("draft", ["-m", "draft_node", "--model", str(ggufs["draft"]), "--listen", addrs["draft"],
-                       "--kv-type", "f32"], env, tmp_path),
-    ]  # fmt: skip
-    try:
-        for proc, addr in zip(procs, addrs.values(), strict=True):
-            proc.wait_serving(addr)
+    target = ["--model", str(ggufs["target"]), "--kv-type", "f32", "--no-profile"]
+    with node_pair(target, ["--model", str(ggufs["draft"]), "--kv-type", "f32"], env, tmp_path) as addrs:
         gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
         info = gen.draft.info()
         assert info.dtype == "gguf (f32 KV)" and info.max_tree_nodes == 256  # 255 besides the root
@@ -178,11 +170,6 @@ def test_draft_node_on_llama_cpp_with_lookahead_serves_the_same_tokens(ggufs, tm
         out = gen.generate(PROMPT, sampling)
         assert out.token_ids == expected
         assert out.stats.reused_trees > 0  # the lookahead search re-rooted on llama.cpp
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.stop()
 
 
 def test_draft_node_refuses_what_llama_cpp_cannot_do(ggufs):

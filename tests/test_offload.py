@@ -100,19 +100,12 @@ def test_an_offloaded_target_node_serves_the_target_alone_tokens(device, model_d
     from client.remote import connect
     from common.decoding.sampling import SamplingParams
     from common.decoding.tree import TreeParams
-    from tests.helpers import Proc, free_port, reference_decode
+    from tests.helpers import node_pair, reference_decode
 
     env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}  # its forward-time curve cache
-    addrs = {"target": f"127.0.0.1:{free_port()}", "draft": f"127.0.0.1:{free_port()}"}
-    procs = [
-        Proc("target", ["-m", "target_node", "--model", str(model_dirs["target"]), "--listen", addrs["target"],
-                        "--device", device, "--offload", "--resident-layers", "1", "--max-tree", "32"], env, tmp_path),
-        Proc("draft", ["-m", "draft_node", "--model", str(model_dirs["truncated"]), "--listen", addrs["draft"],
-                       "--max-tree", "32"], env, tmp_path),
-    ]  # fmt: skip
-    try:
-        for proc, addr in zip(procs, addrs.values(), strict=True):
-            proc.wait_serving(addr)
+    target = ["--model", str(model_dirs["target"]), "--device", device, "--offload", "--resident-layers", "1",
+              "--max-tree", "32"]  # fmt: skip
+    with node_pair(target, ["--model", str(model_dirs["truncated"]), "--max-tree", "32"], env, tmp_path) as addrs:
         gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), auto_budget=True)
         assert gen.target.info().device.startswith(device)
         for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=7)):
@@ -120,11 +113,6 @@ def test_an_offloaded_target_node_serves_the_target_alone_tokens(device, model_d
             out = gen.generate([5, 17, 99, 3], params)
             assert out.token_ids == reference_decode(model_dirs["target"], [5, 17, 99, 3], params)
             assert out.stats.target_steps < 24  # trees were accepted, not only the target's own tokens
-    finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.stop()
 
 
 def test_target_command_accepts_offload_flags():
