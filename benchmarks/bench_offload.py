@@ -52,9 +52,10 @@ SHAPES = {  # the published configs of the Qwen2.5 family
 }
 
 
-def random_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
-    """On the host, uninitialised then filled with small normals: default initialisation of tens of
-    billions of weights would take longer than the measurement."""
+def random_model(cfg: ModelConfig, dtype: torch.dtype, fill: torch.device | None = None) -> Transformer:
+    """On the host, uninitialised then filled with small normals drawn on `fill` (the GPU where there
+    is one): default initialisation of billions of weights, or drawing them on a few host cores
+    (7 minutes for the 7B shape on 4 cores), would take longer than the measurement."""
     inv_freq = 1.0 / (1e6 ** (torch.arange(0, cfg.head_dim, 2, dtype=torch.float) / cfg.head_dim))
     with torch.device("meta"):
         model = Transformer(cfg, inv_freq)
@@ -62,7 +63,7 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype) -> Transformer:
     model.inv_freq = inv_freq  # float32, as loading keeps it: `.to(dtype)` cast the buffer too
     with torch.no_grad():
         for p in model.parameters():
-            p.normal_(0.0, 0.02)
+            p.copy_(torch.empty(p.shape, dtype=dtype, device=fill or "cpu").normal_(0.0, 0.02))
     return model.eval()
 
 
@@ -86,7 +87,8 @@ def random_gguf(cfg: ModelConfig, path: Path) -> Path:
         blocks = rng.integers(0, 256, (cols // block_values, block_bytes), dtype=np.uint8)
         scales = [1e-3, 1e-3] if q4k else [1e-3]  # Q4_K: d and dmin; Q8_0: d
         blocks[:, : 2 * len(scales)] = np.array(scales, dtype=np.float16).view(np.uint8)
-        return np.tile(blocks.reshape(1, -1), (rows, 1)), qtype  # contiguous: numpy writes a strided view slowly
+        # Contiguous: numpy writes a strided view slowly.
+        return np.tile(blocks.reshape(1, -1), (rows, 1)), qtype
 
     writer = qwen2_gguf_writer(
         path, name=f"random-{cfg.num_layers}x{cfg.hidden_size}", hidden=cfg.hidden_size,
@@ -202,7 +204,8 @@ def main() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
-        model = offload(random_model(cfg, dtype), device, resident_layers=resident, ring=args.prefetch_layers)
+        weights = random_model(cfg, dtype, fill=device if device.type == "cuda" else None)
+        model = offload(weights, device, resident_layers=resident, ring=args.prefetch_layers)
         times = {k: time_tree_forward(model, k, k, budget_seconds=args.seconds) for k in args.ks}
         streamed = (cfg.num_layers - resident) * layer_bytes
         rows.append(dict(

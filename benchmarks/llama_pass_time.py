@@ -37,10 +37,14 @@ def _fill(batch: lib.llama_batch, tokens: list[int], start: int) -> None:
         batch.seq_id[i][0] = 0
 
 
-def pass_times(path: Path, n_gpu_layers: int, ks: list[int], seconds: float, threads: int) -> dict[str, float]:
+def pass_times(path: Path, n_gpu_layers: int, ks: list[int], seconds: float, threads: int,
+               repack: bool = True, mmap: bool = True) -> dict[str, float]:  # fmt: skip
     """Seconds of one k-token pass after a PREFIX-token prompt, for each k."""
     params = lib.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
+    params.use_extra_bufts = repack
+    if not mmap:  # read into llama.cpp's buffers: the GPU's pinned host memory for CPU layers, where it has one
+        params.load_mode = lib.LLAMA_LOAD_MODE_NONE
     model = lib.llama_model_load_from_file(str(path).encode(), params)
     if not model:
         raise SystemExit(f"llama.cpp could not load {path}")
@@ -87,15 +91,19 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0.5, help="timing budget per size (minimum kept)")
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--out", type=Path, help="write the measurements as JSON here")
+    ap.add_argument("--no-repack", dest="repack", action="store_false",
+                    help="keep llama.cpp's CPU weights as in the file (no repacked copies for its CPU kernels)")  # fmt: skip
+    ap.add_argument("--no-mmap", dest="mmap", action="store_false", help="read the file into memory instead of mapping it")
     ap.add_argument("--verbose", action="store_true", help="keep llama.cpp's own log")
     args = ap.parse_args()
     lib.llama_backend_init()
     silent = lib.llama_log_callback(lambda level, text, user_data: None)  # kept alive until the end
     if not args.verbose:
         lib.llama_log_set(silent, None)
-    rows = [dict(n_gpu_layers=n, seconds=pass_times(args.gguf, n, args.ks, args.seconds, args.threads))
+    rows = [dict(n_gpu_layers=n, seconds=pass_times(args.gguf, n, args.ks, args.seconds, args.threads, args.repack, args.mmap))
             for n in args.layers]  # fmt: skip
     result = dict(gguf=str(args.gguf), gguf_gb=args.gguf.stat().st_size / 1e9, threads=args.threads,
+                  repack=args.repack, mmap=args.mmap, op_offload_min_batch=os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", "32"),
                   gpu_offload=bool(lib.llama_supports_gpu_offload()), torch_loaded="torch" in sys.modules,
                   llama_cpp=rows)  # fmt: skip
     print(f"llama.cpp on {args.gguf.name} ({result['gguf_gb']:.1f} GB), {args.threads} threads, "
