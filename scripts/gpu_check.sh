@@ -6,14 +6,19 @@
 #   2. llama.cpp with CUDA: prebuilt by gpu_prepare.sh (.gpu/lib), else built here (7 minutes on
 #      14 cores on 26 Nov);
 #   3. llama.cpp loads and decodes with and without PyTorch in the process, under a crash handler
-#      that prints the native stack: on 26 Nov (H200, PyTorch 2.11+cu130) a load crashed in any
-#      process that had imported PyTorch. Each way around it tried is timed as its own case; the
-#      first that works is kept (a sitecustomize.py) for the steps after;
-#   4. the llama.cpp tests' GPU cases (tree passes see only their ancestors; SpecExec equals the
-#      same backend's one-token loop; sessions sharing a pass equal each alone);
+#      that prints the native stack: on 26 Nov a llama.cpp built on the H200 (GGML_NATIVE, the
+#      system's CUDA 13.0) crashed at load in any process holding PyTorch 2.11+cu130; the prebuilt
+#      library ran in all 8 cases on the H100. Each way around a crash is its own case; the first
+#      that works is kept (a sitecustomize.py) for the steps after;
+#   4. the llama.cpp tests' GPU cases (tree passes see only their ancestors, within TF32's error;
+#      SpecExec parts from the one-token loop only at near ties; sessions sharing a pass equal each
+#      alone);
 #   5. llama.cpp's pass time on a random Q4_K GGUF of Qwen2.5-7B's shape, torch-free: every weight
-#      in RAM, half the layers on the GPU, all of them (benchmarks/llama_pass_time.py);
+#      in RAM (mapped, as llama.cpp loads by default, and read into pinned memory, as our backend
+#      does on a GPU build), half the layers on the GPU, all of them (benchmarks/llama_pass_time.py),
+#      then our backend's own curve with PyTorch loaded;
 #   6. the offloaded torch target's pass time for the same shape, on the same card.
+# On 26 Nov (H100) steps 1-6 took 3 minutes with the prebuilt library.
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
 set -u
@@ -143,9 +148,22 @@ export PYTHONPATH=/tmp/pre:$PYTHONPATH
 step "llama.cpp tests, GPU cases" timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_llama_cpp.py -k gpu -rs
 step "random Q4_K GGUF, Qwen2.5-7B shape" python3 -m benchmarks.bench_offload --shape qwen2.5-7b \
     --write-gguf /tmp/random-7b.gguf
-step "llama.cpp pass time, Qwen2.5-7B shape, no torch in the process" env PYTHONPATH=/tmp/site:$PWD \
-    timeout 200 python3 -m benchmarks.llama_pass_time --gguf /tmp/random-7b.gguf --layers 0 14 99 \
-    --ks 1 16 32 64 128 256 512 --out "$OUT/llama-7b.json"
+# Every layer in RAM, mapped (llama.cpp's default: streamed from pageable pages, from 32 rows) and
+# read into pinned memory, streamed from 2 rows (ours); then 14 and all 28 layers on the GPU.
+for run in "mapped|0|32|" "read|0 14 99|2|--no-mmap"; do
+    IFS='|' read -r label layers rows flag <<<"$run"
+    step "llama.cpp pass time, Qwen2.5-7B shape, $label, streamed from $rows rows, no torch in the process" \
+        env PYTHONPATH=/tmp/site:$PWD GGML_OP_OFFLOAD_MIN_BATCH=$rows timeout 200 python3 -m benchmarks.llama_pass_time \
+        --gguf /tmp/random-7b.gguf --layers $layers --ks 1 2 4 16 32 64 256 1024 $flag --out "$OUT/llama-7b-$label.json"
+done
+step "our llama.cpp backend's curve, Qwen2.5-7B shape, PyTorch loaded" timeout 150 python3 -c "
+import torch
+from common.model.llama_cpp import LlamaCppModel
+for layers in (0, 14):
+    m = LlamaCppModel('/tmp/random-7b.gguf', n_gpu_layers=layers)
+    row = {k: round(m.time_tree(k, 64, torch.arange(-1, k - 1), budget_seconds=0.4), 4) for k in (1, 2, 4, 16, 64, 256)}
+    print(layers, 'GPU layers:', row, m.curve_key())
+    m.close()"
 step "torch offload pass time, Qwen2.5-7B shape" timeout 200 python3 -m benchmarks.bench_offload \
     --shape qwen2.5-7b --ks 1 16 64 256 1024 4096 --resident-layers 0 14 --seconds 0.5 \
     --out "$OUT/offload-torch-7b.json"
