@@ -151,7 +151,7 @@ def plot(results: list[dict], png: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.2))
     for result in results:  # this script's files, or benchmarks/llama_pass_time.py's (llama.cpp rows only)
-        where = f"{result.get('shape', Path(result.get('gguf', '?')).stem)}, {result.get('gpu') or result.get('device', '')}"
+        where = result.get("label") or f"{result.get('shape', Path(result.get('gguf', '?')).stem)}, {result.get('gpu') or result.get('device', '')}"
         for row in result.get("rows", []):
             ks = sorted(int(k) for k in row["seconds"])
             line = ax.plot(ks, [row["seconds"][str(k)] for k in ks], marker="o",
