@@ -155,15 +155,18 @@ class BudgetPlanner:
             return self._thresholds(request if request is not None else self._stats(regime))
 
     def _thresholds(self, s: RegimeStats) -> Thresholds:
-        """The target's cost per tree token is its curve's mean slope over at least SLOPE_SPAN tokens:
-        between 1 and 2 tokens the curve is a difference of two noisy timings, and a slope read there
-        (where small trees would put it) raised the node floor, which shrank the trees further, until
-        steps proposed nothing. A node worth expanding is worth proposing: the node floor never
-        exceeds the expansion floor."""
+        """The target's cost per tree token is its curve's mean slope over at least SLOPE_SPAN tokens
+        past a tree's first node: between 1 and 2 tokens the curve is a difference of two noisy
+        timings, and a slope read there (where small trees would put it) raised the node floor, which
+        shrank the trees further, until steps proposed nothing. The step from 1 token to 2 is paid by
+        any tree, and is the whole cost of one where llama.cpp computes a token on the CPU and streams
+        every tree to the GPU (0.057 s, then 0.096 s for 2 tokens and 0.104 s for 16): whether a tree
+        pays at all is decided apart (`draft_pays`). A node worth expanding is worth proposing: the
+        node floor never exceeds the expansion floor."""
         span = min(max(s.size, float(SLOPE_SPAN)), float(self.base.budget))
         k = self.sharing
-        grown = interpolate(self.target_curve, k * (span + 1)) - interpolate(self.target_curve, k)
-        slope = self.target_scale * max(grown, 0.0) / span
+        grown = interpolate(self.target_curve, k * (span + 1)) - interpolate(self.target_curve, 2 * k)
+        slope = self.target_scale * max(grown, 0.0) / (span - 1)
         exposed = self._exposed(s)
         level = exposed * self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
         value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node

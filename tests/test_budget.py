@@ -64,6 +64,20 @@ def test_the_measured_offload_curve_leaves_only_the_draft_to_bound_the_trees():
     assert on_gpu.params.min_prob < on_cpu.params.min_prob
 
 
+def test_llama_cpp_streaming_its_layers_in_ram_plans_from_its_own_curve():
+    """Our llama.cpp backend with every layer of a 7B Q4_K in RAM on the H100 (docs/gpu/h100-26nov):
+    one token on the CPU, every tree streamed, 2 to 64 tokens at about the same cost. The planner
+    sees that curve's flat slope past the first node, not the CPU's."""
+    rows = json.loads((ROOT / "docs" / "gpu" / "h100-26nov" / "llama-7b-ours.json").read_text())["llama_cpp"]
+    gpu = sorted((int(k), t) for k, t in rows[0]["seconds"].items())
+    plans = {name: BudgetPlanner(curve, DRAFT, base=BASE) for name, curve in (("gpu", gpu), ("cpu", CPU))}
+    for plan in plans.values():
+        observe(plan, accepted=6, seconds=0.3)
+    on_gpu, on_cpu = plans["gpu"].thresholds(), plans["cpu"].thresholds()
+    assert on_gpu.slope_seconds < 0.25 * on_cpu.slope_seconds
+    assert on_gpu.params.min_node_prob < on_cpu.params.min_node_prob
+
+
 def test_steep_forward_curve_keeps_only_likely_nodes():
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     observe(plan, accepted=6, seconds=0.2)
