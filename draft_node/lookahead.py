@@ -2,8 +2,10 @@
 session's search grows below the tree it shipped (SpecExec's cache tree), one batch at a time.
 
 A request always wins: the worker stands aside after every batch as soon as a request is waiting,
-so a request waits for at most one draft forward. The worker holds only its session's lock; its
-forwards share passes with requests' (common.runtime.batching).
+and a request cuts the batch in flight short where the backend can (llama.cpp: `Interrupted`, the
+search left as it was before the batch), so it waits for at most one draft forward, or a few graph
+nodes of one. The worker holds only its session's lock; its forwards share passes with requests'
+(common.runtime.batching).
 
 With several sessions asking for trees, the worker rests: the draft's idle moments are then short
 and belong to everyone, and each idle forward for one session delays the next request of another by
@@ -21,10 +23,16 @@ from contextlib import contextmanager
 from typing import Protocol
 
 
+class Interrupted(Exception):
+    """An idle step was cut short by a request; the search is as it was before the step."""
+
+
 class Searching(Protocol):
     lock: threading.Lock  # held while the session changes: by a request, or by one idle step
 
     def idle_step(self) -> bool: ...
+
+    def interrupt(self) -> None: ...  # cut the idle step in flight short, where the backend can
 
 
 ALONE_SECONDS = 1.0  # the worker runs while no other session has asked for a tree for this long
@@ -40,6 +48,8 @@ class Lookahead:
         self._waiting = 0  # requests waiting for (or holding) the model
         self.alone_seconds = alone_seconds
         self.forwards = 0  # batches expanded in idle time, for tests and metrics
+        self.interrupted = 0  # idle batches a request cut short
+        self._stepping: Searching | None = None  # the session whose idle step is in flight
         self._closed = False
         self._thread = threading.Thread(target=self._run, daemon=True, name="draft-lookahead")
         self._thread.start()
@@ -57,6 +67,9 @@ class Lookahead:
         """Around a request's use of the model: the worker stands aside until it is done."""
         with self._cv:
             self._waiting += 1
+            stepping = self._stepping
+        if stepping is not None:
+            stepping.interrupt()
         try:
             yield
         finally:
@@ -116,7 +129,16 @@ class Lookahead:
             with self._cv:
                 if self._waiting or self._current() is not session:
                     return True
-            grew = session.idle_step()
+                self._stepping = session
+            try:
+                grew = session.idle_step()
+            except Interrupted:
+                with self._cv:
+                    self.interrupted += 1
+                return True
+            finally:
+                with self._cv:
+                    self._stepping = None
         with self._cv:
             self.forwards += grew
             if not grew and self._current() is session:

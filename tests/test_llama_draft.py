@@ -25,6 +25,7 @@ llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not ins
 
 from common.model.llama_cpp import LlamaCppModel  # noqa: E402
 from draft_node.llama_session import LlamaDraftSession  # noqa: E402
+from draft_node.lookahead import Interrupted  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -181,13 +182,42 @@ def test_draft_node_refuses_what_llama_cpp_cannot_do(ggufs):
         assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
 
 
+def test_an_interrupted_idle_expansion_leaves_the_search_as_it_was(ggufs):
+    """A request cuts the lookahead's llama.cpp pass short (draft_node.lookahead): the search, its KV
+    and its sequence ids stay as they were before the batch, so the trees that follow equal those of
+    a twin never cut, every expansion still sees exactly its path; and a request's own passes run
+    whatever interrupt came before them."""
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    params = TreeParams(budget=12, max_depth=6, max_branch=3, expand_batch=4)
+    cut, twin = (CheckedSession(model, PROMPT, max_context=128, max_tree=12, lookahead=True) for _ in range(2))
+    for step in range(3):
+        built = [s.build_tree(params)[0] for s in (cut, twin)]
+        free = len(cut.cache.ctx._leaf_free)
+        cut.interrupt()  # no pass in flight: the next interruptible one stops at its first graph node
+        with pytest.raises(Interrupted):
+            cut.idle_step()
+        assert len(cut.cache.ctx._leaf_free) == free and cut.ids_in_use() == twin.ids_in_use()
+        for s in (cut, twin):
+            for _ in range(2):
+                s.idle_step()
+        cut.interrupt()  # stale by the time the next request runs
+        path = deepest_expanded_path(built[1])
+        for s in (cut, twin):
+            s.update(path if step % 2 == 0 else [*path[:1], (path[0] + 7) % 256 if path else 9])
+        got, want = (s.build_tree(params)[0].tree for s in (cut, twin))
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5)
+        assert cut.ids_in_use() + len(cut.cache.ctx._leaf_free) == cut.tree_nodes
+    assert cut.checked > 20 and cut.worst < 1e-3
+
+
 def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
     model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
     session = LlamaDraftSession(model, PROMPT, max_context=64, max_tree=8)
     free = len(session.cache.ctx._leaf_free)
     from common.model import llama_cpp as lc
 
-    def refuse(self, n, at):
+    def refuse(self, n, at, interruptible=False):
         raise lc.LlamaCppError("llama_decode failed (1)")
 
     session.cache.extend(PROMPT)  # the prompt's KV, before decoding starts failing

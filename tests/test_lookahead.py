@@ -3,6 +3,7 @@ the next tree starts from the verified node's subtree, KV included. Output never
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
 from draft_node.engine import DraftEngine
+from draft_node.lookahead import Interrupted, Lookahead
 from draft_node.session import DraftSession
 from draft_node.tree_builder import TreeBuilder, TreeParams
 from target_node.engine import TargetEngine
@@ -205,3 +207,39 @@ def test_the_worker_ends_with_its_engine(loaded):
         gc.collect()  # the engine's cycles go once the worker's current batch has ended
         time.sleep(0.05)
     assert workers() == before
+
+
+class BlockingSearch:
+    """An idle step that blocks until it is interrupted (or 30 s pass), as a long llama.cpp pass."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.started, self.cut = threading.Event(), threading.Event()
+        self.steps = 0
+
+    def idle_step(self) -> bool:
+        self.steps += 1
+        if self.steps > 1:
+            return False  # nothing left to grow
+        self.started.set()
+        if self.cut.wait(30):
+            raise Interrupted
+        return True
+
+    def interrupt(self) -> None:
+        self.cut.set()
+
+
+def test_a_request_cuts_the_idle_step_in_flight_short():
+    """The request interrupts the worker's step instead of waiting it out, and the worker carries on
+    with the session afterwards."""
+    lookahead = Lookahead(alone_seconds=0.0)
+    search = BlockingSearch()
+    try:
+        lookahead.schedule(search)
+        assert search.started.wait(10)
+        with lookahead.request(), search.lock:  # the worker has let go of the session
+            assert search.cut.is_set() and lookahead.interrupted == 1
+        assert lookahead.idle(10) and search.steps == 2  # it went on, found nothing left, stopped
+    finally:
+        lookahead.close(10)

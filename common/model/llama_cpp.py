@@ -52,6 +52,24 @@ class LlamaCppError(RuntimeError):
     """llama.cpp refused a model, a context or a batch."""
 
 
+class Aborted(LlamaCppError):
+    """An interruptible pass was cut short (`LlamaContext.interrupt`); llama.cpp took its cells back."""
+
+
+def _abort_check() -> Any:
+    """A C function llama.cpp can call between a pass's graph nodes to ask whether to stop, reading
+    a flag without Python: libc's strlen over the 2-byte buffer [flag, NUL] returns 0 or 1, which is
+    the bool ggml_abort_callback returns in every C calling convention (al / w0). A Python callback
+    would take the GIL at every node of every pass, and wait for it while gRPC threads run."""
+    try:
+        return ctypes.CDLL(None).strlen
+    except (OSError, AttributeError):  # no process-wide libc symbols (Windows): passes run to the end
+        return None
+
+
+_ABORT_CHECK = _abort_check()
+
+
 def _lib() -> Any:
     try:
         import llama_cpp
@@ -274,6 +292,10 @@ class LlamaContext:
                 f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} sequences"
             )
         self._mem = lib.llama_get_memory(self._ctx)
+        self._stop = ctypes.create_string_buffer(2)  # [flag, NUL]: set to cut an interruptible pass short
+        if _ABORT_CHECK is not None:
+            self._check = lib.ggml_abort_callback(ctypes.cast(_ABORT_CHECK, ctypes.c_void_p).value)
+            lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(self._stop, ctypes.c_void_p))
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
         self.shape = (n_ctx, lanes, max_rows, ubatch)
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
@@ -378,9 +400,19 @@ class LlamaContext:
             row = self.lib.llama_get_logits_ith(self._ctx, -1)
             return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.vocab,)).copy())
 
-    def _decode(self, n: int, at: int) -> None:
+    def interrupt(self) -> None:
+        """Cut the interruptible pass in flight short (from any thread); no pass in flight, the next
+        interruptible one stops at once. On the CPU backend llama.cpp checks between graph nodes."""
+        self._stop[0] = 1
+
+    def _decode(self, n: int, at: int, interruptible: bool = False) -> None:
+        if not interruptible:  # a stale interrupt is for the pass it missed, never for this one
+            self._stop[0] = 0
         self._batch.n_tokens = n
         rc = self.lib.llama_decode(self._ctx, self._batch)
+        if rc == 2:
+            self._stop[0] = 0
+            raise Aborted(f"a pass of {n} tokens at position {at} was interrupted")
         if rc != 0:
             raise LlamaCppError(f"llama_decode failed ({rc}) on a batch of {n} tokens at position {at}")
 
@@ -501,9 +533,11 @@ class SearchContext:
         assert logits is not None
         return logits
 
-    def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray) -> Tensor:
+    def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+               interruptible: bool = False) -> Tensor:  # fmt: skip
         """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
-        -1 for the root) in one `llama_decode`; their logits [k, vocab]."""
+        -1 for the root) in one `llama_decode`; their logits [k, vocab]. An `interruptible` batch
+        that `interrupt` cuts short raises `Aborted` and leaves the search as it was."""
         c, k = self.ctx, len(slots)
         with c.lock:
             if k > len(c._leaf_free):
@@ -525,7 +559,7 @@ class SearchContext:
             c._seq[:k, 0] = ids
             c._logits[:k] = 1
             try:
-                c._decode(k, int(positions.min()))
+                c._decode(k, int(positions.min()), interruptible)
             except LlamaCppError:
                 self._release(slots)
                 raise
