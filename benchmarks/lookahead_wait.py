@@ -1,0 +1,87 @@
+"""How long a tree request waits for the draft's lookahead, with the pass in flight cut short
+(llama.cpp's abort callback) and without, interleaved, on one pinned core.
+
+A client is played in process against a llama.cpp draft engine with its lookahead on: build a tree,
+stand aside for a target pass of `--target-ms` (jittered +-50%) while the lookahead grows the search,
+then send the tree's first 1-3 tokens plus one more, as an accepted path and the target's own token,
+and time how long the request waited for the session (`StepTiming.queue_seconds`). Blocks of steps
+alternate between the two contestants, each on a session of its own, so drift hits both alike.
+
+    python -m benchmarks.lookahead_wait --draft qwen2.5-coder-0.5b --steps 60
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import time
+
+from common.decoding.tree import TreeParams
+from common.model.llama_cpp import load_gguf
+from common.runtime.sessions import StepTiming
+from draft_node.engine import DraftEngine
+from draft_node.llama_session import LlamaDraftSession
+
+PROMPT = "def quicksort(items):\n    if len(items) <= 1:\n        return items\n    pivot = items[0]\n"
+
+
+def run_block(engine: DraftEngine, sid: str, steps: int, target_s: float, rng: random.Random) -> list[float]:
+    params = TreeParams(budget=32, max_depth=8, max_branch=4, expand_batch=16)
+    waits, new_tokens = [], []
+    for _ in range(steps):
+        timing = StepTiming()
+        tree = engine.build_tree(sid, new_tokens, params, timing=timing).tree
+        waits.append(timing.queue_seconds)
+        time.sleep(target_s * rng.uniform(0.5, 1.5))  # the target verifies; the lookahead grows
+        path, node = [], 0
+        for _ in range(rng.randint(1, 3)):
+            children = (tree.parents == node).nonzero().flatten()
+            if children.numel() == 0:
+                break
+            node = int(children[0])
+            path.append(int(tree.tokens[node]))
+        new_tokens = [*path, int(tree.tokens[0])]  # accepted path plus a token of the target's own
+    return waits
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="a GGUF, or an installed model's name")
+    ap.add_argument("--steps", type=int, default=60, help="tree requests per contestant")
+    ap.add_argument("--block", type=int, default=10, help="steps in a row before the other contestant's turn")
+    ap.add_argument("--target-ms", type=float, default=250.0, help="the target pass the lookahead runs beside")
+    ap.add_argument("--core", type=int, default=0, help="the one core the draft runs on")
+    args = ap.parse_args()
+    os.sched_setaffinity(0, {args.core})
+    loaded = load_gguf(args.draft, threads=1)
+    engine = DraftEngine(loaded, lookahead=True, max_context=1024, max_tree=128, max_sessions=4)
+    assert engine.lookahead is not None
+    engine.lookahead.alone_seconds = 0.0  # two sessions take turns in blocks: grow whichever was served last
+    prompt = loaded.tokenizer(PROMPT)["input_ids"]
+    cut_short = LlamaDraftSession.interrupt
+    contestants = {"cut short": cut_short, "run to the end": lambda self: None}
+    sessions = {name: engine.open_session(prompt) for name in contestants}
+    waits: dict[str, list[float]] = {name: [] for name in contestants}
+    rng = random.Random(0)
+    try:
+        for _ in range(0, args.steps, args.block):
+            for name, interrupt in contestants.items():
+                LlamaDraftSession.interrupt = interrupt  # type: ignore[method-assign]
+                waits[name] += run_block(engine, sessions[name], args.block, args.target_ms / 1000, rng)
+    finally:
+        LlamaDraftSession.interrupt = cut_short  # type: ignore[method-assign]
+        engine.close()
+    print(f"draft {args.draft}, 1 thread on core {args.core}, target pass {args.target_ms:.0f} ms +-50%, "
+          f"{engine.lookahead.interrupted} idle passes cut short")  # fmt: skip
+    print("| lookahead pass | requests | mean wait ms | median ms | p90 ms | max ms |")
+    print("|---|---|---|---|---|---|")
+    for name, w in waits.items():
+        ms = sorted(x * 1000 for x in w[1:])  # the first request opens the search: nothing to wait for
+        print(f"| {name} | {len(ms)} | {statistics.mean(ms):.1f} | {statistics.median(ms):.1f} | "
+              f"{ms[int(0.9 * (len(ms) - 1))]:.1f} | {ms[-1]:.1f} |")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
