@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Callable
@@ -40,6 +41,7 @@ class ForwardJob:
     session_id: str
     segment: Segment
     rows: Tensor  # int64 [k]: the rows whose log-probs are wanted
+    stop: threading.Event | None = None  # an idle expansion's: a request may end its pass between layers
     arrived: float = field(default_factory=time.perf_counter)
     timing: StepTiming | None = None
     result: Tensor | None = None  # [k, vocab]
@@ -95,8 +97,8 @@ class DraftEngine(NodeEngine[DraftSession]):
         self.check_prompt(prompt)
         sid = session_id or secrets.token_hex(8)
 
-        def forward(segment: Segment, rows: Tensor) -> Tensor:
-            result = self.passes.submit(ForwardJob(sid, segment, rows)).result
+        def forward(segment: Segment, rows: Tensor, stop: threading.Event | None) -> Tensor:
+            result = self.passes.submit(ForwardJob(sid, segment, rows, stop)).result
             assert result is not None
             return result
 
@@ -122,8 +124,9 @@ class DraftEngine(NodeEngine[DraftSession]):
     def _run_pass(self, jobs: list[ForwardJob]) -> None:
         """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays
         with the forward that caused it."""
+        stop = jobs[0].stop if len(jobs) == 1 else None  # a pass with a request in it runs whole
         try:
-            results = forward_logprobs(self.loaded.model, [(j.segment, j.rows) for j in jobs])
+            results = forward_logprobs(self.loaded.model, [(j.segment, j.rows) for j in jobs], stop)
         except Exception as exc:
             if len(jobs) == 1:
                 raise

@@ -44,7 +44,6 @@ class LlamaDraftSession(DraftSession):
         self.model = model  # type: ignore[assignment]
         self.cache = SearchContext(model, max_context + self.tree_nodes + 1, self.tree_nodes, 2 * self.tree_nodes + 1)  # type: ignore[assignment]
         self._run_pass = run_pass
-        self._idle = False  # an idle step's passes may be interrupted; a request's never are
 
     def idle_step(self) -> bool:
         """A request cuts the lookahead's pass in flight short: on this CPU a 16-node expansion takes

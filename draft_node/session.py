@@ -20,12 +20,14 @@ import torch
 from torch import Tensor
 
 from common.decoding.tree import TreeParams, attention_bias
-from common.model.transformer import Segment, Transformer
+from common.model.transformer import ForwardInterrupted, Segment, Transformer
+from draft_node.lookahead import Interrupted
 from draft_node.tree_builder import BuiltTree, TreeBuilder
 
-# A draft forward: (segment, the rows whose next-token log-probs are wanted) -> log-probs
-# [len(rows), vocab] on the CPU. The engine's runs every waiting session's in one pass.
-Forward = Callable[[Segment, Tensor], Tensor]
+# A draft forward: (segment, the rows whose next-token log-probs are wanted, an event that stops
+# it between layers, or None) -> log-probs [len(rows), vocab] on the CPU. The engine's runs every
+# waiting session's in one pass.
+Forward = Callable[[Segment, Tensor, "threading.Event | None"], Tensor]
 
 MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switches among a few
 # The lookahead search keeps this many times the largest tree: the next root is a node just outside
@@ -48,7 +50,8 @@ class DraftSession:
         self.model = model
         # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
         self.cache = model.new_cache(max_context + 2 * self.tree_nodes + 1)
-        self._forward = forward or (lambda segment, rows: forward_logprobs(model, [(segment, rows)])[0])
+        self._forward = forward or (lambda segment, rows, stop: forward_logprobs(model, [(segment, rows)], stop)[0])
+        self._stop = threading.Event()  # set by a request: the idle step's forward ends between layers
 
     def _start(self, prompt: list[int], max_context: int, max_tree: int, lookahead: bool, max_search: int) -> None:
         """What every backend's session starts with; `max_search` caps the lookahead search's nodes."""
@@ -67,6 +70,7 @@ class DraftSession:
         self._search: TreeBuilder | None = None  # lookahead: the search below the last tree's root
         self.step = 0
         self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
+        self._idle = False  # an idle step's passes may be interrupted; a request's never are
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
         """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before
@@ -124,11 +128,21 @@ class DraftSession:
         return self._search.take(params.budget, forwards), reused
 
     def idle_step(self) -> bool:
-        """One more expansion of the lookahead search; False when it has nothing left to grow."""
-        return self._search is not None and self._search.step(self, idle=True)
+        """One more expansion of the lookahead search; False when it has nothing left to grow. A
+        request cuts its forward short between layers (`interrupt`): `TreeBuilder.step` has changed
+        nothing by then, and the K/V half written to the batch's slots belongs to no node yet."""
+        self._idle = True
+        try:
+            return self._search is not None and self._search.step(self, idle=True)
+        except ForwardInterrupted as exc:
+            self._stop.clear()
+            raise Interrupted from exc
+        finally:
+            self._idle = False
 
     def interrupt(self) -> None:
-        """A torch forward runs to its end (30-60 ms for the int8 0.5B draft here)."""
+        """Not where the draft runs compiled: its passes run whole."""
+        self._stop.set()
 
     def _builder(self, shape: TreeParams, search: bool = False) -> TreeBuilder:
         """`--budget auto` moves the floors every step; a builder's arrays fit any floors."""
@@ -149,7 +163,7 @@ class DraftSession:
         positions = torch.arange(start, start + t)
         causal = torch.ones(t, t, dtype=torch.bool).tril()
         segment = Segment(pending, positions, positions, attention_bias(causal, start), self.cache)
-        logprobs = self._forward(segment, torch.tensor([t - 1]))
+        logprobs = self._forward(segment, torch.tensor([t - 1]), None)
         self.cache.length = start + t
         return logprobs[0]
 
@@ -162,7 +176,8 @@ class DraftSession:
         slots = base + nodes - 1
         positions = base - 1 + depths
         segment = Segment(tokens, positions, slots, attention_bias(visible, base), self.cache)
-        return self._forward(segment, torch.arange(tokens.numel()))  # the tree lives on the CPU
+        stop = self._stop if self._idle else None
+        return self._forward(segment, torch.arange(tokens.numel()), stop)  # the tree lives on the CPU
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         base = self.cache.length
@@ -189,10 +204,12 @@ class DraftSession:
             self.cache.length = base + slots.numel()
 
 
-def forward_logprobs(model: Transformer, requests: list[tuple[Segment, Tensor]]) -> list[Tensor]:
+def forward_logprobs(
+    model: Transformer, requests: list[tuple[Segment, Tensor]], stop: threading.Event | None = None
+) -> list[Tensor]:
     """One pass and one LM-head call for several sessions' draft forwards; each gets the next-token
-    log-probs of its wanted rows, [len(rows), vocab] on the CPU."""
-    hidden = model.forward_segments([segment for segment, _ in requests])  # [sum of sizes, h]
+    log-probs of its wanted rows, [len(rows), vocab] on the CPU. `stop`: see `Transformer.forward`."""
+    hidden = model.forward_segments([segment for segment, _ in requests], stop)  # [sum of sizes, h]
     parts = hidden.split([segment.size for segment, _ in requests])
     wanted = torch.cat([h[rows.to(h.device)] for h, (_, rows) in zip(parts, requests, strict=True)])
     logprobs = torch.log_softmax(model.logits(wanted), -1).cpu()

@@ -291,9 +291,9 @@ def test_draft_trees_built_together_equal_each_built_alone(loaded, monkeypatch):
     sizes: list[int] = []
     real = draft_engine_module.forward_logprobs
 
-    def counting(model, requests):
+    def counting(model, requests, stop=None):
         sizes.append(len(requests))
-        return real(model, requests)
+        return real(model, requests, stop)
 
     monkeypatch.setattr(draft_engine_module, "forward_logprobs", counting)
     engine = draft_engine(loaded)
@@ -313,10 +313,10 @@ def test_a_failed_shared_draft_pass_runs_each_forward_alone(loaded, monkeypatch)
     expected = trees_of(alone, [alone.open_session(p) for p in ps], [[[] for _ in ps]], together=False)
     real = draft_engine_module.forward_logprobs
 
-    def shared_fails(model, requests):
+    def shared_fails(model, requests, stop=None):
         if len(requests) > 1:
             raise RuntimeError("out of memory (injected)")
-        return real(model, requests)
+        return real(model, requests, stop)
 
     monkeypatch.setattr(draft_engine_module, "forward_logprobs", shared_fails)
     engine = draft_engine(loaded)

@@ -7,6 +7,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
@@ -243,3 +244,35 @@ def test_a_request_cuts_the_idle_step_in_flight_short():
         assert lookahead.idle(10) and search.steps == 2  # it went on, found nothing left, stopped
     finally:
         lookahead.close(10)
+
+
+@pytest.mark.parametrize("through_engine", [False, True], ids=["session", "engine"])
+def test_an_interrupted_torch_forward_leaves_the_search_as_it_was(loaded, through_engine):
+    """A request ends the lookahead's torch forward between layers: the search is as it was before
+    the batch (the K/V half written to the batch's slots belongs to no node), so the trees that
+    follow equal those of a twin never cut. Through the engine the stop rides the forward job of a
+    pass of its own."""
+    model = loaded["truncated"]
+    if through_engine:
+        engine = DraftEngine(model, max_context=256, max_tree=64, lookahead=True)
+        assert engine.lookahead is not None
+        engine.lookahead.close(10)  # the test steps the search itself
+        sessions = [engine.sessions.get(engine.open_session(PROMPT), "") for _ in range(2)]
+    else:
+        sessions = [DraftSession(model.model, PROMPT, max_context=256, max_tree=64, lookahead=True) for _ in range(2)]
+    cut, twin = sessions
+    for step in range(3):
+        built = [s.build_tree(PARAMS)[0] for s in (cut, twin)]
+        cut.interrupt()  # no forward in flight: the next idle one ends before its first layer
+        with pytest.raises(Interrupted):
+            cut.idle_step()
+        for s in (cut, twin):
+            for _ in range(2):
+                s.idle_step()
+        path = deepest_expanded_path(twin, built[1].tree)
+        for s in (cut, twin):
+            s.commit(path if step % 2 == 0 else [*path[:1], 3])
+        got, want = (s.build_tree(PARAMS)[0].tree for s in (cut, twin))
+        assert torch.equal(got.tokens, want.tokens) and torch.equal(got.parents, want.parents)
+        assert torch.allclose(got.logprobs, want.logprobs, atol=1e-5)
+    assert_cache_prefix_equal(cut.cache, recomputed(model.model, cut.committed), cut.cache.length)

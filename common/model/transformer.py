@@ -8,6 +8,7 @@ Hugging Face's parameter names, so checkpoints load unchanged and logits are che
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,6 +19,10 @@ from torch import Tensor, nn
 from common.model.kv_cache import KVCache
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class ForwardInterrupted(RuntimeError):
+    """A pass given a `stop` event that was set: it ended between two layers."""
 
 
 @dataclass(frozen=True)
@@ -300,13 +305,16 @@ class Transformer(nn.Module):
 
     @torch.inference_mode()
     def forward(
-        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache
-    ) -> Tensor:
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, cache: KVCache,
+        stop: threading.Event | None = None,
+    ) -> Tensor:  # fmt: skip
         """Run `tokens` (1-D) at `positions`, writing their K/V to `slots`; returns final hidden states.
 
         `bias` is an additive float mask of shape (len(tokens), kv_len) over cache slots [0, kv_len):
         0 where a token may attend, -inf elsewhere. Logits are left to `logits()` so callers pay for
-        the vocabulary projection only on the rows they sample from.
+        the vocabulary projection only on the rows they sample from. Once `stop` is set the pass
+        raises `ForwardInterrupted` before its next layer (not where it runs compiled); the slots'
+        K/V is then partly written, and the caller treats them as never computed.
         """
         device = self.device  # callers build indices on the CPU; a no-op there
         tokens, positions, slots, bias = (t.to(device) for t in (tokens, positions, slots, bias))
@@ -314,33 +322,38 @@ class Transformer(nn.Module):
             hidden = self.compiled(tokens, positions, slots, bias, cache)
             if hidden is not None:
                 return hidden
-        return self.layers_forward(tokens, positions, slots, bias, cache.k, cache.v)
+        return self.layers_forward(tokens, positions, slots, bias, cache.k, cache.v, stop)
 
     def layers_forward(
-        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: list[Tensor], v: list[Tensor]
-    ) -> Tensor:
+        self, tokens: Tensor, positions: Tensor, slots: Tensor, bias: Tensor, k: list[Tensor], v: list[Tensor],
+        stop: threading.Event | None = None,
+    ) -> Tensor:  # fmt: skip
         """The pass itself, on plain tensors only, so that `torch.compile` can trace it whole."""
         cos, sin = self.rope(positions)
         x = self.model.embed_tokens(tokens).to(self.dtype)
         for i, layer in enumerate(self.model.layers):
+            if stop is not None and stop.is_set():
+                raise ForwardInterrupted(f"stopped before layer {i}")
             x = layer(x, cos, sin, slots, bias, k[i], v[i])
         return self.model.norm(x)
 
     @torch.inference_mode()
-    def forward_segments(self, segments: list[Segment]) -> Tensor:
+    def forward_segments(self, segments: list[Segment], stop: threading.Event | None = None) -> Tensor:
         """One pass over several sequences, each with its own cache: the rows of all of them go
         through every weight together, so the pass reads the weights once however many sequences it
         serves, and each attends only within its own cache. Returns the hidden states of all rows,
         segment after segment. A single segment runs as `forward` (compiled, if the model is)."""
         if len(segments) == 1:
             s = segments[0]
-            return self(s.tokens, s.positions, s.slots, s.bias, s.cache)
+            return self(s.tokens, s.positions, s.slots, s.bias, s.cache, stop)
         device = self.device
         tokens = torch.cat([s.tokens for s in segments]).to(device)
         cos, sin = self.rope(torch.cat([s.positions for s in segments]).to(device))
         inputs = [(s.slots.to(device), s.bias.to(device), s.cache) for s in segments]
         x = self.model.embed_tokens(tokens).to(self.dtype)
         for i, layer in enumerate(self.model.layers):
+            if stop is not None and stop.is_set():
+                raise ForwardInterrupted(f"stopped before layer {i}")
             views = [LayerSegment(slots, bias, cache.k[i], cache.v[i]) for slots, bias, cache in inputs]
             x = layer.forward_segments(x, cos, sin, views)
         return self.model.norm(x)
