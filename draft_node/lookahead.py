@@ -2,9 +2,9 @@
 session's search grows below the tree it shipped (SpecExec's cache tree), one batch at a time.
 
 A request always wins: the worker stands aside after every batch as soon as a request is waiting,
-and a request cuts the batch in flight short where the backend can (llama.cpp: `Interrupted`, the
-search left as it was before the batch), so it waits for at most one draft forward, or a few graph
-nodes of one. The worker holds only its session's lock; its forwards share passes with requests'
+and a request cuts the batch in flight short (`Interrupted`: llama.cpp stops between graph nodes,
+torch between layers; the search is left as it was before the batch), so it waits for a few
+milliseconds rather than up to a forward (a compiled torch draft's passes still run whole). The worker holds only its session's lock; its forwards share passes with requests'
 (common.runtime.batching).
 
 With several sessions asking for trees, the worker rests: the draft's idle moments are then short
@@ -32,7 +32,7 @@ class Searching(Protocol):
 
     def idle_step(self) -> bool: ...
 
-    def interrupt(self) -> None: ...  # cut the idle step in flight short, where the backend can
+    def interrupt(self) -> None: ...  # cut the idle step in flight short
 
 
 ALONE_SECONDS = 1.0  # the worker runs while no other session has asked for a tree for this long
