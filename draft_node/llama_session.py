@@ -16,8 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from common.model.llama_cpp import MAX_TREE_LEAVES, Aborted, LlamaCppModel, SearchContext
-from draft_node.lookahead import Interrupted
+from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel, SearchContext
 from draft_node.session import DraftSession
 
 # Runs one llama.cpp pass of the given rows for a session (the engine's: one pass at a time).
@@ -45,18 +44,10 @@ class LlamaDraftSession(DraftSession):
         self.cache = SearchContext(model, max_context + self.tree_nodes + 1, self.tree_nodes, 2 * self.tree_nodes + 1)  # type: ignore[assignment]
         self._run_pass = run_pass
 
-    def idle_step(self) -> bool:
-        """A request cuts the lookahead's pass in flight short: on this CPU a 16-node expansion takes
-        about 118 ms, and tree requests waited 29-33 ms on average for one (home lab, prose)."""
-        self._idle = True
-        try:
-            return super().idle_step()
-        except Aborted as exc:
-            raise Interrupted from exc
-        finally:
-            self._idle = False
-
     def interrupt(self) -> None:
+        """llama.cpp stops the idle pass between graph nodes (`Aborted`): on this CPU a 16-node
+        expansion takes about 118 ms, and tree requests waited 29-33 ms on average for one (home
+        lab, prose) before they cut it short."""
         self.cache.ctx.interrupt()  # type: ignore[attr-defined]
 
     def _advance(self, count: int) -> None:

@@ -51,7 +51,6 @@ class DraftSession:
         # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
         self.cache = model.new_cache(max_context + 2 * self.tree_nodes + 1)
         self._forward = forward or (lambda segment, rows, stop: forward_logprobs(model, [(segment, rows)], stop)[0])
-        self._stop = threading.Event()  # set by a request: the idle step's forward ends between layers
 
     def _start(self, prompt: list[int], max_context: int, max_tree: int, lookahead: bool, max_search: int) -> None:
         """What every backend's session starts with; `max_search` caps the lookahead search's nodes."""
@@ -71,6 +70,7 @@ class DraftSession:
         self.step = 0
         self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
         self._idle = False  # an idle step's passes may be interrupted; a request's never are
+        self._stop = threading.Event()  # set by a request: the idle step's torch forward ends between layers
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
         """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before
@@ -129,8 +129,9 @@ class DraftSession:
 
     def idle_step(self) -> bool:
         """One more expansion of the lookahead search; False when it has nothing left to grow. A
-        request cuts its forward short between layers (`interrupt`): `TreeBuilder.step` has changed
-        nothing by then, and the K/V half written to the batch's slots belongs to no node yet."""
+        request cuts its forward short (`interrupt`; torch between layers, llama.cpp between graph
+        nodes): `TreeBuilder.step` has changed nothing by then, and the K/V half written to the
+        batch's slots belongs to no node yet."""
         self._idle = True
         try:
             return self._search is not None and self._search.step(self, idle=True)

@@ -38,6 +38,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from common.model.transformer import ForwardInterrupted
+
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
@@ -53,7 +55,7 @@ class LlamaCppError(RuntimeError):
     """llama.cpp refused a model, a context or a batch."""
 
 
-class Aborted(LlamaCppError):
+class Aborted(LlamaCppError, ForwardInterrupted):
     """An interruptible pass was cut short (`LlamaContext.interrupt`); llama.cpp took its cells back."""
 
 
