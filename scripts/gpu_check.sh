@@ -18,7 +18,7 @@
 #      does on a GPU build), half the layers on the GPU, all of them (benchmarks/llama_pass_time.py),
 #      then our backend's own curve with PyTorch loaded;
 #   6. the offloaded torch target's pass time for the same shape, on the same card.
-# On 26 Nov (H100) steps 1-6 took 3 minutes with the prebuilt library.
+# On 26 Nov (H100) steps 1-6 took about 3 minutes with the prebuilt library (before the second pass-time run was added).
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
 set -u
