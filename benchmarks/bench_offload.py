@@ -63,7 +63,10 @@ def random_model(cfg: ModelConfig, dtype: torch.dtype, fill: torch.device | None
     model.inv_freq = inv_freq  # float32, as loading keeps it: `.to(dtype)` cast the buffer too
     with torch.no_grad():
         for p in model.parameters():
-            p.copy_(torch.empty(p.shape, dtype=dtype, device=fill or "cpu").normal_(0.0, 0.02))
+            if fill is None:
+                p.normal_(0.0, 0.02)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=dtype, device=fill).normal_(0.0, 0.02))
     return model.eval()
 
 

@@ -53,7 +53,7 @@ if [ "${1:-}" = --prebuild ]; then
         -DGGML_CUDA=ON -DCUDAToolkit_ROOT=$cuda -DCMAKE_CUDA_COMPILER=$cuda/bin/nvcc -DCMAKE_CUDA_ARCHITECTURES=90-real \
         -DGGML_CUDA_FA=OFF -DGGML_CUDA_NCCL=OFF -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
         -DGGML_F16C=ON -DGGML_BMI2=ON -DBUILD_SHARED_LIBS=ON -DLLAMA_BUILD_COMMON=OFF -DLLAMA_BUILD_TESTS=OFF \
-        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \\
+        -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF \
         -DCMAKE_BUILD_WITH_INSTALL_RPATH=ON '-DCMAKE_INSTALL_RPATH=$ORIGIN' >/dev/null
     PATH=$cuda/bin:$PATH cmake --build /tmp/llama-cuda-build --target llama -j "$(nproc)"
     rm -rf .gpu/lib && mkdir -p .gpu/lib && cp -P /tmp/llama-cuda-build/bin/*.so* .gpu/lib/
