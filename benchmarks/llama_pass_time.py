@@ -1,9 +1,9 @@
 """llama.cpp's pass time against the tokens in one `llama_decode`, in a process without PyTorch.
 
-On a GPU machine llama.cpp built with CUDA crashed at model load in any process that had imported
-PyTorch's CUDA build (docs/benchmarks.md, "On a GPU"), and our backend (common.model.llama_cpp)
-imports torch. This script uses llama-cpp-python's low-level bindings alone, so llama.cpp's own
-curve can be measured there whatever the cause. Each pass is k tokens after a 64-token prefix,
+llama.cpp's own curve, apart from our backend (which imports torch): on the H200 a llama.cpp
+built there crashed at model load in any process holding PyTorch's CUDA build, and this script,
+on llama-cpp-python's low-level bindings alone, measures llama.cpp wherever that happens
+(docs/benchmarks.md, "On a GPU"; the prebuilt library ran beside PyTorch on the H100). Each pass is k tokens after a 64-token prefix,
 logits on every row, as a chain: a tree of k nodes differs only in its attention mask, which costs
 the same. Minimum over repeats, after one warm-up pass per k.
 

@@ -509,8 +509,8 @@ def test_llama_cpp_itself_runs_in_a_process_of_its_own(ggufs):
 
 
 def test_llama_cpp_pass_times_are_measured_without_torch(ggufs, tmp_path):
-    """benchmarks/llama_pass_time.py must not import torch: on a GPU machine llama.cpp's CUDA load
-    crashed in a process holding PyTorch's CUDA build (docs/benchmarks.md, "On a GPU")."""
+    """benchmarks/llama_pass_time.py must not import torch: on the H200 a llama.cpp built there
+    crashed at load in a process holding PyTorch's CUDA build (docs/benchmarks.md, "On a GPU")."""
     import json
 
     out = tmp_path / "times.json"
