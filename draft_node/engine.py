@@ -1,8 +1,9 @@
 """The draft node's engine: a loaded draft model and its sessions. Services and the in-process client
 both call it; it knows nothing of transport. Sessions build their trees at the same time, each under
 its own lock, and their forwards share passes (common.runtime.batching): with several users the
-draft reads its weights once per expansion for all of them. On llama.cpp each session's search has
-a context of its own (draft_node.llama_session), so its passes run one at a time, unshared."""
+draft reads its weights once per expansion for all of them. On llama.cpp the sessions' searches
+share one context (common.model.llama_search.SearchPool), whose passes hold several sessions'
+expansions and catch-up chains."""
 
 from __future__ import annotations
 
@@ -20,7 +21,8 @@ import torch
 from torch import Tensor
 
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
-from common.model.llama_cpp import MAX_TREE_LEAVES
+from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_LEAVES
+from common.model.llama_search import SearchPool, Work, run_batch
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
 from common.ops.metrics import observe_draft_pass
@@ -59,6 +61,29 @@ class ForwardJob:
         self.error, self.done = error, True
 
 
+@dataclass(eq=False)
+class SearchJob:
+    """One llama.cpp session's work (an expansion batch or a catch-up chain) waiting for a pass."""
+
+    session_id: str
+    work: Work
+    arrived: float = field(default_factory=time.perf_counter)
+    timing: StepTiming | None = None
+    result: Tensor | None = None  # [k, vocab] logits, or [vocab] for a chain
+    error: BaseException | None = None
+    done: bool = False
+
+    @property
+    def tokens(self) -> int:
+        return self.work.rows
+
+    def cancelled(self) -> bool:
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
+
+
 class DraftEngine(NodeEngine[DraftSession]):
     role = "draft"
 
@@ -70,11 +95,13 @@ class DraftEngine(NodeEngine[DraftSession]):
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         regroup: float = DEFAULT_REGROUP,
+        kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
         with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
-        (seconds), `max_batch_tokens` and `regroup` (seconds) shape the passes sessions share."""
+        (seconds), `max_batch_tokens` and `regroup` (seconds) shape the passes sessions share;
+        `kv_cache_tokens`: the KV cells a llama.cpp draft's sessions share."""
         super().__init__(loaded, **limits)
         self.llama = not isinstance(loaded.model, torch.nn.Module)  # the GGUF as it is, on llama.cpp
         if self.llama and self.max_tree > MAX_TREE_LEAVES:
@@ -82,12 +109,32 @@ class DraftEngine(NodeEngine[DraftSession]):
                 f"--max-tree {self.max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES} "
                 "(llama.cpp's 256 sequences: one per expanded node, one for the committed tokens)"
             )
+        if kv_cache_tokens is not None and not self.llama:
+            raise ValueError("--kv-cache-tokens is for the llama.cpp backend (torch sessions each allocate their own)")
+        self.pool = self._search_pool(lookahead, max_batch_tokens, kv_cache_tokens) if self.llama else None
         self.lookahead = Lookahead() if lookahead else None
         if self.lookahead is not None:  # an engine dropped without close() still ends its worker
             weakref.finalize(self, self.lookahead.close, 1.0).atexit = False
-        self.passes: PassBatcher[ForwardJob] = PassBatcher(
-            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
-        )
+        self.passes: PassBatcher[Any] = PassBatcher(
+            self._run_searches if self.llama else self._run_pass, self._lock, window=batch_window,
+            max_tokens=max_batch_tokens, regroup=regroup,
+        )  # fmt: skip
+
+    def _search_pool(self, lookahead: bool, max_batch_tokens: int, kv_cache_tokens: int | None) -> SearchPool | None:
+        """One llama.cpp context for every session's search, so that their expansions share passes.
+        Its KV cache, allocated now, is a pool of `kv_cache_tokens` cells (default: two sessions'
+        worth, as on the target, and at least a pass's 256); its 256 sequence ids go one per session and the rest to the nodes
+        the sessions' searches hold (draft_node.llama_session)."""
+        lanes = self.sessions.max_sessions
+        if max_batch_tokens == 1 or lanes == 1:
+            return None
+        ids = MAX_TREE_LEAVES + 1 - lanes
+        lane = self.max_context + DraftSession.tree_nodes_for(min(self.max_tree, ids), lookahead, ids) + 1
+        cells = max(min(lanes, DEFAULT_KV_SESSIONS) * lane, MAX_SEQUENCES) if kv_cache_tokens is None else kv_cache_tokens
+        if cells < lane:
+            raise ValueError(f"--kv-cache-tokens {cells} cannot hold one session's {lane} tokens "
+                             f"(--max-context + its search's nodes + 1); give it at least {lane}")  # fmt: skip
+        return SearchPool.shared(self.loaded.model, lanes, cells)
 
     def profile_limit(self) -> int:
         """The draft's forwards are expansion batches, never larger than this."""
@@ -105,21 +152,44 @@ class DraftEngine(NodeEngine[DraftSession]):
         def make() -> DraftSession:
             lookahead = self.lookahead is not None
             if self.llama:
-                return LlamaDraftSession(
-                    self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, self._llama_pass
-                )
+                return LlamaDraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead,
+                                         self._submit_search(sid), self.pool)  # fmt: skip
             return DraftSession(
                 self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward
             )
 
         return self.sessions.add(make, owner, sid)
 
-    def _llama_pass(self, run: Callable[[], Tensor], rows: int) -> Tensor:
-        """llama.cpp sessions each have a context of their own, so their passes run one at a time."""
-        with self._lock:
-            result = run()
-        observe_draft_pass(1, rows)
-        return result
+    def _submit_search(self, sid: str) -> Callable[[Work], Tensor]:
+        def submit(work: Work) -> Tensor:
+            result = self.passes.submit(SearchJob(sid, work)).result
+            assert result is not None
+            return result
+
+        return submit
+
+    def _run_searches(self, jobs: list[SearchJob]) -> None:
+        """llama.cpp sessions' work, in as few passes as their contexts and batches allow; if a
+        shared pass fails, each job alone, so a failure stays with the work that caused it."""
+        for group in _passes(jobs):
+            works = [j.work for j in group]
+            try:
+                results = run_batch(works)
+            except Exception as exc:
+                if len(group) == 1:
+                    group[0].fail(exc)
+                    continue
+                # The message, not the exception: a kept record would keep its frames' searches open.
+                log.warning("a draft pass over %d sessions failed (%s); running each alone", len(group), str(exc))
+                for j in group:
+                    try:
+                        j.result, j.done = run_batch([j.work])[0], True
+                    except Exception as alone:
+                        j.fail(alone)
+                continue
+            for j, result in zip(group, results, strict=True):
+                j.result, j.done = result, True
+            observe_draft_pass(len(group), sum(w.rows for w in works))
 
     def _run_pass(self, jobs: list[ForwardJob]) -> None:
         """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays
@@ -177,3 +247,17 @@ class DraftEngine(NodeEngine[DraftSession]):
             with contextlib.suppress(KeyError):
                 self.lookahead.forget(self.sessions.get(session_id, owner))
         return super().close_session(session_id, owner)
+
+
+def _passes(jobs: list[SearchJob]) -> list[list[SearchJob]]:
+    """Jobs packed into passes, first fit: one context and its batch's rows per pass; a chain longer
+    than a batch runs alone, in pieces."""
+    groups: list[list[SearchJob]] = []
+    for job in jobs:
+        pool = job.work.search.pool
+        group = next((g for g in groups if g[0].work.search.pool is pool
+                      and sum(j.tokens for j in g) + job.tokens <= pool.ctx.n_batch), None)  # fmt: skip
+        if group is None:
+            groups.append(group := [])
+        group.append(job)
+    return groups

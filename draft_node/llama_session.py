@@ -1,30 +1,36 @@
 """The draft's best-first search on the llama.cpp backend: the same `TreeBuilder` and lookahead as
-`DraftSession`, with the passes and the cache kept by llama.cpp
-(`common.model.llama_cpp.SearchContext`: one sequence id per expanded node, its parent's cells shared
-with it by a sequence copy, ids recycled as nodes are pruned).
+`DraftSession`, with the passes and the cache kept by llama.cpp (`common.model.llama_search`: one
+sequence id per expanded node, its parent's cells shared with it by a sequence copy, ids recycled as
+nodes are pruned).
 
-A session's search holds at most 255 expanded nodes (llama.cpp's 256 sequence ids, one for the
-committed tokens), so its trees and its lookahead search stay within 255 nodes. Each session has a
-context of its own, and its expansions run in passes of their own: sessions sharing one context
-would share those ids too.
+Sessions on one `SearchPool` share llama.cpp's 256 sequence ids and its KV cells, and their
+expansions share passes (the engine's). A build reserves the ids its search may hold; where other
+builds hold the pool it builds a smaller tree, without a lookahead search behind it. A session whose
+nodes or KV another build took (`lost`) starts again from its committed tokens.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel, SearchContext
+from common.decoding.tree import TreeParams
+from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel
+from common.model.llama_search import Chain, Expansion, NoSpareIds, SearchContext, SearchPool, Work, run_batch
+from draft_node.lookahead import Interrupted
 from draft_node.session import DraftSession
+from draft_node.tree_builder import BuiltTree
 
-# Runs one llama.cpp pass of the given rows for a session (the engine's: one pass at a time).
-PassRunner = Callable[[Callable[[], Tensor], int], Tensor]
+# Runs one session's llama.cpp work, alone or (the engine's) in a pass shared with other sessions'.
+Submit = Callable[[Work], Tensor]
 
 
-def _alone(run: Callable[[], Tensor], rows: int) -> Tensor:
-    return run()
+def _alone(work: Work) -> Tensor:
+    return run_batch([work])[0]
 
 
 class LlamaDraftSession(DraftSession):
@@ -35,52 +41,89 @@ class LlamaDraftSession(DraftSession):
         max_context: int,
         max_tree: int,
         lookahead: bool = False,
-        run_pass: PassRunner = _alone,
+        submit: Submit = _alone,
+        pool: SearchPool | None = None,
     ) -> None:
+        """`pool`: the context this session's search shares with others'; without it, one of its own."""
         if max_tree > MAX_TREE_LEAVES:
             raise ValueError(f"max_tree {max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES}")
-        self._start(prompt, max_context, max_tree, lookahead, MAX_TREE_LEAVES)
+        ids = pool.leaf_ids if pool is not None else MAX_TREE_LEAVES
+        self._start(prompt, max_context, min(max_tree, ids), lookahead, ids)
         self.model = model  # type: ignore[assignment]
-        self.cache = SearchContext(model, max_context + self.tree_nodes + 1, self.tree_nodes, 2 * self.tree_nodes + 1)  # type: ignore[assignment]
-        self._run_pass = run_pass
+        n_ctx = max_context + self.tree_nodes + 1
+        pool = pool or SearchPool.alone(model, n_ctx, self.tree_nodes)
+        self.cache: SearchContext = pool.open(n_ctx, self.tree_nodes, 2 * self.tree_nodes + 1)  # type: ignore[assignment]
+        self._submit = submit
+
+    @contextmanager
+    def working(self) -> Iterator[None]:
+        """While it runs no other session's build takes this one's nodes or KV; a search that lost
+        them before is dropped here."""
+        with self.cache.pool.working(self.cache):
+            if self.cache.lost:
+                self.cache.lost = False
+                self._search, self._last = None, None
+            yield
+
+    def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
+        with self.working():
+            super().update(tokens, truncate_to)
+
+    def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
+        with self.working():
+            want = max(self.search_nodes, params.budget) if self.lookahead else params.budget
+            grant = self.cache.pool.reserve(self.cache, want)
+            if grant >= want:
+                return super().build_tree(params)
+            # Other builds hold the pool: a smaller tree, with no search kept behind it.
+            self._search = None
+            budget = min(params.budget, grant if grant < 8 else grant // 8 * 8)  # few builder shapes
+            small = replace(params, budget=budget, expand_batch=min(params.expand_batch, budget))
+            self._last = self._builder(small.shape).build(self.committed[-1], self._catch_up(), self, small)
+            return self._last, False
+
+    def idle_step(self) -> bool:
+        """False also when every free sequence id is reserved by other sessions' builds."""
+        with self.working():
+            try:
+                return super().idle_step()
+            except Interrupted as exc:
+                if isinstance(exc.__cause__, NoSpareIds):
+                    return False
+                raise
 
     def interrupt(self) -> None:
         """llama.cpp stops the idle pass between graph nodes (`Aborted`): on this CPU a 16-node
         expansion takes about 118 ms, and tree requests waited 29-33 ms on average for one (home
         lab, prose) before they cut it short."""
-        self.cache.ctx.interrupt()  # type: ignore[attr-defined]
+        self.cache.ctx.interrupt()
 
     def _advance(self, count: int) -> None:
-        self.cache.commit(count)  # type: ignore[attr-defined]
+        self.cache.commit(count)
 
     def _catch_up(self) -> Tensor:
         """A new search: the last one's nodes are dropped, the pending chain (ending with the root)
         runs onto the committed tokens, and the root's next-token log-probs come back."""
-        cache: SearchContext = self.cache  # type: ignore[assignment]
+        cache = self.cache
         cache.reset()
         if cache.length == len(self.committed):
             cache.truncate(cache.length - 1)  # every token's KV is cached: run the root again
-        pending = self.committed[cache.length :]
-        return torch.log_softmax(self._run_pass(lambda: cache.extend(pending), len(pending)), -1)
+        return torch.log_softmax(self._submit(Chain(cache, self.committed[cache.length :])), -1)
 
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
-        cache: SearchContext = self.cache  # type: ignore[assignment]
-        slots, parent_slots = (nodes - 1).numpy(), (parents - 1).numpy()
-        positions = (cache.length - 1 + depths).numpy()
-        logits = self._run_pass(
-            lambda: cache.expand(slots, parent_slots, tokens.numpy(), positions, self._idle), nodes.numel()
-        )
-        return torch.log_softmax(logits, -1)
+        cache = self.cache
+        work = Expansion(cache, (nodes - 1).numpy(), (parents - 1).numpy(), tokens.numpy(),
+                         (cache.length - 1 + depths).numpy(), self._idle)  # fmt: skip
+        return torch.log_softmax(self._submit(work), -1)
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         self.cache.move(src.numpy(), dst.numpy())  # type: ignore[arg-type]
 
     def drop(self, slots: Tensor) -> None:
-        self.cache.drop(slots.numpy())  # type: ignore[attr-defined]
+        self.cache.drop(slots.numpy())
 
     def _keep_salvaged(self, slots: Tensor) -> None:
         """The path's cells join the committed tokens; the rest of the last tree is dropped."""
-        cache: SearchContext = self.cache  # type: ignore[assignment]
         if slots.numel():
-            cache.keep_path(int(slots[-1]), slots.numel())
-        cache.reset()
+            self.cache.keep_path(int(slots[-1]), slots.numel())
+        self.cache.reset()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import add_node_args, add_quantize_arg, node_main
+from common.options import add_kv_cache_arg, add_node_args, add_quantize_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
 from common.runtime.batching import DEFAULT_REGROUP
@@ -20,6 +20,7 @@ ROLE = NodeRole(
     engine_options=lambda config: {
         "lookahead": config.lookahead,
         "regroup": config.batch_regroup_ms / 1000,
+        "kv_cache_tokens": config.kv_cache_tokens,
         **config.batching(),
     },
 )
@@ -29,6 +30,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec draft", description=__doc__)
     add_node_args(parser, default_port=50052)
     add_quantize_arg(parser)
+    add_kv_cache_arg(parser, "its search's nodes + 1")
     parser.add_argument(
         "--no-lookahead",
         dest="lookahead",

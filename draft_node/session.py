@@ -62,7 +62,7 @@ class DraftSession:
         self.committed: list[int] = list(prompt)
         self.max_tree = max_tree
         self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, max_search), max_tree)
-        self.tree_nodes = self.search_nodes if lookahead else max_tree  # the most a builder keeps
+        self.tree_nodes = self.tree_nodes_for(max_tree, lookahead, max_search)  # the most a builder keeps
         self._builders: OrderedDict[tuple[TreeParams, bool], TreeBuilder] = OrderedDict()
         self._last: BuiltTree | None = None
         self.lookahead = lookahead
@@ -71,6 +71,11 @@ class DraftSession:
         self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
         self._idle = False  # an idle step's passes may be interrupted; a request's never are
         self._stop = threading.Event()  # set by a request: the idle step's torch forward ends between layers
+
+    @staticmethod
+    def tree_nodes_for(max_tree: int, lookahead: bool, max_search: int) -> int:
+        """The most nodes a session's builder keeps: its lookahead search's, or its largest tree's."""
+        return max(min(LOOKAHEAD_FACTOR * max_tree, max_search), max_tree) if lookahead else max_tree
 
     def update(self, tokens: list[int], truncate_to: int | None = None) -> None:
         """Roll back to `truncate_to` tokens (if given), then commit `tokens`. Both are checked before

@@ -22,7 +22,6 @@ from common.runtime.sessions import StepTiming, check_step
 from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
-DEFAULT_KV_SESSIONS = 2  # a llama.cpp target's KV pool, in sessions' worth of cells
 
 
 @dataclass(eq=False)
@@ -92,7 +91,12 @@ class TargetEngine(NodeEngine[TargetSession]):
         llama-server, where parallel slots share one unified cache), and whose 256 sequence ids go one
         per session and one per leaf of the trees in a pass. Trees too large to leave ids for every
         session get contexts of their own."""
-        from common.model.llama_cpp import MAX_SEQUENCES, MAX_SHARED_ROWS, MAX_TREE_LEAVES
+        from common.model.llama_cpp import (
+            DEFAULT_KV_SESSIONS,
+            MAX_SEQUENCES,
+            MAX_SHARED_ROWS,
+            MAX_TREE_LEAVES,
+        )
 
         if self.max_tree > MAX_TREE_LEAVES:
             raise ValueError(

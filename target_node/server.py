@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import add_node_args, add_offload_args, node_main
+from common.options import add_kv_cache_arg, add_node_args, add_offload_args, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
 from target_node.engine import TargetEngine
@@ -24,15 +24,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
     add_node_args(parser, default_port=50051)
     add_offload_args(parser)
-    parser.add_argument(
-        "--kv-cache-tokens",
-        type=int,
-        default=None,
-        metavar="N",
-        help="llama.cpp backend: KV cells the sessions share; when they are full, the least recently used "
-        "session outside the pass gives its cells up and recomputes them at its next step (default: two "
-        "sessions' worth, 2 x (--max-context + --max-tree + 1))",
-    )
+    add_kv_cache_arg(parser, "--max-tree + 1")
     return parser
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +25,8 @@ from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
 
-from common.model.llama_cpp import LlamaCppModel  # noqa: E402
+from common.model.llama_cpp import LlamaContext, LlamaCppModel  # noqa: E402
+from common.model.llama_search import SEARCH_UBATCH, SearchContext, SearchPool  # noqa: E402
 from draft_node.llama_session import LlamaDraftSession  # noqa: E402
 from draft_node.lookahead import Interrupted  # noqa: E402
 
@@ -227,13 +230,28 @@ def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
     assert len(session.cache.ctx._leaf_free) == free and (session.cache._seq_of < 0).all()
 
 
-def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs):
-    """A llama.cpp draft node's sessions build trees from several threads at once (each its own
-    context, the passes one at a time, lookahead on): each tree is the one it gets alone."""
+@pytest.mark.parametrize(("lookahead", "shared_fails"), [(True, False), (False, False), (False, True)],
+                         ids=["lookahead", "plain", "shared-pass-fails"])  # fmt: skip
+def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs, monkeypatch, lookahead, shared_fails):
+    """A llama.cpp draft node's sessions build trees from several threads at once, on the one
+    context they share, their expansions and chains in shared passes: each tree is the one it gets
+    alone, in a context of its own. Where a shared pass fails, each session's work runs alone."""
+    from common.model import llama_cpp as lc
     from common.model.llama_cpp import load_gguf
+    from draft_node import engine as engine_module
     from draft_node.engine import DraftEngine
     from tests.test_batching import at_once
 
+    sizes: list[int] = []
+    real = engine_module.run_batch
+
+    def counting(works):
+        sizes.append(len(works))
+        if shared_fails and len(works) > 1:
+            raise lc.LlamaCppError("llama_decode failed (-3) (injected)")
+        return real(works)
+
+    monkeypatch.setattr(engine_module, "run_batch", counting)
     loaded = load_gguf(ggufs["draft"], kv_type="f32")
     params = TreeParams(budget=12, max_branch=3, expand_batch=4)
     prompts_ = [PROMPT, PROMPT[::-1], [5, 9, 13, 17, 21]]
@@ -247,13 +265,96 @@ def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs):
 
     alone = []
     for prompt in prompts_:
-        engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
+        engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead, max_sessions=1)
+        assert engine.pool is None
         sid = engine.open_session(prompt)
         alone.append(run(engine, sid, prompt))
         engine.close_session(sid)  # the lookahead thread lets go of it, and of its context
-    engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=True)
+    sizes.clear()
+    engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead)
+    assert engine.pool is not None
     sids = [engine.open_session(p) for p in prompts_]
     together = at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)])
     for sid in sids:
         engine.close_session(sid)
     assert together == alone
+    assert max(sizes) > 1  # several sessions' work shared passes
+    assert len(engine.pool.ctx._leaf_free) == engine.pool.leaf_ids  # every id back
+
+
+def shared_pool(model: LlamaCppModel, lanes: int, ids: int, cells: int) -> SearchPool:
+    """A pool with few ids, so that small trees press on it."""
+    return SearchPool(LlamaContext(model, cells, lanes=lanes, max_rows=ids + 1, ubatch=SEARCH_UBATCH))
+
+
+PLAIN = TreeParams(budget=12, max_depth=6, max_branch=3, expand_batch=4)
+
+
+def steps_alone(model: LlamaCppModel, prompt: list[int], rounds: int) -> list[tuple[list[int], list[int]]]:
+    """The trees a session alone builds, each round committing the deepest expanded path's first token."""
+    session = LlamaDraftSession(model, prompt, max_context=128, max_tree=12)
+    trees = []
+    for _ in range(rounds):
+        built = session.build_tree(PLAIN)[0]
+        trees.append((built.tree.tokens.tolist(), built.tree.parents.tolist()))
+        session.update(deepest_expanded_path(built)[:2] or [3])
+    return trees
+
+
+def test_sessions_taking_turns_on_a_small_pool_lose_nodes_and_kv_but_not_trees(ggufs, monkeypatch):
+    """Three sessions on a pool with ids for one tree and cells for about two sessions, building in
+    turn: each build takes the ids, then the cells, of the sessions between builds (their salvage
+    goes, and then their KV). Every tree is the one each session builds alone, every expansion sees
+    exactly its path, and no id or cell leaks."""
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    prompts_ = [PROMPT, PROMPT[::-1], [5, 9, 13, 17, 21, 25]]
+    expected = [steps_alone(model, p, 4) for p in prompts_]
+    pool = shared_pool(model, lanes=3, ids=12, cells=48)
+    kv_lost: list[int] = []
+    real_evict = SearchContext.evict
+    monkeypatch.setattr(SearchContext, "evict", lambda self: kv_lost.append(self.length) or real_evict(self))
+    sessions = [CheckedSession(model, p, max_context=128, max_tree=12, pool=pool) for p in prompts_]
+    got: list[list[tuple[list[int], list[int]]]] = [[] for _ in sessions]
+    for _ in range(4):
+        built = [session.build_tree(PLAIN)[0] for session in sessions]  # each holds its tree's nodes
+        for trees, session, b in zip(got, sessions, built, strict=True):
+            trees.append((b.tree.tokens.tolist(), b.tree.parents.tolist()))
+            session.update(deepest_expanded_path(b)[:2] or [3])
+    assert got == expected
+    assert pool.evictions > len(kv_lost) > 0 and all(s.checked > 10 for s in sessions)
+    held = sum(s.ids_in_use() for s in sessions)
+    assert held + len(pool.ctx._leaf_free) == pool.leaf_ids
+    assert sum(s.cache.cells for s in sessions) <= pool.ctx.n_ctx
+    for session in sessions:
+        session.cache.close()
+    assert len(pool.ctx._leaf_free) == pool.leaf_ids and sorted(pool.ctx._free) == [0, 1, 2]
+
+
+def test_a_build_beside_others_gets_its_fair_share_of_ids(ggufs):
+    """Builds that hold the pool's ids leave a new one its fair share: a smaller tree, still exact;
+    with none left it waits for a build to end, then takes the ids of searches between builds. An
+    idle step takes no id a build reserved."""
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    pool = shared_pool(model, lanes=3, ids=12, cells=200)
+    a = CheckedSession(model, PROMPT, max_context=64, max_tree=12, pool=pool, lookahead=True)
+    b, c = (CheckedSession(model, p, max_context=64, max_tree=12, pool=pool) for p in (PROMPT[::-1], [5, 9, 13]))
+    a.build_tree(TreeParams(budget=4, max_depth=6, max_branch=3, expand_batch=4))
+    held = a.ids_in_use()
+    assert 0 < held < 12
+    with pool.working(b.cache):
+        assert pool.reserve(b.cache, 12) == 12  # a is between builds: its ids count as free
+        assert not a.idle_step() and a.ids_in_use() == held  # every spare id is b's
+        built: list[object] = []
+        waiter = threading.Thread(target=lambda: built.append(c.build_tree(PLAIN)[0]))
+        waiter.start()
+        time.sleep(0.3)
+        assert not built  # b holds every id: c waits
+    waiter.join(30)
+    assert built and built[0].tree.size == 13 and c.checked > 0  # c's whole tree
+    assert a.cache.lost and a.ids_in_use() == 0  # its nodes went to c
+    with pool.working(b.cache):
+        assert pool.reserve(b.cache, 8) == 8
+        small = c.build_tree(PLAIN)[0]  # fair: 12 // 2 = 6; left: 12 - 8 = 4
+        assert small.tree.size <= 1 + 4
+    assert a.build_tree(PLAIN)[0].tree.size == 13  # a starts again from its committed tokens
+    assert a.worst < 1e-3 and c.worst < 1e-3

@@ -246,6 +246,12 @@ def add_bench_parser(sub: Any) -> None:
         default="torch",
         help="--load: the target node's backend (llama.cpp: its GGUF, installed with --format gguf)",
     )
+    lab.add_argument(
+        "--load-draft-backend",
+        choices=("torch", "llama.cpp"),
+        default="torch",
+        help="--load: the draft node's backend (llama.cpp: its GGUF as it is; --draft-quantize is ignored)",
+    )
     b.set_defaults(func=cmd_bench)
 
 
@@ -311,6 +317,7 @@ def cmd_load(args: argparse.Namespace) -> int:
         clients=tuple(sorted(set(args.clients))),
         max_budget=args.auto_cap or 64,
         target_backend=args.load_target_backend,
+        draft_backend=args.load_draft_backend,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

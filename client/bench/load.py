@@ -60,6 +60,7 @@ class LoadConfig:
     max_new_tokens: int = 64
     max_budget: int = 64  # --budget auto's cap, and the nodes' --max-tree
     target_backend: str = "torch"  # llama.cpp: the target's GGUF (installed with --format gguf)
+    draft_backend: str = "torch"  # llama.cpp: the draft's GGUF, as it is (no --draft-quantize)
     out: Path = field(default_factory=lambda: Path("bench-results/load"))
 
 
@@ -81,9 +82,12 @@ class LoadLab:
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
         self.procs: list[subprocess.Popen] = []
-        draft, target = str(resolve_model(config.draft_model)), self._target_dir()
+        draft, target = self._model_dir(config.draft_model, config.draft_backend), self._model_dir(
+            config.target_model, config.target_backend)  # fmt: skip
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
         backend = ["--backend", config.target_backend]
+        llama_draft = config.draft_backend == "llama.cpp"
+        draft_backend = ["--backend", config.draft_backend]
         self.metrics: dict[str, dict[str, str]] = {}  # contestant -> role -> metrics URL
         self.urls: dict[str, str] = {}
         for name, (target_extra, draft_extra) in CONTESTANTS.items():
@@ -94,8 +98,8 @@ class LoadLab:
             self.metrics[name] = {"target": f"http://127.0.0.1:{metrics}/metrics"}
             port, metrics = free_port(), free_port()
             cmd = node_command("draft", draft, port, config.dtype, config.max_budget,
-                               [*sessions, *draft_extra, "--metrics-port", f"127.0.0.1:{metrics}"],
-                               config.draft_quantize, lookahead=True)  # fmt: skip
+                               [*sessions, *draft_extra, *draft_backend, "--metrics-port", f"127.0.0.1:{metrics}"],
+                               "none" if llama_draft else config.draft_quantize, lookahead=True)  # fmt: skip
             self.metrics[name]["draft"] = f"http://127.0.0.1:{metrics}/metrics"
             draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
             port = free_port()
@@ -106,12 +110,12 @@ class LoadLab:
             self.urls[name] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[name] + "/health", self.procs[-1])
 
-    def _target_dir(self) -> str:
-        if self.config.target_backend == "torch":
-            return str(resolve_model(self.config.target_model))
-        found = resolve_gguf(self.config.target_model)
+    @staticmethod
+    def _model_dir(name: str, backend: str) -> str:
+        if backend == "torch":
+            return str(resolve_model(name))
+        found = resolve_gguf(name)
         if found is None:
-            name = self.config.target_model
             raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
         return str(found)
 
@@ -291,7 +295,8 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         {"config": asdict(config), "runs": [asdict(r) for r in runs], "summary": rows}, indent=1, default=str))  # fmt: skip
     lines = [
         "# Many users on one target: concurrent streaming clients through the OpenAI endpoint", "",
-        f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} "
+        f"{config.draft_model} ({config.draft_quantize if config.draft_backend == 'torch' else 'its GGUF on llama.cpp'}"
+        f" draft) -> {config.target_model} "
         f"({config.dtype if config.target_backend == 'torch' else 'its GGUF on llama.cpp'}), "
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",

@@ -13,8 +13,8 @@ A tree goes through one `llama_decode` with sequence ids (checked against llama.
 Several sessions' trees go through one `llama_decode` this way (`run_trees`) when they are lanes of
 one context (`LlamaContext`), their leaves numbered across the pass.
 
-The draft's best-first search (`SearchContext`) numbers ids by expanded node instead: each holds
-its path's cells, a copy of its parent's sequence plus its own cell.
+The draft's best-first search (`common.model.llama_search`) numbers ids by expanded node instead:
+each holds its path's cells, a copy of its parent's sequence plus its own cell.
 
 llama.cpp allows 256 sequences (LLAMA_MAX_SEQ): one per lane, one per leaf of the trees in a pass.
 A session alone may have trees of 255 leaves; sessions that share passes, 256 minus their number
@@ -44,9 +44,7 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
-# The draft's expansion batches are 16 rows by default: a larger batch runs in pieces of this many
-# rows, and the context's compute buffer holds this many rows' logits instead of 256.
-SEARCH_UBATCH = 64
+DEFAULT_KV_SESSIONS = 2  # a node's shared KV pool, in sessions' worth of cells, unless --kv-cache-tokens
 
 log = logging.getLogger(__name__)
 
@@ -500,129 +498,6 @@ class TreeContext:
                 self.ctx.model.give_back(self.ctx)
             else:
                 self.ctx.release(self, seq)
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
-            self.close()
-
-
-class SearchContext:
-    """A draft session's llama.cpp context for its best-first search (draft_node.llama_session).
-
-    The committed tokens hold sequence 0. Each expanded search node holds a sequence of its own whose
-    cells are exactly its path: its parent's sequence copied onto the new id (`llama_memory_seq_cp`
-    adds an id to cells; it copies no data) plus the node's own cell, so a batch of nodes decoded
-    with one id each sees prefix and ancestors only. A dropped node's id goes back to the pool, and a
-    cell is freed with the last id holding it. Nodes are named by their tree KV slot, as in the torch
-    draft's cache, so one `TreeBuilder` drives both. The search holds at most `max_nodes` expanded
-    nodes at once (at most 255: one id each); a search's nodes never outnumber its budget."""
-
-    def __init__(self, model: LlamaCppModel, n_ctx: int, max_nodes: int, max_slots: int) -> None:
-        if not 1 <= max_nodes <= MAX_TREE_LEAVES:
-            raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
-        self.ctx = model.context(n_ctx, max_rows=max_nodes + 1, ubatch=SEARCH_UBATCH)
-        self._closed = False
-        self.n_ctx = n_ctx
-        self.length = 0  # committed tokens with KV (sequence 0)
-        self._seq_of = np.full(max_slots, -1, dtype=np.int32)  # [slot]: the node's sequence id, -1 none
-
-    def extend(self, tokens: list[int]) -> Tensor:
-        """Run committed tokens as a causal chain onto sequence 0; the last one's logits [vocab]."""
-        if not tokens:
-            raise ValueError("nothing to run")
-        if self.length + len(tokens) > self.n_ctx:
-            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
-        logits = self.ctx.chain(tokens, 0, self.length, last_logits=True)
-        self.length += len(tokens)
-        assert logits is not None
-        return logits
-
-    def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
-               interruptible: bool = False) -> Tensor:  # fmt: skip
-        """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
-        -1 for the root) in one `llama_decode`; their logits [k, vocab]. An `interruptible` batch
-        that `interrupt` cuts short raises `Aborted` and leaves the search as it was."""
-        c, k = self.ctx, len(slots)
-        with c.lock:
-            if k > len(c._leaf_free):
-                raise LlamaCppError(f"a search of {k} more nodes is over llama.cpp's {len(c._leaf_free)} free sequence ids")
-            if self.length + k > self.n_ctx or k > c.n_batch:
-                raise ValueError(f"{k} nodes do not fit this search's context of {self.n_ctx} tokens")
-            parents = np.where(parent_slots >= 0, self._seq_of[np.maximum(parent_slots, 0)], 0)
-            if (parents < 0).any():
-                raise ValueError("a node's parent was never expanded")
-            take = len(c._leaf_free) - k
-            ids = np.array(c._leaf_free[take:], dtype=np.int32)
-            del c._leaf_free[take:]
-            for parent, seq in zip(parents.tolist(), ids.tolist(), strict=True):
-                c.lib.llama_memory_seq_cp(c._mem, parent, seq, -1, -1)
-            self._seq_of[slots] = ids
-            c._token[:k] = tokens
-            c._pos[:k] = positions
-            c._n_seq[:k] = 1
-            c._seq[:k, 0] = ids
-            c._logits[:k] = 1
-            try:
-                c._decode(k, int(positions.min()), interruptible)
-            except LlamaCppError:
-                self._release(slots)
-                raise
-            logits = np.ctypeslib.as_array(c.lib.llama_get_logits(c._ctx), shape=(k, c.vocab))
-            return torch.from_numpy(logits.copy())
-
-    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
-        """Nodes at slots `src` now sit at `dst`; every other node is dropped."""
-        with self.ctx.lock:
-            moved = np.full_like(self._seq_of, -1)
-            moved[dst] = self._seq_of[src]
-            self._release(np.flatnonzero((self._seq_of >= 0) & ~np.isin(self._seq_of, moved)))
-            self._seq_of = moved
-
-    def drop(self, slots: np.ndarray) -> None:
-        with self.ctx.lock:
-            self._release(slots)
-
-    def keep_path(self, slot: int, count: int) -> None:
-        """The first `count` cells of the path to the node at `slot` join the committed tokens."""
-        with self.ctx.lock:
-            seq = int(self._seq_of[slot])
-            if seq < 0:
-                raise ValueError(f"tree slot {slot} holds no expanded node")
-            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, seq, 0, self.length, self.length + count)
-            self.length += count
-
-    def commit(self, count: int) -> None:
-        """Slots 0..count-1 hold a path down from the root: it becomes committed, the nodes below
-        it keep their ids and move up `count` slots."""
-        if count:
-            self.keep_path(count - 1, count)
-            rest = np.arange(count, len(self._seq_of))
-            self.move(rest, rest - count)
-
-    def reset(self) -> None:
-        """Drop every node: a new search starts from the committed tokens."""
-        self.drop(np.flatnonzero(self._seq_of >= 0))
-
-    def truncate(self, length: int) -> None:
-        """Forget the KV of committed tokens from `length` on (every node with it)."""
-        self.reset()
-        if length < self.length:
-            with self.ctx.lock:
-                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, 0, length, -1)
-            self.length = length
-
-    def _release(self, slots: np.ndarray) -> None:
-        ids = self._seq_of[slots]
-        ids = ids[ids >= 0]
-        for seq in ids.tolist():
-            self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, seq, -1, -1)
-        self.ctx._leaf_free += ids.tolist()
-        self._seq_of[slots] = -1
-
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            self.ctx.model.give_back(self.ctx)
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already

@@ -1,0 +1,376 @@
+"""The draft's best-first search on llama.cpp: its KV and sequence ids (`SearchContext`), and the pool
+several draft sessions share so that their expansions run in one `llama_decode` (`SearchPool`,
+`run_batch`). Checked against llama.cpp's `llama-batch.cpp` and `llama-kv-cache.cpp` as vendored by
+llama-cpp-python 0.3.36, like `common.model.llama_cpp`.
+
+A session's committed tokens hold its lane's sequence id. Each expanded search node holds a sequence
+of its own whose cells are exactly its path: its parent's sequence copied onto the new id
+(`llama_memory_seq_cp` adds an id to cells; it copies no data) plus the node's own cell, so a batch
+of nodes decoded with one id each sees its own session's prefix and its ancestors only, whoever else
+is in the batch.
+
+The sessions on one pool share llama.cpp's 256 ids (one per lane, the rest one per expanded node)
+and its KV cells. A tree build reserves the ids its search may hold (`SearchPool.reserve`); where
+other builds hold the pool it gets its fair share, and builds a smaller tree. Sessions between
+builds keep their nodes (salvage, re-rooting) until a build needs the ids or the cells: then the
+least recently used lose their nodes (`SearchContext.lost`), or for cells their KV too, and start
+again from their committed tokens, recomputed, at their next build: as vLLM preempts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from common.model.llama_cpp import MAX_SEQUENCES, MAX_TREE_LEAVES, LlamaContext, LlamaCppError, LlamaCppModel
+from common.model.transformer import ForwardInterrupted
+
+# The draft's expansion batches are 16 rows by default: a larger batch runs in pieces of this many
+# rows, and the context's compute buffer holds this many rows' logits instead of 256.
+SEARCH_UBATCH = 64
+
+
+class NoSpareIds(ForwardInterrupted):
+    """An idle expansion found no sequence ids free of other sessions' builds; nothing changed."""
+
+
+class SearchPool:
+    """One llama.cpp context for the searches of `lanes` sessions, or of one (`alone`)."""
+
+    def __init__(self, ctx: LlamaContext, *, owned: bool = False) -> None:
+        self.ctx = ctx
+        self.owned = owned  # one session's own context, given back to the model when it closes
+        self._cv = threading.Condition(ctx.lock)
+        self._searches: weakref.WeakSet[SearchContext] = weakref.WeakSet()
+        self._clock = 0
+        self.evictions = 0  # searches that lost their nodes or KV to another session's build
+
+    @classmethod
+    def alone(cls, model: LlamaCppModel, n_ctx: int, max_nodes: int) -> SearchPool:
+        return cls(model.context(n_ctx, max_rows=max_nodes + 1, ubatch=SEARCH_UBATCH), owned=True)
+
+    @classmethod
+    def shared(cls, model: LlamaCppModel, sessions: int, cells: int) -> SearchPool:
+        """`sessions` lanes over a KV cache of `cells`. A pass holds up to 256 rows: llama.cpp keeps
+        a float32 logits row per output row (0.6 MB each for a 152k vocabulary), reserved for its 256
+        sequences at start, and passes this size never grow it."""
+        return cls(LlamaContext(model, cells, lanes=sessions, max_rows=MAX_SEQUENCES, ubatch=SEARCH_UBATCH))
+
+    @property
+    def leaf_ids(self) -> int:
+        """Sequence ids for expanded nodes, all sessions together."""
+        return self.ctx.leaf_ids
+
+    def open(self, n_ctx: int, max_nodes: int, max_slots: int) -> SearchContext:
+        with self._cv:
+            if not self.ctx._free:
+                raise LlamaCppError(f"all {self.ctx.lanes} sessions of this llama.cpp context are in use")
+            search = SearchContext(self, self.ctx._free.pop(), n_ctx, max_nodes, max_slots)
+            self._searches.add(search)
+            return search
+
+    def release(self, search: SearchContext) -> None:
+        with self._cv:
+            self._searches.discard(search)
+            if self.ctx._ctx:
+                search.reset()
+                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, search.seq, -1, -1)
+                self.ctx._free.append(search.seq)
+            self._cv.notify_all()
+        if self.owned:
+            self.ctx.model.give_back(self.ctx)
+
+    @contextlib.contextmanager
+    def working(self, search: SearchContext) -> Iterator[None]:
+        """Around a session's request or idle step: no other build takes its nodes or KV meanwhile."""
+        with self._cv:
+            self._clock += 1
+            search.busy, search.used_at = search.busy + 1, self._clock
+        try:
+            yield
+        finally:
+            with self._cv:
+                search.busy -= 1
+                if not search.busy:
+                    search.reserved = 0
+                    self._cv.notify_all()
+
+    def reserve(self, search: SearchContext, want: int) -> int:
+        """Ids for a build whose search may hold `want` nodes (inside `working`): all of them, or
+        where other builds hold the pool, this build's fair share of it; waits for at least one."""
+        with self._cv:
+            while True:
+                others = [s for s in self._searches if s.busy and s is not search]
+                held = sum(max(s.reserved, s.nodes) for s in others)
+                fair = self.leaf_ids // (1 + sum(1 for s in others if s.reserved))
+                grant = min(want, self.leaf_ids - held, fair)
+                if grant >= 1:
+                    search.reserved = grant
+                    return grant
+                self._cv.wait()
+
+    def take_ids(self, search: SearchContext, k: int, idle: bool) -> list[int]:
+        """`k` free ids for `search`'s next expansion. A build takes them from the least recently
+        used searches between builds if it must; an idle step only takes ids no build has reserved."""
+        free = self.ctx._leaf_free
+        if idle:
+            owed = sum(max(s.reserved - s.nodes, 0) for s in self._searches if s.busy and s is not search)
+            if len(free) - owed < k:
+                raise NoSpareIds(f"{k} ids wanted, {len(free)} free and {owed} reserved by builds")
+        elif len(free) < k:
+            for other in self._idle_searches([search], lambda s: s.nodes > 0):
+                other.reset()
+                other.lost = True
+                self.evictions += 1
+                if len(free) >= k:
+                    break
+        if len(free) < k:
+            raise LlamaCppError(f"an expansion of {k} nodes is over llama.cpp's {len(free)} free sequence ids")
+        ids = free[len(free) - k :]
+        del free[len(free) - k :]
+        return ids
+
+    def make_room(self, need: int, members: list[SearchContext]) -> None:
+        """Free KV cells for `need` more, taking the whole KV of the least recently used searches
+        between builds: their committed tokens run again at their next build."""
+        free = self.ctx.n_ctx - sum(s.cells for s in self._searches)
+        for other in self._idle_searches(members, lambda s: s.cells > 0):
+            if free >= need:
+                break
+            free += other.cells
+            other.evict()
+            self.evictions += 1
+        if free < need:
+            raise LlamaCppError(f"the draft's KV cache of {self.ctx.n_ctx} tokens cannot hold {need} new ones "
+                                f"beside its sessions' {self.ctx.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
+
+    def _idle_searches(self, members: list[SearchContext], holding: object) -> list[SearchContext]:
+        idle = [s for s in self._searches if not s.busy and all(s is not m for m in members) and holding(s)]  # type: ignore[operator]
+        return sorted(idle, key=lambda s: s.used_at)
+
+
+class SearchContext:
+    """A draft session's search on a `SearchPool` (draft_node.llama_session): its lane's sequence
+    `seq` holds the committed tokens with KV (`length` of them); each expanded node holds an id of
+    its own. Nodes are named by their tree KV slot, as in the torch draft's cache, so one
+    `TreeBuilder` drives both. A search holds at most `max_nodes` expanded nodes at once."""
+
+    def __init__(self, pool: SearchPool, seq: int, n_ctx: int, max_nodes: int, max_slots: int) -> None:
+        if not 1 <= max_nodes <= MAX_TREE_LEAVES:
+            raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
+        self.pool, self.ctx, self.seq = pool, pool.ctx, seq
+        self.n_ctx = n_ctx
+        self.length = 0  # committed tokens with KV
+        self.nodes = 0  # expanded nodes held
+        self.busy = 0  # how deep inside `SearchPool.working`
+        self.reserved = 0  # ids this build may hold
+        self.used_at = 0
+        self.lost = False  # another session's build took this search's nodes (and maybe its KV)
+        self._closed = False
+        self._seq_of = np.full(max_slots, -1, dtype=np.int32)  # [slot]: the node's sequence id, -1 none
+
+    @property
+    def cells(self) -> int:
+        return self.length + self.nodes
+
+    def extend(self, tokens: list[int]) -> Tensor:
+        """Run committed tokens as a causal chain onto this lane, in batch-size pieces; the last
+        one's logits [vocab]."""
+        self._check_extend(len(tokens))
+        with self.ctx.lock:
+            self.pool.make_room(len(tokens), [self])
+            logits = self.ctx.chain(tokens, self.seq, self.length, last_logits=True)
+            self.length += len(tokens)
+        assert logits is not None
+        return logits
+
+    def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
+               interruptible: bool = False) -> Tensor:  # fmt: skip
+        """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
+        -1 for the root) in one `llama_decode`; their logits [k, vocab]. An `interruptible` batch
+        that `interrupt` cuts short raises `Aborted` and leaves the search as it was."""
+        return run_batch([Expansion(self, slots, parent_slots, tokens, positions, interruptible)])[0]
+
+    def _check_extend(self, k: int) -> None:
+        if not k:
+            raise ValueError("nothing to run")
+        if self.length + k > self.n_ctx:
+            raise ValueError(f"sequence would exceed the context of {self.n_ctx} tokens")
+
+    def move(self, src: np.ndarray, dst: np.ndarray) -> None:
+        """Nodes at slots `src` now sit at `dst`; every other node is dropped."""
+        with self.ctx.lock:
+            moved = np.full_like(self._seq_of, -1)
+            moved[dst] = self._seq_of[src]
+            self._release(np.flatnonzero((self._seq_of >= 0) & ~np.isin(self._seq_of, moved)))
+            self._seq_of = moved
+
+    def drop(self, slots: np.ndarray) -> None:
+        with self.ctx.lock:
+            self._release(slots)
+
+    def keep_path(self, slot: int, count: int) -> None:
+        """The first `count` cells of the path to the node at `slot` join the committed tokens."""
+        with self.ctx.lock:
+            seq = int(self._seq_of[slot])
+            if seq < 0:
+                raise ValueError(f"tree slot {slot} holds no expanded node")
+            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, seq, self.seq, self.length, self.length + count)
+            self.length += count
+
+    def commit(self, count: int) -> None:
+        """Slots 0..count-1 hold a path down from the root: it becomes committed, the nodes below
+        it keep their ids and move up `count` slots."""
+        if count:
+            self.keep_path(count - 1, count)
+            rest = np.arange(count, len(self._seq_of))
+            self.move(rest, rest - count)
+
+    def reset(self) -> None:
+        """Drop every node: a new search starts from the committed tokens."""
+        self.drop(np.flatnonzero(self._seq_of >= 0))
+
+    def truncate(self, length: int) -> None:
+        """Forget the KV of committed tokens from `length` on (every node with it)."""
+        self.reset()
+        if length < self.length:
+            with self.ctx.lock:
+                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, self.seq, length, -1)
+            self.length = length
+
+    def evict(self) -> None:
+        """Every node and every committed token's KV go (another session needs the cells)."""
+        self.truncate(0)
+        self.lost = True
+
+    def _release(self, slots: np.ndarray) -> None:
+        ids = self._seq_of[slots]
+        ids = ids[ids >= 0]
+        for seq in ids.tolist():
+            self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, seq, -1, -1)
+        self.ctx._leaf_free += ids.tolist()
+        self._seq_of[slots] = -1
+        self.nodes -= ids.size
+
+    def close(self) -> None:
+        if not self._closed:
+            self._closed = True
+            self.pool.release(self)
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):  # interpreter shutdown: the library may be gone already
+            self.close()
+
+
+@dataclass(eq=False)
+class Expansion:
+    """A batch of search nodes to decode (`SearchContext.expand`)."""
+
+    search: SearchContext
+    slots: np.ndarray  # [k]
+    parent_slots: np.ndarray  # [k], -1 for the root
+    tokens: np.ndarray  # [k]
+    positions: np.ndarray  # [k]
+    idle: bool = False  # a lookahead step's: a pass of it alone may be cut short
+
+    @property
+    def rows(self) -> int:
+        return len(self.slots)
+
+
+@dataclass(eq=False)
+class Chain:
+    """Committed tokens to run onto a search's lane; the last one's logits come back."""
+
+    search: SearchContext
+    tokens: list[int]
+    idle = False
+
+    @property
+    def rows(self) -> int:
+        return len(self.tokens)
+
+
+Work = Expansion | Chain
+
+
+def run_batch(works: list[Work]) -> list[Tensor]:
+    """Several searches' work on one pool in one `llama_decode`: each expansion's logits [k, vocab],
+    each chain's last logits [vocab]. A chain alone may be longer than a pass; it runs in pieces.
+    All or nothing: a failed pass leaves every search as it was."""
+    pool = works[0].search.pool
+    c = pool.ctx
+    if any(w.search.pool is not pool for w in works):
+        raise ValueError("work in one pass must share a llama.cpp context")
+    if len(works) == 1 and isinstance(works[0], Chain):
+        return [works[0].search.extend(works[0].tokens)]
+    rows = sum(w.rows for w in works)
+    with c.lock:
+        if rows > c.n_batch:
+            raise ValueError(f"a pass of {rows} rows is over this context's batch of {c.n_batch}")
+        for w in works:
+            if isinstance(w, Chain):
+                w.search._check_extend(w.rows)
+            elif w.search.length + w.search.nodes + w.rows > w.search.n_ctx:
+                raise ValueError(f"{w.rows} nodes do not fit this search's context of {w.search.n_ctx} tokens")
+        pool.make_room(rows, [w.search for w in works])
+        laid: list[Expansion] = []
+        at = 0
+        try:
+            for w in works:
+                at = _lay_out(w, at, laid)
+            c._decode(rows, int(c._pos[:rows].min()), len(works) == 1 and works[0].idle)
+        except BaseException:
+            for e in laid:
+                e.search._release(e.slots)
+            for w in works:  # llama.cpp takes back only a failed pass's last ubatch
+                if isinstance(w, Chain):
+                    c.lib.llama_memory_seq_rm(c._mem, w.search.seq, w.search.length, -1)
+            raise
+        outputs = int(c._logits[:rows].sum())
+        logits = torch.from_numpy(np.ctypeslib.as_array(c.lib.llama_get_logits(c._ctx), shape=(outputs, c.vocab)).copy())
+    out: list[Tensor] = []
+    row = 0
+    for w in works:
+        if isinstance(w, Chain):
+            w.search.length += w.rows
+            out.append(logits[row])
+            row += 1
+        else:
+            out.append(logits[row : row + w.rows])
+            row += w.rows
+    return out
+
+
+def _lay_out(w: Work, at: int, laid: list[Expansion]) -> int:
+    """Fill `w`'s rows of the batch from row `at`; returns the next free row."""
+    s, c, k = w.search, w.search.ctx, w.rows
+    if isinstance(w, Chain):
+        c._token[at : at + k] = w.tokens
+        c._pos[at : at + k] = np.arange(s.length, s.length + k)
+        c._seq[at : at + k, 0] = s.seq
+        c._logits[at : at + k] = 0
+        c._logits[at + k - 1] = 1
+    else:
+        parents = np.where(w.parent_slots >= 0, s._seq_of[np.maximum(w.parent_slots, 0)], s.seq)
+        if (parents < 0).any():
+            raise ValueError("a node's parent was never expanded")
+        ids = s.pool.take_ids(s, k, w.idle)
+        for parent, seq in zip(parents.tolist(), ids, strict=True):
+            c.lib.llama_memory_seq_cp(c._mem, parent, seq, -1, -1)
+        s._seq_of[w.slots] = ids
+        s.nodes += k
+        laid.append(w)
+        c._token[at : at + k] = w.tokens
+        c._pos[at : at + k] = w.positions
+        c._seq[at : at + k, 0] = ids
+        c._logits[at : at + k] = 1
+    c._n_seq[at : at + k] = 1
+    return at + k
