@@ -21,9 +21,8 @@ from torch import Tensor
 from common.decoding.tree import TreeParams
 from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel
 from common.model.llama_search import Chain, Expansion, NoSpareIds, SearchContext, SearchPool, Work, run_batch
-from draft_node.lookahead import Interrupted
 from draft_node.session import DraftSession
-from draft_node.tree_builder import BuiltTree
+from draft_node.tree_builder import BuiltTree, ExpansionRefused
 
 # Runs one session's llama.cpp work, alone or (the engine's) in a pass shared with other sessions'.
 Submit = Callable[[Work], Tensor]
@@ -70,10 +69,10 @@ class LlamaDraftSession(DraftSession):
             super().update(tokens, truncate_to)
 
     def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
+        """A lookahead search grows past its tree's ids only on ids no other build reserved."""
         with self.working():
-            want = max(self.search_nodes, params.budget) if self.lookahead else params.budget
-            grant = self.cache.pool.reserve(self.cache, want)
-            if grant >= want:
+            grant = self.cache.pool.reserve(self.cache, params.budget)
+            if grant >= params.budget:
                 return super().build_tree(params)
             # Other builds hold the pool: a smaller tree, with no search kept behind it.
             self._search = None
@@ -87,10 +86,8 @@ class LlamaDraftSession(DraftSession):
         with self.working():
             try:
                 return super().idle_step()
-            except Interrupted as exc:
-                if isinstance(exc.__cause__, NoSpareIds):
-                    return False
-                raise
+            except ExpansionRefused:
+                return False
 
     def interrupt(self) -> None:
         """llama.cpp stops the idle pass between graph nodes (`Aborted`): on this CPU a 16-node
@@ -114,7 +111,10 @@ class LlamaDraftSession(DraftSession):
         cache = self.cache
         work = Expansion(cache, (nodes - 1).numpy(), (parents - 1).numpy(), tokens.numpy(),
                          (cache.length - 1 + depths).numpy(), self._idle)  # fmt: skip
-        return torch.log_softmax(self._submit(work), -1)
+        try:
+            return torch.log_softmax(self._submit(work), -1)
+        except NoSpareIds as exc:
+            raise ExpansionRefused(str(exc)) from exc
 
     def move(self, src: Tensor, dst: Tensor) -> None:
         self.cache.move(src.numpy(), dst.numpy())  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ KV slots when the node arrays are compacted. Node `i` (i >= 1) of the working ar
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, replace
 from typing import Protocol
@@ -27,12 +28,18 @@ from torch import Tensor
 
 from common.decoding.tree import MAX_BUDGET, TokenTree, TreeParams
 
-__all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "TreeBuilder", "TreeParams"]
+__all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "ExpansionRefused", "TreeBuilder", "TreeParams"]
+
+
+class ExpansionRefused(Exception):
+    """An expander had no room for a batch (a shared cache's sequence ids) and changed nothing: the
+    search stops growing there, and its tree is the best it has."""
 
 
 class Expander(Protocol):
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
-        """Draft log-probs [len(nodes), V] for `nodes` (working ids, KV slot = id - 1).
+        """Draft log-probs [len(nodes), V] for `nodes` (working ids, KV slot = id - 1), or
+        `ExpansionRefused`.
 
         `visible[r, j]` says whether row r may attend to tree slot j (the prefix is always visible);
         `parents[r]` is row r's parent's working id (0: the root, whose KV is the prefix's last).
@@ -102,8 +109,9 @@ class TreeBuilder:
         """Expand until the `budget` best nodes are final; returns the draft forwards it took. A search
         that keeps more nodes than `budget` (the draft node's lookahead) goes on later with `step`."""
         forwards = 0
-        while self.step(expander, budget):
-            forwards += 1
+        with contextlib.suppress(ExpansionRefused):
+            while self.step(expander, budget):
+                forwards += 1
         return forwards
 
     def step(self, expander: Expander, budget: int | None = None, idle: bool = False) -> bool:

@@ -38,7 +38,8 @@ SEARCH_UBATCH = 64
 
 
 class NoSpareIds(ForwardInterrupted):
-    """An idle expansion found no sequence ids free of other sessions' builds; nothing changed."""
+    """An expansion past its build's reservation, or an idle one, found no sequence ids free of
+    other sessions' builds; nothing changed."""
 
 
 class SearchPool:
@@ -117,10 +118,11 @@ class SearchPool:
                 self._cv.wait()
 
     def take_ids(self, search: SearchContext, k: int, idle: bool) -> list[int]:
-        """`k` free ids for `search`'s next expansion. A build takes them from the least recently
-        used searches between builds if it must; an idle step only takes ids no build has reserved."""
+        """`k` free ids for `search`'s next expansion. Within its reservation a build takes them from
+        the least recently used searches between builds if it must; past it, and in idle steps, a
+        search takes only ids no other build has reserved (`NoSpareIds`)."""
         free = self.ctx._leaf_free
-        if idle:
+        if idle or search.nodes + k > search.reserved:
             owed = sum(max(s.reserved - s.nodes, 0) for s in self._searches if s.busy and s is not search)
             if len(free) - owed < k:
                 raise NoSpareIds(f"{k} ids wanted, {len(free)} free and {owed} reserved by builds")
