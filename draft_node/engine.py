@@ -25,7 +25,7 @@ from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_
 from common.model.llama_search import SearchPool, Work, run_batch
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
-from common.ops.metrics import observe_draft_pass
+from common.ops.metrics import observe_draft_pass, observe_preemptions
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
@@ -112,6 +112,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         if kv_cache_tokens is not None and not self.llama:
             raise ValueError("--kv-cache-tokens is for the llama.cpp backend (torch sessions each allocate their own)")
         self.pool = self._search_pool(lookahead, max_batch_tokens, kv_cache_tokens) if self.llama else None
+        self._evictions = 0  # the pool's searches that lost nodes or KV, as reported to the metrics
         self.lookahead = Lookahead() if lookahead else None
         if self.lookahead is not None:  # an engine dropped without close() still ends its worker
             weakref.finalize(self, self.lookahead.close, 1.0).atexit = False
@@ -190,6 +191,9 @@ class DraftEngine(NodeEngine[DraftSession]):
             for j, result in zip(group, results, strict=True):
                 j.result, j.done = result, True
             observe_draft_pass(len(group), sum(w.rows for w in works))
+        if self.pool is not None and self.pool.evictions > self._evictions:
+            observe_preemptions(self.pool.evictions - self._evictions)
+            self._evictions = self.pool.evictions
 
     def _run_pass(self, jobs: list[ForwardJob]) -> None:
         """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays

@@ -431,3 +431,5 @@ def test_a_bad_regroup_wait_is_refused_before_loading():
 def test_a_shared_kv_pool_is_refused_on_torch(loaded):
     with pytest.raises(ValueError, match="--kv-cache-tokens is for the llama"):
         TargetEngine(loaded["target"], max_context=64, max_tree=8, kv_cache_tokens=1000)
+    with pytest.raises(ValueError, match="--kv-cache-tokens is for the llama"):
+        DraftEngine(loaded["truncated"], max_context=64, max_tree=8, kv_cache_tokens=1000)

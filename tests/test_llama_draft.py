@@ -178,7 +178,8 @@ def test_draft_node_on_llama_cpp_with_lookahead_serves_the_same_tokens(ggufs, tm
 
 def test_draft_node_refuses_what_llama_cpp_cannot_do(ggufs):
     for args, needle in ((["--max-tree", "300"], "over the llama.cpp backend's limit of 255"),
-                         (["--quantize", "int8"], "drop --quantize")):  # fmt: skip
+                         (["--quantize", "int8"], "drop --quantize"),
+                         (["--kv-cache-tokens", "100"], "--kv-cache-tokens 100 cannot hold one session's")):  # fmt: skip
         cmd = [sys.executable, "-m", "draft_node", "--model", str(ggufs["draft"]), "--listen",
                f"127.0.0.1:{free_port()}", "--backend", "llama.cpp", "--no-profile", *args]  # fmt: skip
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=120, cwd=ROOT)
@@ -358,3 +359,33 @@ def test_a_build_beside_others_gets_its_fair_share_of_ids(ggufs):
         assert small.tree.size <= 1 + 4
     assert a.build_tree(PLAIN)[0].tree.size == 13  # a starts again from its committed tokens
     assert a.worst < 1e-3 and c.worst < 1e-3
+
+
+def test_concurrent_generations_with_a_llama_cpp_draft_equal_the_target_alone(ggufs, monkeypatch):
+    """8 generations at once, started at different times, of different lengths, greedy and seeded,
+    on llama.cpp target and draft (F32 files), the draft's sessions on one shared context: each
+    equals the target alone on its own prompt and seed, and draft passes were shared."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from draft_node import engine as engine_module
+
+    sizes: list[int] = []
+    real = engine_module.run_batch
+    monkeypatch.setattr(engine_module, "run_batch", lambda works: sizes.append(len(works)) or real(works))
+    alone = SpecExec.local(None, str(ggufs["target"]), mode="autoregressive", kv_type="f32")
+    gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["target"]), tree=TreeParams(budget=16), kv_type="f32")
+    assert gen.draft.pool is not None
+    jobs = [([(7 * i + j) % 250 + 3 for j in range(5 + i)],
+             SamplingParams(max_new_tokens=6 + 3 * i, ignore_eos=True,
+                            **({"temperature": 0.8, "seed": 100 + i} if i % 2 else {})))
+            for i in range(8)]  # fmt: skip
+
+    def run(i: int) -> list[int]:
+        time.sleep(0.05 * i)
+        return gen.generate(*jobs[i]).token_ids
+
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        results = list(pool.map(run, range(len(jobs))))
+    for (prompt, sampling), got in zip(jobs, results, strict=True):
+        assert got == alone.generate(prompt, sampling).token_ids
+    assert max(sizes) > 1
