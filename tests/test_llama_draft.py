@@ -389,3 +389,39 @@ def test_concurrent_generations_with_a_llama_cpp_draft_equal_the_target_alone(gg
     for (prompt, sampling), got in zip(jobs, results, strict=True):
         assert got == alone.generate(prompt, sampling).token_ids
     assert max(sizes) > 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_work_of_many_sessions_on_a_small_pool_keeps_every_path_exact(ggufs, seed):
+    """Four sessions, lookahead and plain, on a pool with ids for one tree and cells for about two,
+    in a random order of builds, idle steps, hits, misses and rewrites of history: every expansion
+    sees exactly its path, and after every operation the ids and cells add up."""
+    import random
+
+    rng = random.Random(seed)
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    pool = shared_pool(model, lanes=4, ids=12, cells=56)
+    prompts_ = [PROMPT, PROMPT[::-1], [5, 9, 13, 17, 21, 25], [40, 41, 42]]
+    sessions = [CheckedSession(model, p, max_context=96, max_tree=12, pool=pool, lookahead=i % 2 == 0)
+                for i, p in enumerate(prompts_)]  # fmt: skip
+    last: dict[int, object] = {}
+    for _ in range(40):
+        i = rng.randrange(len(sessions))
+        s = sessions[i]
+        op = rng.choice(["build", "build", "idle", "update", "truncate"])
+        if op == "build":
+            budget = rng.choice([4, 8, 12])
+            last[i] = s.build_tree(TreeParams(budget=budget, max_depth=6, max_branch=3, expand_batch=4))[0]
+        elif op == "idle":
+            s.idle_step()
+        elif op == "update" and i in last:
+            path = deepest_expanded_path(last.pop(i))
+            s.update(path[: rng.randint(1, 3)] if path and rng.random() < 0.7 else [rng.randrange(3, 250)])
+        elif op == "truncate" and len(s.committed) > 3:
+            s.update([rng.randrange(3, 250)], truncate_to=rng.randint(2, len(s.committed) - 1))
+            last.pop(i, None)
+        assert sum(x.ids_in_use() for x in sessions) + len(pool.ctx._leaf_free) == pool.leaf_ids
+        assert sum(x.cache.cells for x in sessions) <= pool.ctx.n_ctx
+        assert all(x.cache.length <= len(x.committed) for x in sessions)
+    assert sum(x.checked for x in sessions) > 40 and max(x.worst for x in sessions) < 1e-3
+    assert pool.evictions > 0
