@@ -146,15 +146,14 @@ def add_quantize_arg(parser: argparse.ArgumentParser, flag: str = "--quantize") 
     )
 
 
-def add_kv_cache_arg(parser: argparse.ArgumentParser, per_session: str) -> None:
+def add_kv_cache_arg(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument(
         "--kv-cache-tokens",
         type=int,
         default=None,
         metavar="N",
         help="llama.cpp backend: KV cells the sessions share; when they are full, the least recently used "
-        "session not at work gives its cells up and recomputes them at its next step (default: two "
-        f"sessions' worth, 2 x (--max-context + {per_session}))",
+        f"session not at work gives its cells up and recomputes them at its next step (default: {default})",
     )
 
 

@@ -4,16 +4,15 @@ sequence id per expanded node, its parent's cells shared with it by a sequence c
 nodes are pruned).
 
 Sessions on one `SearchPool` share llama.cpp's 256 sequence ids and its KV cells, and their
-expansions share passes (the engine's). A build reserves the ids its search may hold; where other
-builds hold the pool it builds a smaller tree, without a lookahead search behind it. A session whose
-nodes or KV another build took (`lost`) starts again from its committed tokens.
+expansions share passes (the engine's). A build reserves its tree's worth of ids, or its fair share
+where other builds hold the pool, and past that expands only on spare ones. A session whose nodes
+or KV another build took (`lost`) starts again from its committed tokens.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 from torch import Tensor
@@ -69,17 +68,11 @@ class LlamaDraftSession(DraftSession):
             super().update(tokens, truncate_to)
 
     def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
-        """A lookahead search grows past its tree's ids only on ids no other build reserved."""
+        """Past the ids it reserved the search expands only on spare ones; with none left its tree
+        is the best it found (`ExpansionRefused`)."""
         with self.working():
-            grant = self.cache.pool.reserve(self.cache, params.budget)
-            if grant >= params.budget:
-                return super().build_tree(params)
-            # Other builds hold the pool: a smaller tree, with no search kept behind it.
-            self._search = None
-            budget = min(params.budget, grant if grant < 8 else grant // 8 * 8)  # few builder shapes
-            small = replace(params, budget=budget, expand_batch=min(params.expand_batch, budget))
-            self._last = self._builder(small.shape).build(self.committed[-1], self._catch_up(), self, small)
-            return self._last, False
+            self.cache.pool.reserve(self.cache, params.budget)
+            return super().build_tree(params)
 
     def idle_step(self) -> bool:
         """False also when every free sequence id is reserved by other sessions' builds."""

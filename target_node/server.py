@@ -24,7 +24,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec target", description=__doc__)
     add_node_args(parser, default_port=50051)
     add_offload_args(parser)
-    add_kv_cache_arg(parser, "--max-tree + 1")
+    add_kv_cache_arg(parser, "two sessions' worth, 2 x (--max-context + --max-tree + 1)")
     return parser
 
 

@@ -10,11 +10,12 @@ of nodes decoded with one id each sees its own session's prefix and its ancestor
 is in the batch.
 
 The sessions on one pool share llama.cpp's 256 ids (one per lane, the rest one per expanded node)
-and its KV cells. A tree build reserves the ids its search may hold (`SearchPool.reserve`); where
-other builds hold the pool it gets its fair share, and builds a smaller tree. Sessions between
-builds keep their nodes (salvage, re-rooting) until a build needs the ids or the cells: then the
-least recently used lose their nodes (`SearchContext.lost`), or for cells their KV too, and start
-again from their committed tokens, recomputed, at their next build: as vLLM preempts.
+and its KV cells. A tree build reserves its tree's worth of ids (`SearchPool.reserve`); where other
+builds hold the pool it gets its fair share, and past its reservation it expands only on ids no
+other build reserved: its tree is then the best its search found. Sessions between builds keep
+their nodes (salvage, re-rooting) until a build needs the ids or the cells: then the least recently
+used lose their nodes (`SearchContext.lost`), or for cells their KV too, and start again from
+their committed tokens, recomputed, at their next build: as vLLM preempts.
 """
 
 from __future__ import annotations
@@ -105,17 +106,15 @@ class SearchPool:
 
     def reserve(self, search: SearchContext, want: int) -> int:
         """Ids for a build whose search may hold `want` nodes (inside `working`): all of them, or
-        where other builds hold the pool, this build's fair share of it; waits for at least one."""
+        where other builds hold the pool, this build's fair share of what they left, maybe none.
+        Past its reservation a build expands only on spare ids (`take_ids`), so it never waits: with
+        none its tree is the root's most likely children."""
         with self._cv:
-            while True:
-                others = [s for s in self._searches if s.busy and s is not search]
-                held = sum(max(s.reserved, s.nodes) for s in others)
-                fair = self.leaf_ids // (1 + sum(1 for s in others if s.reserved))
-                grant = min(want, self.leaf_ids - held, fair)
-                if grant >= 1:
-                    search.reserved = grant
-                    return grant
-                self._cv.wait()
+            others = [s for s in self._searches if s.busy and s is not search]
+            held = sum(max(s.reserved, s.nodes) for s in others)
+            fair = self.leaf_ids // (1 + sum(1 for s in others if s.reserved))
+            search.reserved = max(min(want, self.leaf_ids - held, fair), 0)
+            return search.reserved
 
     def take_ids(self, search: SearchContext, k: int, idle: bool) -> list[int]:
         """`k` free ids for `search`'s next expansion. Within its reservation a build takes them from
