@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
-from common.model.llama_cpp import MAX_SEQUENCES, MAX_TREE_LEAVES
+from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_LEAVES
 from common.model.llama_search import SearchPool, Work, run_batch
 from common.model.loading import LoadedModel
 from common.model.transformer import Segment
@@ -123,17 +123,15 @@ class DraftEngine(NodeEngine[DraftSession]):
 
     def _search_pool(self, lookahead: bool, max_batch_tokens: int, kv_cache_tokens: int | None) -> SearchPool | None:
         """One llama.cpp context for every session's search, so that their expansions share passes.
-        Its KV cache, allocated now, is a pool of `kv_cache_tokens` cells, by default every session's
-        worth (as llama-server's `-c` for all its slots): unlike the target's passes, a draft build
-        holds its cells across several passes, and builds at once cannot take each other's. Its 256
-        sequence ids go one per session and the rest to the nodes the sessions' searches hold
-        (draft_node.llama_session)."""
+        Its KV cache, allocated now, is a pool of `kv_cache_tokens` cells (default: two sessions'
+        worth, as on the target, and at least a pass's 256); its 256 sequence ids go one per session
+        and the rest to the nodes the sessions' searches hold (draft_node.llama_session)."""
         lanes = self.sessions.max_sessions
         if max_batch_tokens == 1 or lanes == 1:
             return None
         ids = MAX_TREE_LEAVES + 1 - lanes
         lane = self.max_context + DraftSession.tree_nodes_for(min(self.max_tree, ids), lookahead, ids) + 1
-        cells = max(lanes * lane, MAX_SEQUENCES) if kv_cache_tokens is None else kv_cache_tokens
+        cells = max(min(lanes, DEFAULT_KV_SESSIONS) * lane, MAX_SEQUENCES) if kv_cache_tokens is None else kv_cache_tokens
         if cells < lane:
             raise ValueError(f"--kv-cache-tokens {cells} cannot hold one session's {lane} tokens "
                              f"(--max-context + its search's nodes + 1); give it at least {lane}")  # fmt: skip

@@ -98,7 +98,7 @@ class LlamaDraftSession(DraftSession):
         cache.reset()
         if cache.length == len(self.committed):
             cache.truncate(cache.length - 1)  # every token's KV is cached: run the root again
-        return torch.log_softmax(self._submit(Chain(cache, self.committed[cache.length :])), -1)
+        return torch.log_softmax(self._submit(Chain(cache, self.committed, len(self.committed))), -1)
 
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
         cache = self.cache

@@ -30,7 +30,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     parser = parser or argparse.ArgumentParser(prog="specexec draft", description=__doc__)
     add_node_args(parser, default_port=50052)
     add_quantize_arg(parser)
-    add_kv_cache_arg(parser, "every session's worth, --max-sessions x (--max-context + its search's nodes + 1)")
+    add_kv_cache_arg(parser, "two sessions' worth, 2 x (--max-context + its search's nodes + 1)")
     parser.add_argument(
         "--no-lookahead",
         dest="lookahead",

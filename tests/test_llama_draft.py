@@ -66,10 +66,10 @@ class CheckedSession(LlamaDraftSession):
         self.worst = 0.0
 
     def expand(self, nodes, tokens, depths, visible, parents):
+        prefix = self.committed[: self.cache.length]  # what the batch sees, whoever takes the KV after
         out = super().expand(nodes, tokens, depths, visible, parents)
         for node, token in zip(nodes.tolist(), tokens.tolist(), strict=True):
             self.slot_tokens[node - 1] = token
-        prefix = self.committed[: self.cache.length]
         for row, seen in enumerate(visible):
             path = [self.slot_tokens[j] for j in seen.nonzero().squeeze(1).tolist()]
             expected = chain_logprobs(self.model, prefix + path)
@@ -420,3 +420,39 @@ def test_random_work_of_many_sessions_on_a_small_pool_keeps_every_path_exact(ggu
         assert all(x.cache.length <= len(x.committed) for x in sessions)
     assert sum(x.checked for x in sessions) > 40 and max(x.worst for x in sessions) < 1e-3
     assert pool.evictions > 0
+
+
+def test_sessions_building_at_once_on_a_tiny_pool_keep_every_path_exact(ggufs):
+    """Four threads, each a session (lookahead and plain) building, growing idle, committing hits
+    and misses and rewriting history at once on a pool too small for their KV and ids: builds take
+    each other's cells mid-build and nodes past reservations. Every expansion still sees exactly its
+    path, none fails, and the ids add up."""
+    import random
+
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    taken: list[int] = []
+    for seed in range(4):
+        pool = shared_pool(model, lanes=4, ids=12, cells=40)
+        sessions = [CheckedSession(model, [(5 * i + 3 * j) % 250 + 3 for j in range(4 + i)], max_context=64,
+                                   max_tree=12, pool=pool, lookahead=i % 2 == 0) for i in range(4)]  # fmt: skip
+
+        def work(s: CheckedSession, rng: random.Random) -> None:
+            for _ in range(8):
+                built = s.build_tree(TreeParams(budget=rng.choice([4, 8, 12]), max_depth=6, max_branch=3,
+                                                expand_batch=4))[0]  # fmt: skip
+                if rng.random() < 0.5:
+                    s.idle_step()
+                path = deepest_expanded_path(built)
+                s.update(path[: rng.randint(1, 3)] if path and rng.random() < 0.7 else [rng.randrange(3, 250)])
+                if len(s.committed) > 20:
+                    s.update([7], truncate_to=6)
+
+        from tests.test_batching import at_once
+
+        rngs = [random.Random(10 * seed + i) for i in range(len(sessions))]
+        errors = at_once([lambda s=s, r=r: work(s, r) for s, r in zip(sessions, rngs, strict=True)])
+        assert errors == [None] * 4
+        assert sum(s.ids_in_use() for s in sessions) + len(pool.ctx._leaf_free) == pool.leaf_ids
+        assert max(s.worst for s in sessions) < 1e-3 and sum(s.checked for s in sessions) > 20
+        taken.append(pool.evictions)
+    assert sum(taken) > 0

@@ -23,7 +23,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -116,17 +116,18 @@ class SearchPool:
             search.reserved = max(min(want, self.leaf_ids - held, fair), 0)
             return search.reserved
 
-    def take_ids(self, search: SearchContext, k: int, idle: bool) -> list[int]:
-        """`k` free ids for `search`'s next expansion. Within its reservation a build takes them from
-        the least recently used searches between builds if it must; past it, and in idle steps, a
-        search takes only ids no other build has reserved (`NoSpareIds`)."""
+    def take_ids(self, search: SearchContext, k: int, idle: bool, members: list[SearchContext]) -> list[int]:
+        """`k` free ids for `search`'s next expansion in a pass of `members`. Within its reservation
+        a build takes them from the least recently used searches outside the pass if it must; past
+        it, and in idle steps, a search takes only ids no other build has reserved (`NoSpareIds`)."""
         free = self.ctx._leaf_free
         if idle or search.nodes + k > search.reserved:
             owed = sum(max(s.reserved - s.nodes, 0) for s in self._searches if s.busy and s is not search)
             if len(free) - owed < k:
                 raise NoSpareIds(f"{k} ids wanted, {len(free)} free and {owed} reserved by builds")
-        elif len(free) < k:
-            for other in self._idle_searches([search], lambda s: s.nodes > 0):
+        elif len(free) < k:  # searches between builds first, then nodes a build holds past its reservation
+            between = self._lru(members, lambda s: s.nodes > 0 and not s.busy)
+            for other in between + self._lru(members, lambda s: s.busy > 0 and s.nodes > s.reserved):
                 other.reset()
                 other.lost = True
                 self.evictions += 1
@@ -140,9 +141,12 @@ class SearchPool:
 
     def make_room(self, need: int, members: list[SearchContext]) -> None:
         """Free KV cells for `need` more, taking the whole KV of the least recently used searches
-        between builds: their committed tokens run again at their next build."""
+        outside the pass: first those between builds, then those mid-build (a build's cells outlive
+        its passes, so builds at once could otherwise hold the pool between them). Their committed
+        tokens run again at their next build; a build that lost its KV ends its growth there."""
         free = self.ctx.n_ctx - sum(s.cells for s in self._searches)
-        for other in self._idle_searches(members, lambda s: s.cells > 0):
+        outside = self._lru(members, lambda s: s.cells > 0)
+        for other in sorted(outside, key=lambda s: s.busy > 0):
             if free >= need:
                 break
             free += other.cells
@@ -152,9 +156,10 @@ class SearchPool:
             raise LlamaCppError(f"the draft's KV cache of {self.ctx.n_ctx} tokens cannot hold {need} new ones "
                                 f"beside its sessions' {self.ctx.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
 
-    def _idle_searches(self, members: list[SearchContext], holding: object) -> list[SearchContext]:
-        idle = [s for s in self._searches if not s.busy and all(s is not m for m in members) and holding(s)]  # type: ignore[operator]
-        return sorted(idle, key=lambda s: s.used_at)
+    def _lru(self, members: list[SearchContext], which: Callable[[SearchContext], bool]) -> list[SearchContext]:
+        """The searches besides `members` that `which` picks, least recently used first."""
+        picked = [s for s in self._searches if all(s is not m for m in members) and which(s)]
+        return sorted(picked, key=lambda s: s.used_at)
 
 
 class SearchContext:
@@ -218,9 +223,12 @@ class SearchContext:
             self._release(slots)
 
     def keep_path(self, slot: int, count: int) -> None:
-        """The first `count` cells of the path to the node at `slot` join the committed tokens."""
+        """The first `count` cells of the path to the node at `slot` join the committed tokens;
+        nothing where another build took them (`lost`): they run again as pending tokens."""
         with self.ctx.lock:
             seq = int(self._seq_of[slot])
+            if seq < 0 and self.lost:
+                return
             if seq < 0:
                 raise ValueError(f"tree slot {slot} holds no expanded node")
             self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, seq, self.seq, self.length, self.length + count)
@@ -288,15 +296,21 @@ class Expansion:
 
 @dataclass(eq=False)
 class Chain:
-    """Committed tokens to run onto a search's lane; the last one's logits come back."""
+    """The committed tokens up to `end` that the search's lane has no KV for, run onto it; the last
+    one's logits come back. Read when the pass is laid out: a build may take the KV meanwhile."""
 
     search: SearchContext
-    tokens: list[int]
+    committed: list[int]
+    end: int
     idle = False
 
     @property
+    def tokens(self) -> list[int]:
+        return self.committed[self.search.length : self.end]
+
+    @property
     def rows(self) -> int:
-        return len(self.tokens)
+        return self.end - self.search.length
 
 
 Work = Expansion | Chain
@@ -321,12 +335,13 @@ def run_batch(works: list[Work]) -> list[Tensor]:
                 w.search._check_extend(w.rows)
             elif w.search.length + w.search.nodes + w.rows > w.search.n_ctx:
                 raise ValueError(f"{w.rows} nodes do not fit this search's context of {w.search.n_ctx} tokens")
-        pool.make_room(rows, [w.search for w in works])
+        members = [w.search for w in works]
+        pool.make_room(rows, members)
         laid: list[Expansion] = []
         at = 0
         try:
             for w in works:
-                at = _lay_out(w, at, laid)
+                at = _lay_out(w, at, laid, members)
             c._decode(rows, int(c._pos[:rows].min()), len(works) == 1 and works[0].idle)
         except BaseException:
             for e in laid:
@@ -350,7 +365,7 @@ def run_batch(works: list[Work]) -> list[Tensor]:
     return out
 
 
-def _lay_out(w: Work, at: int, laid: list[Expansion]) -> int:
+def _lay_out(w: Work, at: int, laid: list[Expansion], members: list[SearchContext]) -> int:
     """Fill `w`'s rows of the batch from row `at`; returns the next free row."""
     s, c, k = w.search, w.search.ctx, w.rows
     if isinstance(w, Chain):
@@ -361,9 +376,11 @@ def _lay_out(w: Work, at: int, laid: list[Expansion]) -> int:
         c._logits[at + k - 1] = 1
     else:
         parents = np.where(w.parent_slots >= 0, s._seq_of[np.maximum(w.parent_slots, 0)], s.seq)
+        if s.lost:  # the builder's nodes, or the prefix its positions assume, are gone
+            raise NoSpareIds("another build took this search's nodes or KV")
         if (parents < 0).any():
             raise ValueError("a node's parent was never expanded")
-        ids = s.pool.take_ids(s, k, w.idle)
+        ids = s.pool.take_ids(s, k, w.idle, members)
         for parent, seq in zip(parents.tolist(), ids, strict=True):
             c.lib.llama_memory_seq_cp(c._mem, parent, seq, -1, -1)
         s._seq_of[w.slots] = ids
