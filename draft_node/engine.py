@@ -174,6 +174,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         shared pass fails, each job alone, so a failure stays with the work that caused it."""
         for group in _passes(jobs):
             works = [j.work for j in group]
+            sizes = [w.rows for w in works]  # before the pass: a chain's rows are what its lane lacks
             try:
                 results = run_batch(works)
             except Exception as exc:
@@ -184,13 +185,22 @@ class DraftEngine(NodeEngine[DraftSession]):
                 log.warning("a draft pass over %d sessions failed (%s); running each alone", len(group), str(exc))
                 for j in group:
                     try:
-                        j.result, j.done = run_batch([j.work])[0], True
+                        result = run_batch([j.work])[0]
                     except Exception as alone:
-                        j.fail(alone)
+                        result = alone
+                    if isinstance(result, BaseException):
+                        j.fail(result)
+                    else:
+                        j.result, j.done = result, True
                 continue
             for j, result in zip(group, results, strict=True):
-                j.result, j.done = result, True
-            observe_draft_pass(len(group), sum(w.rows for w in works))
+                if isinstance(result, BaseException):  # the pool refused it: its search stops growing
+                    j.fail(result)
+                else:
+                    j.result, j.done = result, True
+            ran = [n for n, r in zip(sizes, results, strict=True) if not isinstance(r, BaseException)]
+            if ran:
+                observe_draft_pass(len(ran), sum(ran))
         if self.pool is not None and self.pool.evictions > self._evictions:
             observe_preemptions(self.pool.evictions - self._evictions)
             self._evictions = self.pool.evictions

@@ -28,7 +28,10 @@ Submit = Callable[[Work], Tensor]
 
 
 def _alone(work: Work) -> Tensor:
-    return run_batch([work])[0]
+    result = run_batch([work])[0]
+    if isinstance(result, NoSpareIds):
+        raise result
+    return result
 
 
 class LlamaDraftSession(DraftSession):

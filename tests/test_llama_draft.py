@@ -456,3 +456,39 @@ def test_sessions_building_at_once_on_a_tiny_pool_keep_every_path_exact(ggufs):
         assert max(s.worst for s in sessions) < 1e-3 and sum(s.checked for s in sessions) > 20
         taken.append(pool.evictions)
     assert sum(taken) > 0
+
+
+def test_an_engines_shared_passes_on_a_tiny_pool_keep_every_path_exact(ggufs, monkeypatch):
+    """The same through a draft engine: four clients' builds share passes on a pool too small for
+    them, where the pool refuses some expansions of a pass and runs the rest. Every expansion sees
+    exactly its path and no build fails."""
+    import random
+
+    from common.model.llama_cpp import load_gguf
+    from draft_node import engine as engine_module
+    from draft_node.engine import DraftEngine
+    from tests.test_batching import at_once
+
+    monkeypatch.setattr(engine_module, "LlamaDraftSession", CheckedSession)
+    sizes: list[int] = []
+    real = engine_module.run_batch
+    monkeypatch.setattr(engine_module, "run_batch", lambda works: sizes.append(len(works)) or real(works))
+    loaded = load_gguf(ggufs["draft"], kv_type="f32")
+    engine = DraftEngine(loaded, max_context=24, max_tree=12, max_sessions=4)
+    engine.pool = shared_pool(loaded.model, lanes=4, ids=12, cells=48)
+    sids = [engine.open_session([(5 * i + 3 * j) % 250 + 3 for j in range(4 + i)]) for i in range(4)]
+    sessions = [engine.sessions.get(sid) for sid in sids]
+
+    def client(sid: str, rng: random.Random) -> None:
+        new: list[int] = []
+        for _ in range(8):
+            params = TreeParams(budget=rng.choice([4, 8, 12]), max_depth=6, max_branch=3, expand_batch=4)
+            session = engine.sessions.get(sid)
+            truncate = 4 if len(session.committed) > 16 else None
+            tree = engine.build_tree(sid, new, params, truncate_to=truncate).tree
+            new = [int(tree.tokens[1]) if tree.size > 1 and rng.random() < 0.7 else rng.randrange(3, 250)]
+
+    rngs = [random.Random(i) for i in range(4)]
+    assert at_once([lambda s=s, r=r: client(s, r) for s, r in zip(sids, rngs, strict=True)]) == [None] * 4
+    assert max(sizes) > 1 and engine.pool.evictions > 0
+    assert max(s.worst for s in sessions) < 1e-3 and sum(s.checked for s in sessions) > 20

@@ -202,7 +202,7 @@ class SearchContext:
         """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
         -1 for the root) in one `llama_decode`; their logits [k, vocab]. An `interruptible` batch
         that `interrupt` cuts short raises `Aborted` and leaves the search as it was."""
-        return run_batch([Expansion(self, slots, parent_slots, tokens, positions, interruptible)])[0]
+        return _raise_refusal(run_batch([Expansion(self, slots, parent_slots, tokens, positions, interruptible)])[0])
 
     def _check_extend(self, k: int) -> None:
         if not k:
@@ -316,18 +316,19 @@ class Chain:
 Work = Expansion | Chain
 
 
-def run_batch(works: list[Work]) -> list[Tensor]:
+def run_batch(works: list[Work]) -> list[Tensor | NoSpareIds]:
     """Several searches' work on one pool in one `llama_decode`: each expansion's logits [k, vocab],
-    each chain's last logits [vocab]. A chain alone may be longer than a pass; it runs in pieces.
-    All or nothing: a failed pass leaves every search as it was."""
+    each chain's last logits [vocab], or for an expansion the pool refused, the refusal (the rest
+    run). A chain alone may be longer than a pass; it runs in pieces. All or nothing otherwise: a
+    failed pass leaves every search as it was."""
     pool = works[0].search.pool
     c = pool.ctx
     if any(w.search.pool is not pool for w in works):
         raise ValueError("work in one pass must share a llama.cpp context")
     if len(works) == 1 and isinstance(works[0], Chain):
         return [works[0].search.extend(works[0].tokens)]
-    rows = sum(w.rows for w in works)
     with c.lock:
+        rows = sum(w.rows for w in works)
         if rows > c.n_batch:
             raise ValueError(f"a pass of {rows} rows is over this context's batch of {c.n_batch}")
         for w in works:
@@ -338,11 +339,16 @@ def run_batch(works: list[Work]) -> list[Tensor]:
         members = [w.search for w in works]
         pool.make_room(rows, members)
         laid: list[Expansion] = []
+        refused: dict[int, NoSpareIds] = {}
         at = 0
         try:
-            for w in works:
-                at = _lay_out(w, at, laid, members)
-            c._decode(rows, int(c._pos[:rows].min()), len(works) == 1 and works[0].idle)
+            for i, w in enumerate(works):
+                try:
+                    at = _lay_out(w, at, laid, members)
+                except NoSpareIds as exc:  # raised before the work touched the batch or the cache
+                    refused[i] = exc
+            if at:
+                c._decode(at, int(c._pos[:at].min()), len(works) == 1 and works[0].idle)
         except BaseException:
             for e in laid:
                 e.search._release(e.slots)
@@ -350,19 +356,27 @@ def run_batch(works: list[Work]) -> list[Tensor]:
                 if isinstance(w, Chain):
                     c.lib.llama_memory_seq_rm(c._mem, w.search.seq, w.search.length, -1)
             raise
-        outputs = int(c._logits[:rows].sum())
-        logits = torch.from_numpy(np.ctypeslib.as_array(c.lib.llama_get_logits(c._ctx), shape=(outputs, c.vocab)).copy())
-    out: list[Tensor] = []
-    row = 0
-    for w in works:
-        if isinstance(w, Chain):
-            w.search.length += w.rows
-            out.append(logits[row])
-            row += 1
-        else:
-            out.append(logits[row : row + w.rows])
-            row += w.rows
+        outputs = int(c._logits[:at].sum())
+        logits = np.ctypeslib.as_array(c.lib.llama_get_logits(c._ctx), shape=(outputs, c.vocab)).copy() if at else None
+        out: list[Tensor | NoSpareIds] = []
+        row = 0
+        for i, w in enumerate(works):
+            if i in refused:
+                out.append(refused[i])
+                continue
+            assert logits is not None
+            n = 1 if isinstance(w, Chain) else w.rows
+            out.append(torch.from_numpy(logits[row] if isinstance(w, Chain) else logits[row : row + n]))
+            if isinstance(w, Chain):
+                w.search.length = w.end
+            row += n
     return out
+
+
+def _raise_refusal(result: Tensor | NoSpareIds) -> Tensor:
+    if isinstance(result, NoSpareIds):
+        raise result
+    return result
 
 
 def _lay_out(w: Work, at: int, laid: list[Expansion], members: list[SearchContext]) -> int:
