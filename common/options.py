@@ -4,6 +4,7 @@ settings the layers below take. No argparse namespace travels past this module."
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import logging
 import sys
 from collections.abc import Callable
@@ -313,6 +314,7 @@ def node_main(
     role: NodeRole, build_parser: Callable[[], argparse.ArgumentParser], argv: list[str] | None
 ) -> int:
     """`python -m target_node` / `python -m draft_node`."""
+    faulthandler.enable()  # a crash in native code (llama.cpp, torch) leaves the Python stacks in the log
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return serve_node(node_config(build_parser().parse_args(argv)), role)

@@ -52,8 +52,11 @@ class LlamaDraftSession(DraftSession):
         self._start(prompt, max_context, min(max_tree, ids), lookahead, ids)
         self.model = model  # type: ignore[assignment]
         n_ctx = max_context + self.tree_nodes + 1
-        pool = pool or SearchPool.alone(model, n_ctx, self.tree_nodes)
-        self.cache: SearchContext = pool.open(n_ctx, self.tree_nodes, 2 * self.tree_nodes + 1)  # type: ignore[assignment]
+        search = pool.open(n_ctx, self.tree_nodes, 2 * self.tree_nodes + 1) if pool is not None else None
+        if search is None:  # alone, or every shared lane is still held: a context of its own
+            search = SearchPool.alone(model, n_ctx, self.tree_nodes).open(n_ctx, self.tree_nodes, 2 * self.tree_nodes + 1)
+        assert search is not None
+        self.cache: SearchContext = search  # type: ignore[assignment]
         self._submit = submit
 
     @contextmanager

@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -492,3 +493,46 @@ def test_an_engines_shared_passes_on_a_tiny_pool_keep_every_path_exact(ggufs, mo
     assert at_once([lambda s=s, r=r: client(s, r) for s, r in zip(sids, rngs, strict=True)]) == [None] * 4
     assert max(sizes) > 1 and engine.pool.evictions > 0
     assert max(s.worst for s in sessions) < 1e-3 and sum(s.checked for s in sessions) > 20
+
+
+def test_an_interrupt_cuts_only_an_idle_pass_on_a_shared_context(ggufs):
+    """On one context a request for one session interrupts another's idle step: a pass that is not
+    idle, whosever it is, runs whole; the next idle one stops."""
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    pool = SearchPool.shared(model, sessions=2, cells=512)
+    a = LlamaDraftSession(model, PROMPT, max_context=64, max_tree=12, lookahead=True, pool=pool)
+    b = LlamaDraftSession(model, PROMPT[::-1], max_context=64, max_tree=12, pool=pool)
+    a.build_tree(PLAIN)
+    done = threading.Event()
+    sizes: list[int] = []
+
+    def requests() -> None:
+        try:
+            for step in range(20):
+                b.update([PROMPT[step % len(PROMPT)]])
+                sizes.append(b.build_tree(PLAIN)[0].tree.size)
+        finally:
+            done.set()
+
+    worker = threading.Thread(target=requests)
+    worker.start()
+    while not done.is_set():  # interrupts meant for a's idle step, while b's passes run
+        a.interrupt()
+        time.sleep(0.0005)
+    worker.join()
+    assert sizes == [13] * 20
+    a.interrupt()
+    with pytest.raises(Interrupted):
+        a.idle_step()
+
+
+def test_a_session_finding_every_shared_lane_held_gets_a_context_of_its_own(ggufs):
+    """Lanes go back when a session is collected; one opened before that still opens."""
+    model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
+    pool = SearchPool.shared(model, sessions=2, cells=512)
+    held = [LlamaDraftSession(model, PROMPT, max_context=64, max_tree=12, pool=pool) for _ in range(2)]
+    extra = LlamaDraftSession(model, PROMPT, max_context=64, max_tree=12, pool=pool)
+    assert extra.cache.pool is not pool and all(s.cache.pool is pool for s in held)
+    assert extra.build_tree(PLAIN)[0].tree.size == 13
+    del held[0]
+    assert LlamaDraftSession(model, PROMPT, max_context=64, max_tree=12, pool=pool).cache.pool is pool

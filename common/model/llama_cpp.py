@@ -295,9 +295,11 @@ class LlamaContext:
             )
         self._mem = lib.llama_get_memory(self._ctx)
         self._stop = ctypes.create_string_buffer(2)  # [flag, NUL]: set to cut an interruptible pass short
+        self._never = ctypes.create_string_buffer(2)  # what other passes read: an interrupt is not theirs
+        self._check = None
         if _ABORT_CHECK is not None:
             self._check = lib.ggml_abort_callback(ctypes.cast(_ABORT_CHECK, ctypes.c_void_p).value)
-            lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(self._stop, ctypes.c_void_p))
+        self._reads_stop = False
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
         self.shape = (n_ctx, lanes, max_rows, ubatch)
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
@@ -410,6 +412,12 @@ class LlamaContext:
     def _decode(self, n: int, at: int, interruptible: bool = False) -> None:
         if not interruptible:  # a stale interrupt is for the pass it missed, never for this one
             self._stop[0] = 0
+        if self._check is not None and interruptible != self._reads_stop:
+            # Only an interruptible pass reads the flag: sessions share a context, and a request may
+            # interrupt one session's idle pass while another session's pass runs.
+            flag = self._stop if interruptible else self._never
+            self.lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(flag, ctypes.c_void_p))
+            self._reads_stop = interruptible
         self._batch.n_tokens = n
         rc = self.lib.llama_decode(self._ctx, self._batch)
         if rc == 2:

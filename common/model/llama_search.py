@@ -51,6 +51,9 @@ class SearchPool:
         self.owned = owned  # one session's own context, given back to the model when it closes
         self._cv = threading.Condition(ctx.lock)
         self._searches: weakref.WeakSet[SearchContext] = weakref.WeakSet()
+        # Lanes and node ids of searches closed while this thread held the lock (a session collected
+        # mid-pass): given back at the next `_reap`, never in the middle of someone's bookkeeping.
+        self._dead: list[tuple[int, list[int]]] = []
         self._clock = 0
         self.evictions = 0  # searches that lost their nodes or KV to another session's build
 
@@ -70,24 +73,44 @@ class SearchPool:
         """Sequence ids for expanded nodes, all sessions together."""
         return self.ctx.leaf_ids
 
-    def open(self, n_ctx: int, max_nodes: int, max_slots: int) -> SearchContext:
+    def open(self, n_ctx: int, max_nodes: int, max_slots: int) -> SearchContext | None:
+        """A search on a free lane; None when every lane is taken (sessions closed but not yet
+        collected may hold theirs a moment longer)."""
         with self._cv:
+            self._reap()
             if not self.ctx._free:
-                raise LlamaCppError(f"all {self.ctx.lanes} sessions of this llama.cpp context are in use")
+                return None
             search = SearchContext(self, self.ctx._free.pop(), n_ctx, max_nodes, max_slots)
             self._searches.add(search)
             return search
 
     def release(self, search: SearchContext) -> None:
+        """`search` holds nothing any more. Its lane and ids go back now, or where this thread is
+        inside the pool's lock (a session collected in the middle of a pass) at the next `_reap`."""
+        self._dead.append((search.seq, search._seq_of[search._seq_of >= 0].tolist()))
+        if self.ctx.lock._is_owned():  # type: ignore[attr-defined]
+            return
         with self._cv:
-            self._searches.discard(search)
-            if self.ctx._ctx:
-                search.reset()
-                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, search.seq, -1, -1)
-                self.ctx._free.append(search.seq)
-            self._cv.notify_all()
+            self._reap()
         if self.owned:
             self.ctx.model.give_back(self.ctx)
+
+    def _reap(self) -> None:
+        """Give back what closed searches held (under the lock)."""
+        while self._dead:
+            seq, ids = self._dead.pop()
+            if self.ctx._ctx:
+                for node in ids:
+                    self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, node, -1, -1)
+                self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, seq, -1, -1)
+                self.ctx._leaf_free += ids
+                self.ctx._free.append(seq)
+            self._cv.notify_all()
+
+    def _live(self) -> list[SearchContext]:
+        """The open searches, as a list: a search collected during a loop over the weak set would
+        change it under the loop."""
+        return [s for s in list(self._searches) if not s._closed]
 
     @contextlib.contextmanager
     def working(self, search: SearchContext) -> Iterator[None]:
@@ -110,7 +133,8 @@ class SearchPool:
         Past its reservation a build expands only on spare ids (`take_ids`), so it never waits: with
         none its tree is the root's most likely children."""
         with self._cv:
-            others = [s for s in self._searches if s.busy and s is not search]
+            self._reap()
+            others = [s for s in self._live() if s.busy and s is not search]
             held = sum(max(s.reserved, s.nodes) for s in others)
             fair = self.leaf_ids // (1 + sum(1 for s in others if s.reserved))
             search.reserved = max(min(want, self.leaf_ids - held, fair), 0)
@@ -120,9 +144,10 @@ class SearchPool:
         """`k` free ids for `search`'s next expansion in a pass of `members`. Within its reservation
         a build takes them from the least recently used searches outside the pass if it must; past
         it, and in idle steps, a search takes only ids no other build has reserved (`NoSpareIds`)."""
+        self._reap()
         free = self.ctx._leaf_free
         if idle or search.nodes + k > search.reserved:
-            owed = sum(max(s.reserved - s.nodes, 0) for s in self._searches if s.busy and s is not search)
+            owed = sum(max(s.reserved - s.nodes, 0) for s in self._live() if s.busy and s is not search)
             if len(free) - owed < k:
                 raise NoSpareIds(f"{k} ids wanted, {len(free)} free and {owed} reserved by builds")
         elif len(free) < k:  # searches between builds first, then nodes a build holds past its reservation
@@ -144,7 +169,8 @@ class SearchPool:
         outside the pass: first those between builds, then those mid-build (a build's cells outlive
         its passes, so builds at once could otherwise hold the pool between them). Their committed
         tokens run again at their next build; a build that lost its KV ends its growth there."""
-        free = self.ctx.n_ctx - sum(s.cells for s in self._searches)
+        self._reap()
+        free = self.ctx.n_ctx - sum(s.cells for s in self._live())
         outside = self._lru(members, lambda s: s.cells > 0)
         for other in sorted(outside, key=lambda s: s.busy > 0):
             if free >= need:
@@ -158,7 +184,7 @@ class SearchPool:
 
     def _lru(self, members: list[SearchContext], which: Callable[[SearchContext], bool]) -> list[SearchContext]:
         """The searches besides `members` that `which` picks, least recently used first."""
-        picked = [s for s in self._searches if all(s is not m for m in members) and which(s)]
+        picked = [s for s in self._live() if all(s is not m for m in members) and which(s)]
         return sorted(picked, key=lambda s: s.used_at)
 
 
