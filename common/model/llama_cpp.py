@@ -176,12 +176,6 @@ class LlamaCppModel:
         self.device = torch.device("cuda" if n_gpu_layers else "cpu")
         self._spare: LlamaContext | None = None  # the last context of one session's own, closed
         self._spare_lock = threading.Lock()
-        # llama.cpp calls that make, run or free this model's contexts, one at a time. A draft node
-        # whose sessions each had a context of their own crashed twice in llama.cpp under 8 clients
-        # (SIGSEGV reading through a null pointer in a pass), where contexts are made and freed on
-        # request threads while another runs a pass; not reproduced in process, so this rules one
-        # suspect out rather than a proven cause. Passes run one at a time on a node anyway.
-        self.native = threading.RLock()
 
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A context of one session's own."""
@@ -253,8 +247,7 @@ class LlamaCppModel:
         if spare is not None:
             spare.close()
         if self._model:
-            with self.native:
-                self.lib.llama_model_free(self._model)
+            self.lib.llama_model_free(self._model)
             self._model = None
 
     def __del__(self) -> None:
@@ -295,8 +288,7 @@ class LlamaContext:
         params.n_threads = params.n_threads_batch = model.threads
         if model.kv_type == "f32":
             params.type_k = params.type_v = GGML_TYPE_F32
-        with model.native:
-            self._ctx = lib.llama_init_from_model(model._model, params)
+        self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
             raise LlamaCppError(
                 f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} sequences"
@@ -338,8 +330,7 @@ class LlamaContext:
         with self.lock:
             if not self._ctx:
                 raise LlamaCppError("this llama.cpp context is closed")
-            with self.model.native:
-                self.lib.llama_memory_clear(self._mem, True)
+            self.lib.llama_memory_clear(self._mem, True)
             self._free_all()
 
     def _free_all(self) -> None:
@@ -425,12 +416,10 @@ class LlamaContext:
             # Only an interruptible pass reads the flag: sessions share a context, and a request may
             # interrupt one session's idle pass while another session's pass runs.
             flag = self._stop if interruptible else self._never
-            with self.model.native:
-                self.lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(flag, ctypes.c_void_p))
+            self.lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(flag, ctypes.c_void_p))
             self._reads_stop = interruptible
         self._batch.n_tokens = n
-        with self.model.native:
-            rc = self.lib.llama_decode(self._ctx, self._batch)
+        rc = self.lib.llama_decode(self._ctx, self._batch)
         if rc == 2:
             self._stop[0] = 0
             raise Aborted(f"a pass of {n} tokens at position {at} was interrupted")
@@ -440,8 +429,7 @@ class LlamaContext:
     def close(self) -> None:
         with self.lock:
             if self._ctx:
-                with self.model.native:
-                    self.lib.llama_free(self._ctx)
+                self.lib.llama_free(self._ctx)
                 self._ctx = None
 
     def __del__(self) -> None:
