@@ -19,19 +19,12 @@ from torch import Tensor
 
 from common.decoding.tree import TreeParams
 from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel
-from common.model.llama_search import Chain, Expansion, NoSpareIds, SearchContext, SearchPool, Work, run_batch
+from common.model.llama_search import Chain, Expansion, NoSpareIds, SearchContext, SearchPool, Work, run_alone
 from draft_node.session import DraftSession
 from draft_node.tree_builder import BuiltTree, ExpansionRefused
 
 # Runs one session's llama.cpp work, alone or (the engine's) in a pass shared with other sessions'.
 Submit = Callable[[Work], Tensor]
-
-
-def _alone(work: Work) -> Tensor:
-    result = run_batch([work])[0]
-    if isinstance(result, NoSpareIds):
-        raise result
-    return result
 
 
 class LlamaDraftSession(DraftSession):
@@ -42,7 +35,7 @@ class LlamaDraftSession(DraftSession):
         max_context: int,
         max_tree: int,
         lookahead: bool = False,
-        submit: Submit = _alone,
+        submit: Submit = run_alone,
         pool: SearchPool | None = None,
     ) -> None:
         """`pool`: the context this session's search shares with others'; without it, one of its own."""

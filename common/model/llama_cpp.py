@@ -295,11 +295,14 @@ class LlamaContext:
             )
         self._mem = lib.llama_get_memory(self._ctx)
         self._stop = ctypes.create_string_buffer(2)  # [flag, NUL]: set to cut an interruptible pass short
-        self._never = ctypes.create_string_buffer(2)  # what other passes read: an interrupt is not theirs
-        self._check = None
+        # Only an interruptible pass may see the flag set: sessions share a context, and a request
+        # may interrupt one session's idle pass while another session's pass runs.
+        self._gate = threading.Lock()
+        self._interruptible = False  # the pass in flight is
+        self._pending = False  # an interrupt for the next interruptible pass
         if _ABORT_CHECK is not None:
             self._check = lib.ggml_abort_callback(ctypes.cast(_ABORT_CHECK, ctypes.c_void_p).value)
-        self._reads_stop = False
+            lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(self._stop, ctypes.c_void_p))
         self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
         self.shape = (n_ctx, lanes, max_rows, ubatch)
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
@@ -405,21 +408,26 @@ class LlamaContext:
             return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.vocab,)).copy())
 
     def interrupt(self) -> None:
-        """Cut the interruptible pass in flight short (from any thread); no pass in flight, the next
-        interruptible one stops at once. On the CPU backend llama.cpp checks between graph nodes."""
-        self._stop[0] = 1
+        """Cut the interruptible pass in flight short (from any thread); with none in flight, the
+        next pass stops at once if it is interruptible. On the CPU llama.cpp checks between graph
+        nodes."""
+        with self._gate:
+            if self._interruptible:
+                self._stop[0] = 1
+            else:
+                self._pending = True
 
     def _decode(self, n: int, at: int, interruptible: bool = False) -> None:
-        if not interruptible:  # a stale interrupt is for the pass it missed, never for this one
-            self._stop[0] = 0
-        if self._check is not None and interruptible != self._reads_stop:
-            # Only an interruptible pass reads the flag: sessions share a context, and a request may
-            # interrupt one session's idle pass while another session's pass runs.
-            flag = self._stop if interruptible else self._never
-            self.lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(flag, ctypes.c_void_p))
-            self._reads_stop = interruptible
+        with self._gate:  # a stale interrupt is for the pass it missed, never for a later request's
+            self._interruptible = interruptible
+            self._stop[0] = int(interruptible and self._pending)
+            self._pending = False
         self._batch.n_tokens = n
-        rc = self.lib.llama_decode(self._ctx, self._batch)
+        try:
+            rc = self.lib.llama_decode(self._ctx, self._batch)
+        finally:
+            with self._gate:
+                self._interruptible = False
         if rc == 2:
             self._stop[0] = 0
             raise Aborted(f"a pass of {n} tokens at position {at} was interrupted")

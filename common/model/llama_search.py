@@ -228,7 +228,7 @@ class SearchContext:
         """Decode a batch of nodes (each at its tree KV slot, below the node at its parent's slot,
         -1 for the root) in one `llama_decode`; their logits [k, vocab]. An `interruptible` batch
         that `interrupt` cuts short raises `Aborted` and leaves the search as it was."""
-        return _raise_refusal(run_batch([Expansion(self, slots, parent_slots, tokens, positions, interruptible)])[0])
+        return run_alone(Expansion(self, slots, parent_slots, tokens, positions, interruptible))
 
     def _check_extend(self, k: int) -> None:
         if not k:
@@ -399,7 +399,9 @@ def run_batch(works: list[Work]) -> list[Tensor | NoSpareIds]:
     return out
 
 
-def _raise_refusal(result: Tensor | NoSpareIds) -> Tensor:
+def run_alone(work: Work) -> Tensor:
+    """One search's work in a pass of its own; a refusal is raised."""
+    result = run_batch([work])[0]
     if isinstance(result, NoSpareIds):
         raise result
     return result
