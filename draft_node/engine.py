@@ -36,52 +36,46 @@ from draft_node.session import DraftSession, forward_logprobs
 log = logging.getLogger("specexec.draft")
 
 
-@dataclass(eq=False)
-class ForwardJob:
-    """One session's draft forward (a catch-up chain or an expansion batch) waiting for a pass."""
+@dataclass(eq=False, kw_only=True)
+class DraftJob:
+    """One session's draft work waiting for, and running in, a pass (common.runtime.batching.Job)."""
 
     session_id: str
+    arrived: float = field(default_factory=time.perf_counter)
+    timing: StepTiming | None = None
+    result: Tensor | None = None  # log-probs or logits, [k, vocab] ([vocab] for a llama.cpp chain)
+    error: BaseException | None = None
+    done: bool = False
+
+    def cancelled(self) -> bool:
+        return False
+
+    def fail(self, error: BaseException) -> None:
+        self.error, self.done = error, True
+
+
+@dataclass(eq=False, kw_only=True)
+class ForwardJob(DraftJob):
+    """A torch session's forward: a catch-up chain or an expansion batch."""
+
     segment: Segment
     rows: Tensor  # int64 [k]: the rows whose log-probs are wanted
     stop: threading.Event | None = None  # an idle expansion's: a request may end its pass between layers
-    arrived: float = field(default_factory=time.perf_counter)
-    timing: StepTiming | None = None
-    result: Tensor | None = None  # [k, vocab]
-    error: BaseException | None = None
-    done: bool = False
 
     @property
     def tokens(self) -> int:
         return self.segment.size
 
-    def cancelled(self) -> bool:
-        return False
 
-    def fail(self, error: BaseException) -> None:
-        self.error, self.done = error, True
+@dataclass(eq=False, kw_only=True)
+class SearchJob(DraftJob):
+    """A llama.cpp session's work: an expansion batch or a catch-up chain."""
 
-
-@dataclass(eq=False)
-class SearchJob:
-    """One llama.cpp session's work (an expansion batch or a catch-up chain) waiting for a pass."""
-
-    session_id: str
     work: Work
-    arrived: float = field(default_factory=time.perf_counter)
-    timing: StepTiming | None = None
-    result: Tensor | None = None  # [k, vocab] logits, or [vocab] for a chain
-    error: BaseException | None = None
-    done: bool = False
 
     @property
     def tokens(self) -> int:
         return self.work.rows
-
-    def cancelled(self) -> bool:
-        return False
-
-    def fail(self, error: BaseException) -> None:
-        self.error, self.done = error, True
 
 
 class DraftEngine(NodeEngine[DraftSession]):
@@ -146,7 +140,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         sid = session_id or secrets.token_hex(8)
 
         def forward(segment: Segment, rows: Tensor, stop: threading.Event | None) -> Tensor:
-            result = self.passes.submit(ForwardJob(sid, segment, rows, stop)).result
+            result = self.passes.submit(ForwardJob(session_id=sid, segment=segment, rows=rows, stop=stop)).result
             assert result is not None
             return result
 
@@ -163,7 +157,7 @@ class DraftEngine(NodeEngine[DraftSession]):
 
     def _submit_search(self, sid: str) -> Callable[[Work], Tensor]:
         def submit(work: Work) -> Tensor:
-            result = self.passes.submit(SearchJob(sid, work)).result
+            result = self.passes.submit(SearchJob(session_id=sid, work=work)).result
             assert result is not None
             return result
 
