@@ -21,7 +21,6 @@ their committed tokens, recomputed, at their next build: as vLLM preempts.
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -49,7 +48,7 @@ class SearchPool:
     def __init__(self, ctx: LlamaContext, *, owned: bool = False) -> None:
         self.ctx = ctx
         self.owned = owned  # one session's own context, given back to the model when it closes
-        self._cv = threading.Condition(ctx.lock)
+        self._lock = ctx.lock  # the pool's books change only between and around the context's passes
         self._searches: weakref.WeakSet[SearchContext] = weakref.WeakSet()
         # Lanes and node ids of searches closed while this thread held the lock (a session collected
         # mid-pass): given back at the next `_reap`, never in the middle of someone's bookkeeping.
@@ -76,7 +75,7 @@ class SearchPool:
     def open(self, n_ctx: int, max_nodes: int, max_slots: int) -> SearchContext | None:
         """A search on a free lane; None when every lane is taken (sessions closed but not yet
         collected may hold theirs a moment longer)."""
-        with self._cv:
+        with self._lock:
             self._reap()
             if not self.ctx._free:
                 return None
@@ -90,7 +89,7 @@ class SearchPool:
         self._dead.append((search.seq, search._seq_of[search._seq_of >= 0].tolist()))
         if self.ctx.lock._is_owned():  # type: ignore[attr-defined]
             return
-        with self._cv:
+        with self._lock:
             self._reap()
         if self.owned:
             self.ctx.model.give_back(self.ctx)
@@ -105,7 +104,6 @@ class SearchPool:
                 self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, seq, -1, -1)
                 self.ctx._leaf_free += ids
                 self.ctx._free.append(seq)
-            self._cv.notify_all()
 
     def _live(self) -> list[SearchContext]:
         """The open searches, as a list: a search collected during a loop over the weak set would
@@ -115,24 +113,23 @@ class SearchPool:
     @contextlib.contextmanager
     def working(self, search: SearchContext) -> Iterator[None]:
         """Around a session's request or idle step: no other build takes its nodes or KV meanwhile."""
-        with self._cv:
+        with self._lock:
             self._clock += 1
             search.busy, search.used_at = search.busy + 1, self._clock
         try:
             yield
         finally:
-            with self._cv:
+            with self._lock:
                 search.busy -= 1
                 if not search.busy:
                     search.reserved = 0
-                    self._cv.notify_all()
 
     def reserve(self, search: SearchContext, want: int) -> int:
         """Ids for a build whose search may hold `want` nodes (inside `working`): all of them, or
         where other builds hold the pool, this build's fair share of what they left, maybe none.
         Past its reservation a build expands only on spare ids (`take_ids`), so it never waits: with
         none its tree is the root's most likely children."""
-        with self._cv:
+        with self._lock:
             self._reap()
             others = [s for s in self._live() if s.busy and s is not search]
             held = sum(max(s.reserved, s.nodes) for s in others)
