@@ -11,6 +11,11 @@ a tree it re-roots is hidden behind the target's pass up to that pass's length: 
 counts only the exposed share of the draft's time, learned from the re-root hit rate. In one process
 nothing is hidden, no tree is re-rooted, and the share stays 1.
 
+What a pass costs is read at the sizes the target measured, not between them: on a CPU the cost
+is not smooth in the rows (llama.cpp multiplies rows in blocks of 4, each leftover row alone), so
+each tree is cut to the measured pass size worth most (`fit`), from candidates the draft proposes
+below the node floor.
+
 A target serving several sessions runs their trees in one pass (common.runtime.batching). With k
 sessions sharing each pass, a tree token costs the pass k times its own slope, since each of the
 others' trees grows alike: the target's cost per tree token is read at k times the tree's size, so
@@ -22,8 +27,10 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
+import torch
+
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import DraftedTree, TreeParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.model.profiling import interpolate
 
 K_LEVEL = 1.25  # above 1: the rate a step must beat is a mean, and the better steps beat it
@@ -33,6 +40,8 @@ PRIOR_STEPS = 4  # means start as about 3 steps' worth: steps weigh 1/4, 1/5, ..
 SCALE_EMA = 0.2  # observed over modelled times follow the machine's drift faster
 MAX_FLOOR = 0.95  # a step always proposes the draft's likeliest next tokens
 SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at the least
+FIT_CANDIDATES = 4  # a tree to fit brings nodes down to this fraction of the node floor, to round up to
+FIT_MAX_SHARING = 1.5  # past this many sessions a pass, the pass's rows are not one tree's: no fitting
 EXPLORE_EVERY = 8  # while trees do not pay, one step in this many still drafts, to notice when they do
 GREEDY, SAMPLED = "greedy", "sampled"
 
@@ -124,6 +133,7 @@ class BudgetPlanner:
     sharing: float = 1.0  # sessions per target pass, as the target reports them (continuous batching)
     k_level: float = K_LEVEL  # per planner, so benchmarks/auto_constants.py can race variants side by side
     k_node: float = K_NODE
+    fit_trees: bool = True  # cut trees to measured pass sizes (`fit`); off: benchmarks race the two
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -171,13 +181,39 @@ class BudgetPlanner:
         level = exposed * self.draft_scale * interpolate(self.draft_curve, max(s.batch, 1.0)) + s.children * slope
         value = s.rate / max(s.calibration, 1e-3)  # seconds -> probability the draft must give a node
         min_prob = min(MAX_FLOOR, self.k_level * value * level)
+        node_floor = min(min_prob, self.k_node * value * slope) / (FIT_CANDIDATES if self._fits() else 1)
         params = replace(
-            self.base,
-            expand_batch=self.expand_batch,
-            min_prob=round(min_prob, 4),
-            min_node_prob=round(min(min_prob, self.k_node * value * slope), 4),
+            self.base, expand_batch=self.expand_batch, min_prob=round(min_prob, 4), min_node_prob=round(node_floor, 4)
         )
         return Thresholds(s.rate, s.calibration, level, slope, params, exposed)
+
+    def _fits(self) -> bool:
+        return self.fit_trees and self.sharing <= FIT_MAX_SHARING
+
+    def fit(
+        self, tree: TokenTree, pending: int = 0, regime: str = GREEDY, request: RegimeStats | None = None
+    ) -> TokenTree:
+        """The tree cut to its m likeliest nodes, for the m that maximises their probability mass less
+        the pass's cost at the running rate (the node floor's rule, over whole passes). The pass's
+        rows (`pending` chain tokens, the root and m nodes) are cut only to sizes the target
+        measured: between two of them the cost is a guess, and on a CPU it can exceed both. The
+        whole tree and the root alone are candidates too. Not where the pass is shared: other
+        sessions' rows count too."""
+        if not self._fits() or tree.logprobs is None or tree.size <= 1:
+            return tree
+        with self._lock:
+            s = request if request is not None else self._stats(regime)
+            value = self.k_node * self.target_scale * s.rate / max(s.calibration, 1e-3)
+        sizes = torch.tensor([n for n, _ in self.target_curve], dtype=torch.long)
+        costs = torch.tensor([t for _, t in self.target_curve], dtype=torch.float64)
+        nodes = sizes - 1 - pending  # [points]: tree nodes besides the root at each measured size
+        ok = (nodes > 0) & (nodes < tree.size - 1)
+        ends = [interpolate(self.target_curve, pending + rows) for rows in (1, tree.size)]
+        nodes = torch.cat((torch.tensor([0]), nodes[ok], torch.tensor([tree.size - 1])))  # [c]: candidates
+        costs = torch.cat((torch.tensor(ends[:1]), costs[ok], torch.tensor(ends[1:]))).double()  # [c]
+        mass = torch.cat((torch.zeros(1, dtype=torch.float64), tree.logprobs[1:].double().exp().sort(descending=True).values.cumsum(0)))  # fmt: skip
+        best = int(nodes[(mass[nodes] - value * costs).argmax()])  # the first of equals: the smaller tree
+        return tree if best == tree.size - 1 else tree.best(best)
 
     def _exposed(self, s: RegimeStats) -> float:
         """The share of the draft's time a step waits for. A re-rooted tree was grown while the target

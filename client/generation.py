@@ -11,7 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from client.budget import BudgetPlanner, RegimeStats, regime
@@ -240,6 +240,14 @@ class StepBudget:
             self.params()
         return self._planner is None or self._planner.draft_pays(self.kind, self._request)
 
+    def fit(self, drafted: DraftedTree, pending: int) -> DraftedTree:
+        """The drafted tree cut to the pass size worth most (`BudgetPlanner.fit`); `pending`: committed
+        tokens the target has not run, which ride in the same pass."""
+        if self._planner is None:
+            return drafted
+        tree = self._planner.fit(drafted.tree, pending, self.kind, self._request)
+        return drafted if tree is drafted.tree else replace(drafted, tree=tree)
+
     def observe_alone(self, tokens: int, target_s: float) -> None:
         if self._planner is not None:
             self._planner.observe_alone(tokens, target_s, self.kind, self._request)
@@ -331,6 +339,7 @@ class Sequence:
             return None, True
         drafted = self._draft_tree(params, stats)
         if drafted is not None:
+            drafted = budget.fit(drafted, len(self.tokens) - self._valid["target"])
             stats.budgets.append(drafted.tree.size - 1)
             stats.chain_steps += params.is_chain
             stats.reused_trees += drafted.reused

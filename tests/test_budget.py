@@ -12,7 +12,16 @@ import pytest
 import torch
 
 from client.api import SpecExec
-from client.budget import EXPLORE_EVERY, GREEDY, PRIOR_STEPS, SAMPLED, BudgetPlanner, RegimeStats, free_batch
+from client.budget import (
+    EXPLORE_EVERY,
+    FIT_CANDIDATES,
+    GREEDY,
+    PRIOR_STEPS,
+    SAMPLED,
+    BudgetPlanner,
+    RegimeStats,
+    free_batch,
+)
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -60,7 +69,7 @@ def test_the_measured_offload_curve_leaves_only_the_draft_to_bound_the_trees():
         observe(plan, accepted=6, seconds=0.3)
     on_gpu, on_cpu = plans["gpu"].thresholds(), plans["cpu"].thresholds()
     assert on_gpu.slope_seconds < 0.01 * on_cpu.slope_seconds
-    assert on_gpu.params.min_node_prob < 0.001 < 0.03 < on_cpu.params.min_node_prob
+    assert on_gpu.params.min_node_prob < 0.001 < 0.03 / FIT_CANDIDATES < on_cpu.params.min_node_prob
     assert on_gpu.params.min_prob < on_cpu.params.min_prob
 
 
@@ -78,11 +87,66 @@ def test_llama_cpp_streaming_its_layers_in_ram_plans_from_its_own_curve():
     assert on_gpu.params.min_node_prob < on_cpu.params.min_node_prob
 
 
+def bush(qs: list[float]) -> TokenTree:
+    """The root's children with these probabilities (token = node id)."""
+    n = len(qs)
+    return TokenTree(torch.arange(n + 1), torch.tensor([-1] + [0] * n), torch.tensor([1.0, *qs]).log())
+
+
 def test_steep_forward_curve_keeps_only_likely_nodes():
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     observe(plan, accepted=6, seconds=0.2)
     params = plan.choose()
-    assert params.min_node_prob > 0.03 and params.min_prob > 0.2
+    # The draft proposes down to a fraction of the node floor; the fit keeps what pays.
+    assert params.min_node_prob > 0.03 / FIT_CANDIDATES and params.min_prob > 0.2
+    fitted = plan.fit(bush([0.6, 0.2, 0.1, *[0.005] * 12]))
+    assert fitted.size in (4, 8) and set(fitted.tokens[1:4].tolist()) == {1, 2, 3}
+    flat = BudgetPlanner(OFFLOADED, DRAFT, base=BASE)
+    observe(flat, accepted=6, seconds=5.0)
+    assert flat.fit(bush([0.6, 0.2, 0.1, *[0.005] * 12])).size == 16
+
+
+# One core's pass times for the 1.5B Q4_K_M on llama.cpp: rows in blocks of 4, each leftover alone.
+JAGGED = [(1, 0.128), (2, 0.227), (3, 0.275), (4, 0.205), (5, 0.291), (6, 0.338), (7, 0.385), (8, 0.379),
+          (12, 0.473), (16, 0.430), (20, 0.579)]  # fmt: skip
+
+
+def jagged_planner() -> BudgetPlanner:
+    plan = BudgetPlanner(JAGGED, DRAFT, base=BASE)
+    tree = chain_tree(3, 0.8)
+    for _ in range(60):
+        plan.observe(DraftedTree(tree, 3), [1, 2, 3], 0.2, 0.3)
+    return plan
+
+
+def test_fit_rounds_a_tree_up_to_a_cheaper_pass():
+    """Two likely nodes and three unlikely ones: 3 rows cost more than 4, so the fit sends the root
+    and three nodes, the likeliest ones."""
+    plan = jagged_planner()
+    fitted = plan.fit(bush([0.6, 0.3, 0.02, 0.01, 0.005]))
+    assert fitted.size == 4 and fitted.tokens.tolist() == [0, 1, 2, 3]
+    assert fitted.logprobs is not None and fitted.logprobs.exp()[1:].tolist() == pytest.approx([0.6, 0.3, 0.02])
+
+
+def test_fit_uses_only_measured_sizes_and_counts_pending_rows():
+    plan = jagged_planner()
+    tree = bush([0.6, 0.3, 0.2, 0.15, 0.1, 0.08, 0.05, 0.04, 0.03, 0.02, 0.01, 0.01, 0.01])  # 14 rows
+    assert plan.fit(tree).size - 1 in {n - 1 for n, _ in JAGGED}
+    # Two tokens the target has not run ride in the pass: 4 rows leave room for the root and one node.
+    assert plan.fit(bush([0.6, 0.02]), pending=2).size == 2
+    assert plan.fit(bush([0.02, 0.01]), pending=2).size == 2  # 4 rows cost less than 3
+    assert plan.fit(TokenTree.root_only(5)).size == 1
+
+
+def test_no_fit_where_sessions_share_passes():
+    """Under load a pass holds other sessions' rows too: the tree and the node floor stay as chosen."""
+    plan = jagged_planner()
+    floor = plan.choose().min_node_prob
+    tree = bush([0.6, 0.3, 0.02, 0.01, 0.005])
+    for _ in range(30):
+        plan.observe(DraftedTree(chain_tree(3, 0.8), 3), [1, 2, 3], 0.2, 0.3, pass_sessions=4)
+    assert plan.fit(tree) is tree
+    assert plan.choose().min_node_prob > floor
 
 
 def test_a_machine_twice_as_fast_keeps_the_same_floors():
@@ -311,6 +375,32 @@ def test_leaving_the_draft_out_keeps_the_output_exact(loaded, model_dirs):
         out = gen.generate(PROMPT, params)
         assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
         assert 0 < len(out.stats.budgets) < out.stats.target_steps
+
+
+def test_trees_cut_to_measured_pass_sizes_keep_the_output_exact(loaded, model_dirs):
+    """A jagged target curve: the fit cuts the draft's trees to its cheap sizes (1, 4 or 8 rows),
+    greedy and seeded, and the text is the target alone's."""
+    gen = auto_generator(loaded, budget=32)
+    assert gen.planner is not None
+    gen.planner.target_curve = [(1, 0.010), (2, 0.030), (3, 0.032), (4, 0.012), (5, 0.040), (8, 0.014), (33, 0.2)]
+    cuts: list[tuple[int, int]] = []
+    fit = gen.planner.fit
+
+    def recording_fit(tree, pending=0, *args, **kwargs):
+        fitted = fit(tree, pending, *args, **kwargs)
+        if pending == 0:  # not a pass that carries the prompt
+            cuts.append((tree.size, fitted.size))
+        return fitted
+
+    gen.planner.fit = recording_fit  # type: ignore[method-assign]
+    from common.decoding.sampling import SamplingParams
+
+    for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=11)):
+        params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+        out = gen.generate(PROMPT, params)
+        assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
+    assert any(after < before for before, after in cuts)
+    assert all(after in (1, 4, 8) or after == before for before, after in cuts)
 
 
 class RecordingPlanner(BudgetPlanner):

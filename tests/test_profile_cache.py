@@ -114,3 +114,8 @@ def test_a_restarted_node_reads_its_curve_from_the_cache(home, model_dirs):
 
     assert "from the cache" not in start()
     assert "from the cache" in start()
+
+
+def test_profile_sizes_are_dense_where_trees_are_small():
+    assert profiling.profile_sizes(64) == [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64]
+    assert profiling.profile_sizes(65)[-2:] == [64, 65] and profiling.profile_sizes(5) == [1, 2, 3, 4, 5]

@@ -52,3 +52,25 @@ def test_ancestors_match_a_naive_walk(choices):
             node = parents[node]
         assert set(s.ancestors[i].nonzero().squeeze(1).tolist()) == expected
         assert int(s.depths[i]) == len(expected) - 1
+
+
+def test_best_keeps_the_likeliest_nodes_as_a_tree():
+    tree = TokenTree(
+        torch.tensor([5, 1, 2, 3, 4, 6]),
+        torch.tensor([-1, 0, 0, 1, 1, 3]),
+        torch.tensor([0.0, -0.1, -1.0, -0.5, -0.3, -0.6]),
+    )
+    three = tree.best(3)
+    assert three.tokens.tolist() == [5, 1, 3, 4] and three.parents.tolist() == [-1, 0, 1, 1]
+    four = tree.best(4)  # node 5 (token 6) keeps its parent, node 3 (token 3)
+    assert four.tokens.tolist() == [5, 1, 3, 4, 6] and four.parents.tolist() == [-1, 0, 1, 1, 2]
+    four.validate(vocab_size=10, max_nodes=8, max_depth=8)
+    assert tree.best(0).tokens.tolist() == [5]
+    assert tree.best(5) is tree and tree.best(9) is tree
+
+
+def test_best_keeps_a_tree_whose_logprobs_break_the_order_whole():
+    """A child likelier than its parent (a faulty draft): cutting could orphan it."""
+    tree = TokenTree(torch.tensor([5, 1, 2, 3]), torch.tensor([-1, 0, 1, 0]), torch.tensor([0.0, -2.0, -0.1, -1.0]))
+    assert tree.best(1) is tree
+    assert TokenTree(tree.tokens, tree.parents).best(1).size == 4  # no logprobs: nothing to rank by

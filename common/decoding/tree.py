@@ -84,6 +84,24 @@ class TokenTree:
         """The tree of autoregressive decoding: verify it and the target simply draws its next token."""
         return TokenTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
 
+    def best(self, count: int) -> TokenTree:
+        """The root and the `count` nodes of highest cumulative log-probability (ties: the earlier
+        node), in their order. A child never scores above its parent and comes after it, so these
+        form a tree; logprobs that break that rule (a faulty draft) keep the tree whole."""
+        if self.logprobs is None or not 0 <= count < self.size - 1:
+            return self
+        order = torch.sort(-self.logprobs[1:], stable=True).indices[:count] + 1
+        keep = torch.zeros(self.size, dtype=torch.bool)
+        keep[0] = True
+        keep[order] = True
+        if not bool(keep[self.parents[order]].all()):
+            return self
+        ids = keep.nonzero().squeeze(1)  # [count + 1], increasing
+        remap = torch.cumsum(keep, 0) - 1  # old id -> new id, for kept nodes
+        parents = self.parents[ids].clone()
+        parents[1:] = remap[parents[1:]]
+        return TokenTree(self.tokens[ids], parents, self.logprobs[ids])
+
     def walk(self, tokens: list[int]) -> list[int]:
         """Nodes (root first) along the path that spells a prefix of `tokens`, as far as it goes."""
         path, node = [0], 0

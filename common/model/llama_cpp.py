@@ -215,7 +215,7 @@ class LlamaCppModel:
 
     def curve_key(self) -> dict[str, Any]:
         """What a forward-time curve of this model depends on, besides the file and the limit."""
-        return {"backend": "llama.cpp", "version": getattr(self.lib, "__version__", "?"),
+        return {"backend": "llama.cpp", "llama_cpp": getattr(self.lib, "__version__", "?"),
                 "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "threads": self.threads,
                 "repack": self.repack, **self._offload_key()}  # fmt: skip
 
