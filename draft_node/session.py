@@ -19,7 +19,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from common.decoding.tree import TreeParams, attention_bias
+from common.decoding.tree import MAX_TREE_DEPTH, TreeParams, attention_bias
 from common.model.transformer import ForwardInterrupted, Segment, Transformer
 from draft_node.lookahead import Interrupted
 from draft_node.tree_builder import BuiltTree, TreeBuilder
@@ -34,6 +34,12 @@ MAX_BUILDERS = 8  # shapes whose working arrays a session keeps; a planner switc
 # the tree it shipped, so the search must hold (and expand) nodes beyond it.
 LOOKAHEAD_FACTOR = 4
 MAX_LOOKAHEAD_NODES = 4096
+
+
+def search_depth(params: TreeParams) -> int:
+    """How deep the lookahead search may grow below its root: when a whole tree is accepted, the next
+    root (the target's own token) lies one level below its deepest node, and the next tree below that."""
+    return min(2 * params.max_depth + 1, MAX_TREE_DEPTH)
 
 
 class DraftSession:
@@ -121,7 +127,7 @@ class DraftSession:
             builder = self._builder(params.shape)
             self._last = builder.build(self.committed[-1], self._catch_up(), self, params)
             return self._last, False
-        shape = replace(params.shape, budget=max(self.search_nodes, params.budget))
+        shape = replace(params.shape, budget=max(self.search_nodes, params.budget), max_depth=search_depth(params))
         reused = self._search is not None and self._search.params == shape
         if reused:
             assert self._search is not None

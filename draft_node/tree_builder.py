@@ -69,8 +69,10 @@ class TreeBuilder:
 
     def __init__(self, params: TreeParams, search: bool = False) -> None:
         """A `search` (the draft node's lookahead) keeps every child it has room for and lets idle-time
-        steps expand below the floors: the floors price the step's wait, and idle time costs none.
-        What it ships (`take`) and what a request waits for (`grow`) still obey them."""
+        steps expand below the floors and past the request's depth: the floors price the step's
+        wait, idle time costs none, and the next tree's root lies below this one's deepest node
+        when all of it is accepted. What it ships (`take`) and what a request waits for (`grow`)
+        still obey the request's floors and depth."""
         self.params = params
         self.search = search
         p = params
@@ -98,12 +100,14 @@ class TreeBuilder:
         self._add_children(torch.zeros(1, dtype=torch.long), root_logprobs[None])
 
     def set_floors(self, params: TreeParams) -> None:
-        """A request's floors, for this search from now on; any budget up to the builder's fits."""
-        fits = replace(params.shape, budget=self.params.budget) == self.params.shape
-        if not fits or params.budget > self.params.budget:
+        """A request's floors and depth, for this search from now on; any budget and depth up to the
+        builder's fit."""
+        same = replace(params.shape, budget=self.params.budget, max_depth=self.params.max_depth) == self.params.shape
+        if not same or params.budget > self.params.budget or params.max_depth > self.params.max_depth:
             raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
         self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
         self.node_floor = math.log(params.min_node_prob) if params.min_node_prob > 0 else -math.inf
+        self.depth = params.max_depth
 
     def grow(self, expander: Expander, budget: int) -> int:
         """Expand until the `budget` best nodes are final; returns the draft forwards it took. A search
@@ -120,13 +124,13 @@ class TreeBuilder:
         ignores the expansion floor."""
         p = self.params
         budget = p.budget if budget is None else budget
-        floor = -math.inf if idle and self.search else self.floor
-        nodes = self._next_batch(budget, floor)
+        floor, depth = (-math.inf, p.max_depth) if idle and self.search else (self.floor, self.depth)
+        nodes = self._next_batch(budget, floor, depth)
         if nodes.numel() == 0:
             return False
         if self.used + min(nodes.numel() * p.max_branch, p.budget) > self.capacity:
             self._compact(expander)
-            nodes = self._next_batch(budget, floor)
+            nodes = self._next_batch(budget, floor, depth)
         logprobs = expander.expand(
             nodes, self.tokens[nodes], self.depths[nodes], self.ancestors[nodes, 1 : self.used], self.parents[nodes]
         )
@@ -138,9 +142,10 @@ class TreeBuilder:
         return True
 
     def take(self, budget: int, forwards: int) -> BuiltTree:
-        """The `budget` best nodes at or above the node floor, with the root: closed under ancestors,
-        since a child never scores above its parent and ties go to the older node."""
-        best = self._best(budget)
+        """The `budget` best nodes at or above the node floor and within the request's depth, with the
+        root: closed under ancestors, since a child never scores above its parent, lies deeper, and
+        loses ties to the older node."""
+        best = self._best(budget, self.depth)
         best = best[self.scores[best] >= self.node_floor]
         keep = torch.cat((torch.zeros(1, dtype=torch.long), best.sort().values))
         n = self.used
@@ -198,10 +203,12 @@ class TreeBuilder:
         expander.move(torch.cat((ids - 1, moved - 1)), torch.cat((torch.arange(d), d + remap[moved] - 1)))
         self._keep_rows(torch.cat((torch.tensor([root]), sub)), remap)
 
-    def _best(self, budget: int) -> Tensor:
-        """Ids of the `budget` best alive nodes besides the root, best first (ties: older first)."""
+    def _best(self, budget: int, depth: int | None = None) -> Tensor:
+        """Ids of the `budget` best alive nodes besides the root, at most `depth` deep, best first
+        (ties: older first)."""
         n = self.used
-        ids = self.alive[1:n].nonzero().squeeze(1) + 1
+        alive = self.alive[1:n] if depth is None else self.alive[1:n] & (self.depths[1:n] <= depth)
+        ids = alive.nonzero().squeeze(1) + 1
         if ids.numel() <= budget:
             return ids
         return ids[torch.sort(-self.scores[ids], stable=True).indices[:budget]]
@@ -215,13 +222,13 @@ class TreeBuilder:
         self.ancestors[0, 0] = True
         self.used = 1
 
-    def _next_batch(self, budget: int, floor: float) -> Tensor:
-        """The best unexpanded nodes at or above `floor` that could still have a child among the
-        `budget` best."""
+    def _next_batch(self, budget: int, floor: float, depth: int) -> Tensor:
+        """The best unexpanded nodes at or above `floor`, above `depth`, that could still have a
+        child among the `budget` best."""
         p, n = self.params, self.used
-        open_ = self.alive[:n] & ~self.expanded[:n] & (self.depths[:n] < p.max_depth)
+        open_ = self.alive[:n] & ~self.expanded[:n] & (self.depths[:n] < depth)
         open_ &= self.scores[:n] >= floor
-        kept = self.scores[1:n][self.alive[1:n]]
+        kept = self.scores[1:n][self.alive[1:n] & (self.depths[1:n] <= depth)]
         if kept.numel() >= budget:
             # A child scores at most its parent and loses ties to older nodes, so a node no
             # better than the `budget`-th best one can never place a child among them.

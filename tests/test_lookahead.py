@@ -11,6 +11,7 @@ import torch
 
 from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeStructure
 from draft_node.engine import DraftEngine
 from draft_node.lookahead import Interrupted, Lookahead
 from draft_node.session import DraftSession
@@ -84,6 +85,34 @@ def test_a_verified_node_in_the_search_becomes_the_next_root(loaded):
     assert len(common) >= PARAMS.budget // 2
     for p in common:
         assert got[p] == pytest.approx(ref[p], abs=1e-4)
+
+
+@pytest.mark.parametrize("params", [TreeParams.chain(3), TreeParams(budget=6, max_depth=3, max_branch=2, expand_batch=2)])
+def test_a_tree_accepted_whole_re_roots_below_its_deepest_node(loaded, params):
+    """The whole tree accepted and the target's own token the draft's likeliest next: the next root
+    lies one level below the tree's depth, where the search grew in idle time; what ships still keeps
+    the request's depth (a chain stays a chain)."""
+    model = loaded["target"].model
+    session = DraftSession(model, PROMPT, max_context=256, max_tree=64, lookahead=True)
+    tree, _ = session.build_tree(params)
+    while session.idle_step():
+        pass
+    search = session._search
+    assert search is not None
+    node = 0
+    for _ in range(params.max_depth + 1):  # the likeliest path, one level past the tree
+        children = ((search.parents[: search.used] == node) & search.alive[: search.used]).nonzero().squeeze(1)
+        node = int(children[search.scores[children].argmax()])
+    ids = search.ancestors[node, : search.used].nonzero().squeeze(1)[1:]  # root to node: parents first
+    path = search.tokens[ids].tolist()
+    assert len(path) == params.max_depth + 1
+    assert len(tree.tree.walk(path)) == params.max_depth + 1  # the tree itself, accepted whole
+    session.commit(path)
+    next_tree, reused = session.build_tree(params)
+    assert reused and int(next_tree.tree.tokens[0]) == path[-1]
+    assert int(TreeStructure.from_parents(next_tree.tree.parents).depths.max()) <= params.max_depth
+    if params.is_chain:
+        assert next_tree.tree.parents.tolist() == list(range(-1, next_tree.tree.size - 1))
 
 
 def test_tokens_off_the_search_start_a_fresh_tree(loaded):
