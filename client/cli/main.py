@@ -177,7 +177,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
         f"{t.exposed:.0%} of the draft's time exposed (the rest hidden behind verification)"
     )
     p = t.params
-    print(f"choice: --budget {p.budget} --min-prob {p.min_prob:g} --min-node-prob {p.min_node_prob:g}")
+    print(f"choice: --budget {p.budget} --min-prob {p.min_prob:g} --min-node-prob {p.min_node_prob:g}"
+          + (", each tree then cut to a pass size the target measured" if gen.planner.fit_trees else ""))  # fmt: skip
     return 0
 
 
