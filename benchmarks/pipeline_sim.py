@@ -1,0 +1,144 @@
+"""The pipelined split with the target played by its measured pass times: the real draft (llama.cpp,
+its lookahead on or off) on one pinned core, and a target that accepts along its own greedy text and
+sleeps for as long as its curve says the pass takes. With no target in the loop there is no target
+noise, so planner and lookahead variants compare within a few percent (docs/benchmarks.md, "Both
+nodes on llama.cpp"; docs/planner.md, "Passes cut to the sizes the target measured").
+
+Variants: `auto` (`--budget auto` as it runs), `auto-old` (the planner on a curve at powers of two,
+smoothed, without cutting trees to measured sizes: before 26 November), `chainK` (a fixed chain of K);
+a `-nola` suffix turns the lookahead off (the sequential split).
+
+    python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+
+import torch
+
+from client.bench.harness import encode, load_prompts
+from client.budget import BudgetPlanner, free_batch
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams
+from common.model.llama_cpp import LlamaCppModel, load_gguf
+from common.model.profiling import cached_forward_curve, interpolate
+from common.model.store import resolve_gguf
+from draft_node.engine import DraftEngine
+from target_node.llama_session import LlamaTargetSession
+
+BUDGET = 64
+
+
+def old_curve(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """The curve as nodes measured it before 26 November: powers of two, smoothed non-decreasing."""
+    points = [(n, t) for n, t in curve if n & (n - 1) == 0 or n == curve[-1][0]]
+    seconds = [t for _, t in points]
+    for i in range(len(seconds) - 2, -1, -1):
+        seconds[i] = min(seconds[i], seconds[i + 1])
+    return [(n, t) for (n, _), t in zip(points, seconds, strict=True)]
+
+
+def greedy_text(model: LlamaCppModel, prompt: list[int], tokens: int) -> list[int]:
+    """The target alone's greedy continuation, one root-only tree a step, as its node runs it."""
+    session = LlamaTargetSession(model, prompt, max_context=2048, max_tree=BUDGET + 1, max_depth=16, eos_token_ids=())
+    try:
+        out: list[int] = []
+        while len(out) < tokens:
+            out += session.verify(TokenTree.root_only(session.committed[-1]), SamplingParams(), tokens - len(out)).tokens
+        return out
+    finally:
+        session.close()
+
+
+def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> BudgetPlanner | None:
+    if not variant.startswith("auto"):
+        return None
+    if variant.startswith("auto-old"):
+        plan = BudgetPlanner(old_curve(target), old_curve(draft), base=TreeParams(budget=BUDGET), fit_trees=False)
+        plan.expand_batch = min(free_batch(plan.draft_curve), BUDGET)
+        return plan
+    return BudgetPlanner(target, draft, base=TreeParams(budget=BUDGET))
+
+
+def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
+        draft: list[tuple[int, float]]) -> dict[str, float]:  # fmt: skip
+    """One generation of `text`; the target's pass is the measured time of the tree's rows."""
+    plan = planner_for(variant, target, draft)
+    request = plan.start() if plan is not None else None
+    fixed = TreeParams.chain(int(variant.removeprefix("chain").removesuffix("-nola"))) if plan is None else None
+    measured = dict(target)
+    sid = engine.open_session(prompt)
+    done, new, steps, wait, reused = 0, [], 0, 0.0, 0
+    start = time.perf_counter()
+    while done < len(text) - 1:
+        params = plan.choose(request=request) if plan is not None else fixed
+        assert params is not None
+        asked = time.perf_counter()
+        drafted = engine.build_tree(sid, new, params)
+        waited = time.perf_counter() - asked
+        tree = plan.fit(drafted.tree, 0, request=request) if plan is not None else drafted.tree
+        accepted = len(tree.walk(text[done:])) - 1
+        new = text[done : done + accepted + 1]
+        pass_seconds = measured.get(tree.size, interpolate(target, tree.size))
+        time.sleep(pass_seconds)
+        if plan is not None and steps > 0:
+            plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), new, waited,
+                         pass_seconds, request=request)  # fmt: skip
+        wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(new)
+    wall = time.perf_counter() - start
+    engine.close_session(sid)
+    return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="an installed GGUF's name, or a path")
+    ap.add_argument("--target", default="qwen2.5-coder-1.5b", help="an installed GGUF's name, or a path")
+    ap.add_argument("--variants", nargs="+", default=["auto", "auto-old", "auto-nola"])
+    ap.add_argument("--prompts", type=int, default=2, help="per category (code, prose)")
+    ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--draft-core", type=int, default=0)
+    ap.add_argument("--target-core", type=int, default=1, help="where the target's curve and text are computed")
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    paths = {name: resolve_gguf(name) or name for name in (args.draft, args.target)}
+    os.sched_setaffinity(0, {args.target_core})
+    target = load_gguf(str(paths[args.target]), threads=1)
+    target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
+    prompts = load_prompts(None, None, ("code", "prose"))
+    picks = [p for c in ("code", "prose") for p in [q for q in prompts if q["category"] == c][: args.prompts]]
+    texts = [(p["category"], encode(target.tokenizer, p["prompt"])) for p in picks]
+    texts = [(c, ids, greedy_text(target.model, ids, args.tokens + 1)) for c, ids in texts]
+    target.model.close()
+    os.sched_setaffinity(0, {args.draft_core})
+    draft = load_gguf(str(paths[args.draft]), threads=1)
+    draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
+    engines = {la: DraftEngine(draft, lookahead=la, max_context=2048, max_tree=BUDGET, max_sessions=4) for la in (True, False)}
+    for engine in engines.values():
+        if engine.lookahead is not None:
+            engine.lookahead.alone_seconds = 0.0  # one session at a time, each new
+    results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    try:
+        for category, ids, text in texts:  # variants interleaved prompt by prompt
+            for variant in args.variants:
+                r = run(engines[not variant.endswith("-nola")], ids, text, variant, target_curve, draft_curve)
+                results.setdefault((category, variant), []).append(r)
+    finally:
+        for engine in engines.values():
+            engine.close()
+    print(f"draft {args.draft} on core {args.draft_core}, target {args.target} played by its curve, "
+          f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
+    print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted |")
+    print("|---|---|---|---|---|---|")
+    for (category, variant), rs in sorted(results.items()):
+        geo = math.exp(sum(math.log(r["tok_s"]) for r in rs) / len(rs))
+        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused")}
+        print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} |")
+
+
+if __name__ == "__main__":
+    main()
