@@ -21,7 +21,7 @@ import time
 import torch
 
 from client.bench.harness import encode, load_prompts
-from client.budget import BudgetPlanner, free_batch
+from client.budget import BudgetPlanner
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.model.llama_cpp import LlamaCppModel, load_gguf
@@ -57,10 +57,8 @@ def greedy_text(model: LlamaCppModel, prompt: list[int], tokens: int) -> list[in
 def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple[int, float]]) -> BudgetPlanner | None:
     if not variant.startswith("auto"):
         return None
-    if variant.startswith("auto-old"):
-        plan = BudgetPlanner(old_curve(target), old_curve(draft), base=TreeParams(budget=BUDGET), fit_trees=False)
-        plan.expand_batch = min(free_batch(plan.draft_curve), BUDGET)
-        return plan
+    if variant.startswith("auto-old"):  # its expansion batch, too, comes from the old draft curve
+        return BudgetPlanner(old_curve(target), old_curve(draft), base=TreeParams(budget=BUDGET), fit_trees=False)
     return BudgetPlanner(target, draft, base=TreeParams(budget=BUDGET))
 
 
