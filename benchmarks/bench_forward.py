@@ -30,13 +30,12 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
-from common.decoding.tree import attention_bias
 from common.model.compiled_forward import compile_model
 from common.model.loading import load_model
 from common.model.packed_linear import replace_projections
 from common.model.profiling import time_tree_forward
 from common.model.store import resolve_model
-from common.model.transformer import Transformer
+from common.model.transformer import Transformer, attention_bias
 
 AGREEMENT_PROMPTS = (
     "def fibonacci(n):\n    ",

@@ -18,9 +18,10 @@ from concurrent import futures
 import grpc
 import torch
 
-from common.decoding.tree import TokenTree, attention_bias
+from common.decoding.tree import TokenTree
 from common.model.loading import load_model
 from common.model.store import resolve_model
+from common.model.transformer import attention_bias
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.server import CHANNEL_OPTIONS, SERVER_OPTIONS

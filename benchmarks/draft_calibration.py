@@ -17,6 +17,7 @@ import argparse
 import sys
 from collections import defaultdict
 
+import numpy as np
 import torch
 
 from client.bench.harness import SETTINGS, encode, load_prompts, profiled_default_pair
@@ -47,13 +48,13 @@ def trials(tree: TokenTree, path: list[int]) -> list[tuple[float, int, bool]]:
     assert tree.logprobs is not None
     on_path, rows = set(path), []
     for node in path:
-        children = (tree.parents == node).nonzero().squeeze(1)
-        if children.numel() == 0:
+        children = np.flatnonzero(tree.parents == node)
+        if children.size == 0:
             continue
         lp = tree.logprobs[children] - tree.logprobs[node]
-        order = torch.argsort(-lp, stable=True)
+        order = np.argsort(-lp, kind="stable")
         for rank, i in enumerate(order.tolist()):
-            rows.append((float(lp[i].exp()), rank, int(children[i]) in on_path))
+            rows.append((float(np.exp(lp[i])), rank, int(children[i]) in on_path))
     return rows
 
 

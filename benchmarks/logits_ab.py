@@ -1,7 +1,7 @@
 """The target's LM head in one call per tree against one call for the inner nodes plus one for the leaf
 a walk ends on, interleaved on the real pair.
 
-A target engine's `all_logits_max_nodes` (default `target_node.session.ALL_LOGITS_MAX_NODES`) decides
+A target engine's `all_logits_max_nodes` (default `target_node.torch_session.ALL_LOGITS_MAX_NODES`) decides
 which trees get every node's logits in one call; the leaf-apart variant runs a second engine over the
 same loaded model with the cap at 0 (the former inner-nodes-only call), so both variants take turns
 on the same prompts in the bench's rotating order (`client.bench.harness.run_phase`). Prints median

@@ -6,7 +6,8 @@ nodes on llama.cpp"; docs/planner.md, "Passes cut to the sizes the target measur
 
 Variants: `auto` (`--budget auto` as it runs), `auto-old` (the planner on a curve at powers of two,
 smoothed, without cutting trees to measured sizes: before 26 November), `chainK` (a fixed chain of K);
-a `-nola` suffix turns the lookahead off (the sequential split).
+a `-nola` suffix turns the lookahead off (the sequential split), an `-ebN` suffix sets auto's
+expansion batch to N nodes a draft pass.
 
     python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import time
 
 import torch
@@ -59,7 +61,10 @@ def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple
         return None
     if variant.startswith("auto-old"):  # its expansion batch, too, comes from the old draft curve
         return BudgetPlanner(old_curve(target), old_curve(draft), base=TreeParams(budget=BUDGET), fit_trees=False)
-    return BudgetPlanner(target, draft, base=TreeParams(budget=BUDGET))
+    plan = BudgetPlanner(target, draft, base=TreeParams(budget=BUDGET))
+    if batch := re.search(r"-eb(\d+)", variant):
+        plan.expand_batch = int(batch.group(1))
+    return plan
 
 
 def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
@@ -67,7 +72,7 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
     """One generation of `text`; the target's pass is the measured time of the tree's rows."""
     plan = planner_for(variant, target, draft)
     request = plan.start() if plan is not None else None
-    fixed = TreeParams.chain(int(variant.removeprefix("chain").removesuffix("-nola"))) if plan is None else None
+    fixed = TreeParams.chain(int(variant.removeprefix("chain").split("-")[0])) if plan is None else None
     measured = dict(target)
     sid = engine.open_session(prompt)
     done, new, steps, wait, reused = 0, [], 0, 0.0, 0

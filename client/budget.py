@@ -27,7 +27,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass, replace
 
-import torch
+import numpy as np
 
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
@@ -204,14 +204,14 @@ class BudgetPlanner:
         with self._lock:
             s = request if request is not None else self._stats(regime)
             value = self.k_node * self.target_scale * s.rate / max(s.calibration, 1e-3)
-        sizes = torch.tensor([n for n, _ in self.target_curve], dtype=torch.long)
-        costs = torch.tensor([t for _, t in self.target_curve], dtype=torch.float64)
+        sizes = np.array([n for n, _ in self.target_curve], dtype=np.int64)
+        costs = np.array([t for _, t in self.target_curve], dtype=np.float64)
         nodes = sizes - 1 - pending  # [points]: tree nodes besides the root at each measured size
         ok = (nodes > 0) & (nodes < tree.size - 1)
         ends = [interpolate(self.target_curve, pending + rows) for rows in (1, tree.size)]
-        nodes = torch.cat((torch.tensor([0]), nodes[ok], torch.tensor([tree.size - 1])))  # [c]: candidates
-        costs = torch.cat((torch.tensor(ends[:1]), costs[ok], torch.tensor(ends[1:]))).double()  # [c]
-        mass = torch.cat((torch.zeros(1, dtype=torch.float64), tree.logprobs[1:].double().exp().sort(descending=True).values.cumsum(0)))  # fmt: skip
+        nodes = np.concatenate(([0], nodes[ok], [tree.size - 1]))  # [c]: candidates
+        costs = np.concatenate((ends[:1], costs[ok], ends[1:]))  # [c]
+        mass = np.concatenate(([0.0], np.cumsum(np.sort(np.exp(tree.logprobs[1:].astype(np.float64)))[::-1])))
         best = int(nodes[(mass[nodes] - value * costs).argmax()])  # the first of equals: the smaller tree
         return tree if best == tree.size - 1 else tree.best(best)
 
@@ -287,10 +287,10 @@ class BudgetPlanner:
         n = tree.size - 1
         shape = None
         if n >= 1 and tree.logprobs is not None:
-            expanded = int(tree.parents[1:].unique().numel()) - 1  # nodes with children, the root aside
+            expanded = np.unique(tree.parents[1:]).size - 1  # nodes with children, the root aside
             shape = StepShape(
                 accepted=len(tokens) - 1,
-                predicted=float(tree.logprobs[1:].double().exp().sum()),
+                predicted=float(np.exp(tree.logprobs[1:].astype(np.float64)).sum()),
                 size=n,
                 batch=expanded / forwards if forwards and expanded and not drafted.reused else None,
                 children=n / (1 + expanded),

@@ -9,10 +9,8 @@ import logging
 import sys
 from collections.abc import Callable
 
-from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
+from common.model.choices import DEFAULT_BUCKETS, QUANTIZE_CHOICES, OffloadPlan, draft_dtype, parse_buckets
 from common.model.llama_cpp import BACKENDS
-from common.model.offload import OffloadPlan
-from common.model.quantized_linear import QUANTIZE_CHOICES, draft_dtype
 from common.ops.config import effective_config
 from common.ops.logs import FORMATS, LEVELS, LogSettings
 from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node

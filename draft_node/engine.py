@@ -23,7 +23,7 @@ from torch import Tensor
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_LEAVES
 from common.model.llama_search import SearchPool, Work, run_batch
-from common.model.loading import LoadedModel
+from common.model.loaded import LoadedModel
 from common.model.transformer import Segment
 from common.ops.metrics import observe_draft_pass, observe_preemptions
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher

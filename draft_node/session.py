@@ -19,8 +19,8 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from common.decoding.tree import MAX_TREE_DEPTH, TreeParams, attention_bias
-from common.model.transformer import ForwardInterrupted, Segment, Transformer
+from common.decoding.tree import MAX_TREE_DEPTH, TreeParams
+from common.model.transformer import ForwardInterrupted, Segment, Transformer, attention_bias
 from draft_node.lookahead import Interrupted
 from draft_node.tree_builder import BuiltTree, TreeBuilder
 

@@ -153,7 +153,7 @@ class TreeBuilder:
         remap[keep] = torch.arange(keep.numel())
         parents = self.parents[keep]
         parents = torch.where(parents >= 0, remap[parents.clamp(min=0)], parents)
-        tree = TokenTree(self.tokens[keep].clone(), parents, self.scores[keep].clone())
+        tree = TokenTree(self.tokens[keep].numpy(), parents.numpy(), self.scores[keep].numpy())
         return BuiltTree(tree, keep - 1, self.expanded[keep].clone(), forwards)
 
     def reroot(self, tokens: list[int], expander: Expander) -> int:

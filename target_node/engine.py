@@ -9,17 +9,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
-from common.model.loading import LoadedModel
+from common.model.loaded import LoadedModel
 from common.ops.metrics import observe_preemptions, observe_verify_pass
 from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
-from target_node.session import ALL_LOGITS_MAX_NODES, TargetSession, TreeTicket
+from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
 
@@ -63,14 +61,14 @@ class TargetEngine(NodeEngine[TargetSession]):
         self,
         loaded: LoadedModel,
         *,
-        all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
+        all_logits_max_nodes: int | None = None,
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
-        call (see target_node.session); `batch_window` (seconds) and `max_batch_tokens` shape the
+        call (see target_node.torch_session); `batch_window` (seconds) and `max_batch_tokens` shape the
         passes shared by sessions (common.runtime.batching); `kv_cache_tokens`: the KV cells a
         llama.cpp target's sessions share; `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
@@ -80,9 +78,9 @@ class TargetEngine(NodeEngine[TargetSession]):
         )
         self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
         self._evictions = 0  # its lanes' KV taken so far, as reported to the metrics
-        if kv_cache_tokens is not None and isinstance(loaded.model, torch.nn.Module):
+        if kv_cache_tokens is not None and not loaded.on_llama_cpp:
             raise ValueError("--kv-cache-tokens is for the llama.cpp backend (torch sessions each allocate their own)")
-        if not isinstance(loaded.model, torch.nn.Module):
+        if loaded.on_llama_cpp:
             self.shared = self._llama_context(max_batch_tokens, kv_cache_tokens)
 
     def _llama_context(self, max_batch_tokens: int, kv_cache_tokens: int | None) -> Any:
@@ -125,13 +123,14 @@ class TargetEngine(NodeEngine[TargetSession]):
         def make() -> TargetSession:
             limits = dict(max_context=self.max_context, max_tree=self.max_tree + 1, max_depth=MAX_TREE_DEPTH,
                           eos_token_ids=self.loaded.eos_token_ids)  # fmt: skip
-            if not isinstance(self.loaded.model, torch.nn.Module):  # llama.cpp: the GGUF as it is
+            if self.loaded.on_llama_cpp:  # llama.cpp: the GGUF as it is
                 from target_node.llama_session import LlamaTargetSession
 
                 return LlamaTargetSession(self.loaded.model, prompt, **limits, shared=self.shared)
-            return TargetSession(
-                self.loaded.model, prompt, **limits, all_logits_max_nodes=self.all_logits_max_nodes
-            )
+            from target_node.torch_session import TorchTargetSession
+
+            per_call = {} if self.all_logits_max_nodes is None else {"all_logits_max_nodes": self.all_logits_max_nodes}
+            return TorchTargetSession(self.loaded.model, prompt, **limits, **per_call)
 
         return self.sessions.add(make, owner, session_id)
 

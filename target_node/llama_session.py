@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import torch
+import numpy as np
 
 from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
 from common.model.llama_cpp import LlamaContext, LlamaCppModel, run_trees, tree_leaves
-from target_node.session import TargetSession, TreeTicket
+from target_node.session import TargetSession, TreeTicket, accept_path
 
 
 class LlamaTargetSession(TargetSession):
@@ -27,19 +27,10 @@ class LlamaTargetSession(TargetSession):
     ) -> None:
         """`shared`: the context whose passes this session's trees share with other sessions';
         without it the session gets a context of its own."""
-        if not prompt:
-            raise ValueError("prompt must contain at least one token")
-        if len(prompt) > max_context:
-            raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {max_context}")
-        self.model = model  # type: ignore[assignment]
-        self.max_context = max_context
-        self.max_tree = max_tree
-        self.max_depth = max_depth
-        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
-        self.committed = list(prompt)
+        super().__init__(model, prompt, max_context=max_context, max_tree=max_tree, max_depth=max_depth,
+                         eos_token_ids=eos_token_ids)  # fmt: skip
         n_ctx = max_context + max_tree
         self.ctx = shared.lane(n_ctx, max_tree - 1) if shared else model.new_context(n_ctx, max_tree - 1)
-        self.step = 0
 
     @property
     def cached_length(self) -> int:
@@ -52,8 +43,8 @@ class LlamaTargetSession(TargetSession):
     def _truncate_cache(self, length: int) -> None:
         self.ctx.truncate(length)
 
-    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, torch.Tensor, int]:
-        return None, torch.zeros(0, dtype=torch.long), self.ctx.length  # llama.cpp lays out its own pass
+    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, None, int]:
+        return None, None, self.ctx.length  # llama.cpp lays out its own pass
 
     def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
         return self.run_together([(self, ticket)])[0]
@@ -76,11 +67,24 @@ class LlamaTargetSession(TargetSession):
             session.ctx.extend(pending[: len(pending) - carried])
             chains.append(pending[len(pending) - carried :])
             room -= carried
-        logits = run_trees([(s.ctx, t.tree.tokens, t.tree.parents, t.structure.ancestors)
-                            for s, t in zip(sessions, (t for _, t in steps), strict=True)], chains)  # fmt: skip
-        return [s._draw_from(t, rows) for s, (_, t), rows in zip(sessions, steps, logits, strict=True)]
+        trees = [(s.ctx, t.tree.tokens, t.tree.parents, t.structure.ancestors)
+                 for s, (_, t) in zip(sessions, steps, strict=True)]  # fmt: skip
+        return run_trees(trees, chains, read=lambda i, rows: sessions[i]._walk(steps[i][1], rows))
 
-    def _draw_from(self, ticket: TreeTicket, logits: torch.Tensor) -> Callable[[int], int]:
+    def _walk(self, ticket: TreeTicket, logits: np.ndarray) -> Callable[[int], int]:
+        """The acceptance walk's draws, made while the pass's logits [n, vocab] are llama.cpp's own
+        buffer (`run_trees`): nothing is copied out, and `finish` walks again over the draws kept."""
+        draw, drawn = self._draw_from(ticket, logits), {}
+
+        def remembered(node: int) -> int:
+            if node not in drawn:
+                drawn[node] = draw(node)
+            return drawn[node]
+
+        accept_path(ticket.tree, remembered)
+        return drawn.__getitem__
+
+    def _draw_from(self, ticket: TreeTicket, logits: np.ndarray) -> Callable[[int], int]:
         structure, params = ticket.structure, ticket.params
         root_pos = len(self.committed) - 1
 

@@ -10,20 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
-from common.decoding.sampling import SamplingParams, sample_rows
-from common.decoding.tree import TokenTree, TreeError, TreeStructure, attention_bias
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TokenTree, TreeError, TreeStructure
 from common.decoding.types import VerifyResult
-from common.model.transformer import Segment, Transformer
-
-# Trees up to this size get every node's logits in one LM-head call. The head reads its whole weight
-# (0.47 GB for Qwen2.5-1.5B) per call, so on a CPU 1-8 rows cost about the same (14-19 ms) and a
-# second call for the leaf a walk ends on cost almost as much as the first; past this size the
-# logits' memory and rows of compute outweigh one more call.
-ALL_LOGITS_MAX_NODES = 32
 
 
 def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int], int]:
@@ -35,25 +28,29 @@ def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int],
     path, node = [0], 0
     while True:
         token = draw(node)
-        match = ((tree.parents == node) & (tree.tokens == token)).nonzero()
-        if match.numel() == 0:
+        match = np.flatnonzero((tree.parents == node) & (tree.tokens == token))
+        if match.size == 0:
             return path, token
         node = int(match[0])
         path.append(node)
 
 
 class TargetSession:
+    """What verification is, whatever runs the pass: the checks, the acceptance walk and the rollback.
+    A backend's subclass keeps the KV cache and runs the pass (`TorchTargetSession`,
+    `LlamaTargetSession`); this half imports neither torch nor llama.cpp."""
+
     def __init__(
         self,
-        model: Transformer,
+        model: Any,
         prompt: list[int],
         *,
         max_context: int,
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
-        all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
     ) -> None:
+        """`model`: anything with `cfg.vocab_size`; the subclass makes its cache."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) > max_context:
@@ -62,10 +59,8 @@ class TargetSession:
         self.max_context = max_context
         self.max_tree = max_tree
         self.max_depth = max_depth
-        self.all_logits_max_nodes = all_logits_max_nodes  # 0: inner nodes in one call, each leaf apart
-        self.eos = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.eos = frozenset(eos_token_ids)
         self.committed: list[int] = list(prompt)
-        self.cache = model.new_cache(max_context + max_tree)
         self.step = 0
 
     def verify_changes(
@@ -132,10 +127,12 @@ class TargetSession:
 
     @property
     def cached_length(self) -> int:
-        return self.cache.length
+        """Committed tokens with KV in the cache."""
+        raise NotImplementedError
 
     def _restore(self, length: int) -> None:
-        self.cache.length = length
+        """Back to `length` cached tokens, the tree in flight (if any) dropped."""
+        raise NotImplementedError
 
     def append(self, tokens: list[int]) -> None:
         if len(self.committed) + len(tokens) > self.max_context:
@@ -149,7 +146,7 @@ class TargetSession:
         self._truncate_cache(length - 1)
 
     def _truncate_cache(self, length: int) -> None:
-        self.cache.truncate(length)
+        raise NotImplementedError
 
     def verify(self, tree: TokenTree, params: SamplingParams, max_tokens: int) -> VerifyResult:
         return self.verify_changes(tree, params, max_tokens, truncate_to=None, append=[])
@@ -161,10 +158,10 @@ class TargetSession:
         tokens = [*tree.tokens[path[1:]].tolist(), extra]
         accepted = len(path) - 1
         finish = None
-        if not params.ignore_eos and self.eos.numel():
-            is_eos = torch.isin(torch.tensor(tokens), self.eos).nonzero()
-            if is_eos.numel():
-                tokens = tokens[: int(is_eos[0]) + 1]
+        if not params.ignore_eos and self.eos:
+            first_eos = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+            if first_eos is not None:
+                tokens = tokens[: first_eos + 1]
                 finish = "stop"
         if len(tokens) >= max_tokens:
             tokens = tokens[:max_tokens]
@@ -180,8 +177,8 @@ class TargetSession:
 
     @staticmethod
     def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
-        """One pass for several sessions' trees (`run_trees`); each tree's draw."""
-        return run_trees(steps[0][0].model, steps)
+        """One pass for several sessions' trees (the same subclass); each tree's draw."""
+        raise NotImplementedError
 
     def fits_with(self, steps: list[tuple[TargetSession, TreeTicket]], ticket: TreeTicket) -> bool:
         """Whether this session's tree can join `steps` in one pass: always, here (the batcher caps
@@ -189,48 +186,13 @@ class TargetSession:
         return True
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
-        start = ticket.tree_start
-        kept = torch.tensor(path, dtype=torch.long)
-        self.cache.move(start + kept, torch.arange(start, start + kept.numel()))
-        self.cache.length = start + kept.numel()
+        """The cache keeps the committed tokens and the tree's `path` (root first), in order."""
+        raise NotImplementedError
 
-    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[Segment | None, Tensor, int]:
-        """The pass over pending chain + tree as a segment; the tree nodes whose logits come from the
-        batched LM-head call (every node of a small tree, the nodes with children of a large one: a
-        large tree's leaf gets its own call on demand); and the tree root's slot."""
-        start = self.cache.length
-        chain = torch.tensor(self.committed[start:-1], dtype=torch.long)
-        c, n = chain.numel(), tree.size
-        visible = torch.zeros(c + n, c + n, dtype=torch.bool)
-        visible[:c, :c] = torch.ones(c, c, dtype=torch.bool).tril()
-        visible[c:, :c] = True
-        visible[c:, c:] = structure.ancestors
-        root_pos = start + c
-        positions = torch.cat((torch.arange(start, root_pos), root_pos + structure.depths))
-        slots = torch.arange(start, root_pos + n)
-        bias = attention_bias(visible, start)
-        segment = Segment(torch.cat((chain, tree.tokens)), positions, slots, bias, self.cache)
-        batched = torch.full((n,), n <= self.all_logits_max_nodes, dtype=torch.bool)
-        batched[tree.parents[1:]] = True
-        return segment, batched.nonzero().squeeze(1), root_pos
-
-    def _drawer(self, ticket: TreeTicket, hidden: Tensor, logits: Tensor | None) -> Callable[[int], int]:
-        """`hidden` [n, h]: the tree's rows; `logits` [len(logit_nodes), vocab]: theirs, batched."""
-        tree, structure, params = ticket.tree, ticket.structure, ticket.params
-        rows = torch.full((tree.size,), -1, dtype=torch.long)
-        rows[ticket.logit_nodes] = torch.arange(ticket.logit_nodes.numel())
-        root_pos = len(self.committed) - 1
-
-        def draw(node: int) -> int:
-            row = int(rows[node])
-            if row >= 0 and logits is not None:
-                node_logits = logits[row : row + 1]
-            else:
-                node_logits = self.model.logits(hidden[node : node + 1])
-            position = root_pos + int(structure.depths[node]) + 1
-            return int(sample_rows(node_logits.cpu(), params, [position])[0])  # one row per draw
-
-        return draw
+    def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[Any, Any, int]:
+        """What the pass runs for this tree (the backend's own), the nodes whose logits it computes
+        in one batch, and the tree root's slot."""
+        raise NotImplementedError
 
 
 @dataclass
@@ -245,22 +207,5 @@ class TreeTicket:
     committed_before: list[int]
     cached_before: int
     tree_start: int  # the tree root's slot
-    segment: Segment | None  # None on backends that run their own pass
-    logit_nodes: Tensor  # int64 [k]: the nodes whose logits the batched LM-head call computes
-
-
-def run_trees(
-    model: Transformer, steps: list[tuple[TargetSession, TreeTicket]]
-) -> list[Callable[[int], int]]:
-    """One forward pass and one LM-head call for several sessions' trees; returns each tree's draw.
-
-    The pass costs about what the largest of them would alone where weight reads dominate (a GPU,
-    an offloaded target), and the LM head, the largest single weight, is read once for all."""
-    hidden = model.forward_segments([t.segment for _, t in steps])  # [sum of segment sizes, h]
-    trees = []
-    for (_, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
-        trees.append(rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: the chain's rows dropped
-    wanted = [h[t.logit_nodes] for h, (_, t) in zip(trees, steps, strict=True)]
-    logits = model.logits(torch.cat(wanted)) if sum(w.shape[0] for w in wanted) else None
-    parts = logits.split([w.shape[0] for w in wanted]) if logits is not None else [None] * len(steps)
-    return [s._drawer(t, h, part) for (s, t), h, part in zip(steps, trees, parts, strict=True)]
+    segment: Any  # the backend's pass for it (torch: a `Segment`); None on llama.cpp, which lays out its own
+    logit_nodes: Any  # torch: int64 [k], the nodes whose logits the batched LM-head call computes

@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 from client.bench.harness import free_port  # also used by the tests
 from common.decoding.sampling import SamplingParams, sample_rows
-from common.decoding.tree import TokenTree, TreeStructure, attention_bias
+from common.decoding.tree import TokenTree, TreeStructure
+from common.model.transformer import attention_bias
 
 
 def reference_decode(
@@ -27,7 +28,7 @@ def reference_decode(
     with torch.no_grad():
         for _ in range(params.max_new_tokens):
             logits = hf(torch.tensor([seq])).logits[0, -1:].float()
-            token = int(sample_rows(logits, params, [len(seq)])[0])
+            token = int(sample_rows(logits.numpy(), params, [len(seq)])[0])
             seq.append(token)
             out.append(token)
             if token in eos and not params.ignore_eos:
@@ -114,6 +115,6 @@ def prefix_then_tree(model: Any, prefix: torch.Tensor, tree: TokenTree) -> tuple
     p = prefix.numel()
     causal = torch.ones(p, p, dtype=torch.bool).tril()
     first = model(prefix, torch.arange(p), torch.arange(p), attention_bias(causal, 0), cache)
-    positions, slots = p + structure.depths, torch.arange(p, p + tree.size)
-    second = model(tree.tokens, positions, slots, attention_bias(structure.ancestors, p), cache)
+    positions, slots = p + torch.from_numpy(structure.depths), torch.arange(p, p + tree.size)
+    second = model(torch.from_numpy(tree.tokens), positions, slots, attention_bias(structure.ancestors, p), cache)
     return first, second

@@ -22,7 +22,7 @@ from common.runtime.sessions import StepCancelled, StepOutOfOrder
 from draft_node import engine as draft_engine_module
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine, VerifyJob
-from target_node.session import TargetSession
+from target_node.torch_session import TorchTargetSession
 from tests.helpers import Proc, free_port, reference_decode
 
 GREEDY = SamplingParams(max_new_tokens=8)
@@ -59,7 +59,7 @@ def test_a_shared_pass_gives_each_sequence_the_rows_it_gets_alone(loaded):
     model = loaded["target"].model
     vocab = model.cfg.vocab_size
     gen = torch.Generator().manual_seed(1)
-    sessions = [TargetSession(model, p, max_context=128, max_tree=64, max_depth=64, eos_token_ids=())
+    sessions = [TorchTargetSession(model, p, max_context=128, max_tree=64, max_depth=64, eos_token_ids=())
                 for p in prompts(vocab, 3)]  # fmt: skip
     tickets = [
         s.prepare(random_tree(s.committed[-1], n, vocab, gen), GREEDY, 8)
@@ -109,9 +109,9 @@ def test_a_bad_tree_fails_its_own_step_only(loaded):
     ]
     engine = engine_for(loaded, batch_window=2.0)
     sids = [engine.open_session(p) for p in ps]
-    wrong_root = TokenTree(good[1].tokens.clone(), good[1].parents)
+    wrong_root = TokenTree(good[1].tokens.copy(), good[1].parents)
     wrong_root.tokens[0] = (ps[1][-1] + 1) % vocab
-    out_of_vocab = TokenTree(good[3].tokens.clone(), good[3].parents)
+    out_of_vocab = TokenTree(good[3].tokens.copy(), good[3].parents)
     out_of_vocab.tokens[-1] = vocab + 5
     calls = [
         lambda: engine.verify(sids[0], good[0], GREEDY, 8),
@@ -140,14 +140,14 @@ def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
         alone.verify(alone.open_session(p), t, GREEDY, 8).tokens for p, t in zip(ps, trees, strict=True)
     ]
 
-    real = TargetSession.run_together
+    real = TorchTargetSession.run_together
 
     def broken(steps):
         if len(steps) > 1:
             raise RuntimeError("out of memory (injected)")
         return real(steps)
 
-    monkeypatch.setattr(TargetSession, "run_together", staticmethod(broken))
+    monkeypatch.setattr(TorchTargetSession, "run_together", staticmethod(broken))
     engine = engine_for(loaded, batch_window=2.0)
     sids = [engine.open_session(p) for p in ps]
     got = at_once([lambda s=s, t=t: engine.verify(s, t, GREEDY, 8) for s, t in zip(sids, trees, strict=True)])

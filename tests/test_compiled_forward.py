@@ -10,10 +10,10 @@ import torch
 
 from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import attention_bias
 from common.model.compiled_forward import compile_model, parse_buckets, use_inductor_cache_dir
 from common.model.loading import load_model
 from common.model.offload import offload
+from common.model.transformer import attention_bias
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine

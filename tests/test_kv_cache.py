@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import attention_bias
+from common.model.transformer import attention_bias
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine

@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.decoding.tree import TreeStructure, attention_bias
+from common.decoding.tree import TreeStructure
+from common.model.transformer import attention_bias
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 
@@ -36,7 +37,7 @@ def test_tree_pass_equals_per_path_passes(model_dirs, loaded):
     ours = model.logits(hidden)
     for node in range(tree.size):
         path = tree.tokens[structure.ancestors[node]]
-        seq = torch.cat((prefix[:p], path))
+        seq = torch.cat((prefix[:p], torch.from_numpy(path)))
         with torch.no_grad():
             ref = hf(seq[None]).logits[0, -1]
         torch.testing.assert_close(ours[node], ref, atol=1e-4, rtol=1e-4)

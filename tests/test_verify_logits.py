@@ -9,7 +9,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
-from target_node.session import ALL_LOGITS_MAX_NODES
+from target_node.torch_session import ALL_LOGITS_MAX_NODES
 from tests.test_exactness import PROMPT
 
 

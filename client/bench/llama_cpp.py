@@ -117,17 +117,22 @@ def _ours(gen: SpecExec) -> Any:
     return run
 
 
-def resident_mb(gguf: Path, threads: int, repack: bool = True) -> float:
-    """Peak RSS of a process (torch imported, as in a node) that loads the GGUF on llama.cpp and
-    verifies one tree."""
+def resident_mb(gguf: Path, threads: int, repack: bool = True, sessions: int = 1) -> float:
+    """Peak RSS of a process that runs the target node's engine as the node does (without torch: a
+    llama.cpp node never loads it) on the GGUF, a 4096-token context per session, and verifies one
+    64-node tree after a 500-token prompt; `sessions` > 1: the node's shared context for that many."""
     code = (
-        "import sys, torch; from common.model.llama_cpp import LlamaCppModel; from common.ops.memory import peak_rss_bytes;"
-        "m = LlamaCppModel(sys.argv[1], threads=int(sys.argv[2]), repack=sys.argv[3] == '1');"
-        "c = m.new_context(4096 + 65, 64); c.extend(list(range(100, 600))); c.tree(torch.arange(65), torch.arange(-1, 64));"
-        "print(peak_rss_bytes() / 2**20)"
+        "import sys, numpy as np; from common.model.llama_cpp import load_gguf; from common.ops.memory import peak_rss_bytes;"
+        "from common.decoding.sampling import SamplingParams; from common.decoding.tree import TokenTree;"
+        "from target_node.engine import TargetEngine;"
+        "loaded = load_gguf(sys.argv[1], threads=int(sys.argv[2]), repack=sys.argv[3] == '1', tokenizer=False);"
+        "e = TargetEngine(loaded, max_context=4096, max_tree=64, max_sessions=int(sys.argv[4]));"
+        "sid = e.open_session(list(range(100, 600)));"
+        "e.verify(sid, TokenTree(np.arange(599, 664), np.arange(-1, 64)), SamplingParams(), 8);"
+        "assert 'torch' not in sys.modules; print(peak_rss_bytes() / 2**20)"
     )
-    run = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads), str(int(repack))], capture_output=True,
-                         text=True, check=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(gguf), str(threads), str(int(repack)), str(sessions)],
+                         capture_output=True, text=True, check=True)  # fmt: skip
     return float(run.stdout.strip().splitlines()[-1])
 
 

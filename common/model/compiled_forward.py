@@ -26,25 +26,12 @@ import torch
 from torch import Tensor, nn
 from tqdm import tqdm
 
+from common.model.choices import DEFAULT_BUCKETS, MAX_BUCKET, parse_buckets  # noqa: F401 (re-exported)
 from common.model.kv_cache import KVCache
 from common.model.store import cache_root
 from common.model.transformer import Transformer
 
-DEFAULT_BUCKETS = (1, 4, 8, 16, 32, 64)
 WARM_UP_PREFIX = 64
-MAX_BUCKET = 4096
-
-
-def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
-    """Buckets from "1,4,8" or a sequence; each must be in [1, MAX_BUCKET]."""
-    items = text.split(",") if isinstance(text, str) else list(text)
-    try:
-        buckets = sorted({int(b) for b in items if str(b).strip()})
-    except ValueError as e:
-        raise ValueError(f"compile buckets must be integers separated by commas, got {text!r}") from e
-    if not buckets or buckets[0] < 1 or buckets[-1] > MAX_BUCKET:
-        raise ValueError(f"compile buckets must be in [1, {MAX_BUCKET}], got {text!r}")
-    return tuple(buckets)
 
 
 def inductor_cache_dir() -> Path:

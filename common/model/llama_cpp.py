@@ -31,14 +31,13 @@ import sys
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-import torch
-from torch import Tensor
 
-from common.model.transformer import ForwardInterrupted
+from common.model.loaded import ForwardInterrupted
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
@@ -112,11 +111,23 @@ def tree_limit(sessions: int) -> int:
     return shared if sessions > 1 and shared >= 64 else MAX_TREE_LEAVES
 
 
-def tree_leaves(parents: Tensor) -> np.ndarray:
+def tree_leaves(parents: np.ndarray) -> np.ndarray:
     """The nodes no other node names as its parent: one sequence id each in a pass."""
-    is_leaf = np.ones(parents.numel(), dtype=bool)
-    is_leaf[parents[1:].numpy()] = False
+    parents = np.asarray(parents)
+    is_leaf = np.ones(parents.size, dtype=bool)
+    is_leaf[parents[1:]] = False
     return np.flatnonzero(is_leaf)
+
+
+def default_threads() -> int:
+    """torch's thread count where torch is loaded (a process that set it for both engines), else what
+    torch would pick: OMP_NUM_THREADS, or the cores this process may run on. A llama.cpp node never
+    imports torch for this alone."""
+    if "torch" in sys.modules:
+        return int(sys.modules["torch"].get_num_threads())
+    with contextlib.suppress(ValueError):
+        return max(int(os.environ.get("OMP_NUM_THREADS", "")), 1)
+    return len(os.sched_getaffinity(0))
 
 
 def has_amx(lib: Any) -> bool:
@@ -133,6 +144,8 @@ class _Cfg:
 
 class LlamaCppModel:
     """One GGUF loaded once; each session gets a context (its own KV cache) on it."""
+
+    backend = "llama.cpp"
 
     def __init__(self, path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None,
                  kv_type: str = "f16", repack: bool = True, quiet: bool = True) -> None:  # fmt: skip
@@ -168,12 +181,12 @@ class LlamaCppModel:
             raise LlamaCppError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
         vocab = lib.llama_model_get_vocab(self._model)
         self.cfg = _Cfg(int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(self._model)))
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads or default_threads()
         self.n_gpu_layers = n_gpu_layers
         self.kv_type = kv_type
         self.repack = repack
         self.dtype = f"gguf ({kv_type} KV)"
-        self.device = torch.device("cuda" if n_gpu_layers else "cpu")
+        self.device = "cuda" if n_gpu_layers else "cpu"  # where its passes run, as a node reports it
         self._spare: LlamaContext | None = None  # the last context of one session's own, closed
         self._spare_lock = threading.Lock()
 
@@ -225,12 +238,13 @@ class LlamaCppModel:
             return {}
         return {"op_offload_min_batch": os.environ.get("GGML_OP_OFFLOAD_MIN_BATCH", str(OP_OFFLOAD_MIN_BATCH))}
 
-    def time_tree(self, n: int, prefix: int, parents: Tensor, budget_seconds: float = 0.3) -> float:
+    def time_tree(self, n: int, prefix: int, parents: np.ndarray, budget_seconds: float = 0.3) -> float:
         """Seconds of one tree pass of n nodes after a `prefix`-token prompt, least of a few runs."""
         ctx = self.new_context(prefix + n + 1, n)
         try:
-            ctx.extend(torch.randint(0, self.cfg.vocab_size, (prefix,)).tolist())
-            tokens = torch.randint(0, self.cfg.vocab_size, (n,))
+            rng = np.random.default_rng(n)
+            ctx.extend(rng.integers(0, self.cfg.vocab_size, prefix).tolist())
+            tokens = rng.integers(0, self.cfg.vocab_size, n)
             times: list[float] = []
             while len(times) < 21 and sum(times[1:]) < budget_seconds:
                 start = time.perf_counter()
@@ -383,7 +397,7 @@ class LlamaContext:
                 raise LlamaCppError(f"the KV cache's {self.n_ctx} tokens cannot hold this pass's {need} new ones "
                                     f"beside its sessions' {self.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
 
-    def chain(self, tokens: list[int], seq: int, at: int, *, last_logits: bool = False) -> Tensor | None:
+    def chain(self, tokens: list[int], seq: int, at: int, *, last_logits: bool = False) -> np.ndarray | None:
         """Run `tokens` as a causal chain onto sequence `seq` from position `at`, in batch-size
         pieces; with `last_logits`, the last token's logits [vocab]. All or nothing: a failed piece
         takes the pieces before it back out."""
@@ -405,7 +419,7 @@ class LlamaContext:
             if not last_logits:
                 return None
             row = self.lib.llama_get_logits_ith(self._ctx, -1)
-            return torch.from_numpy(np.ctypeslib.as_array(row, shape=(self.vocab,)).copy())
+            return np.ctypeslib.as_array(row, shape=(self.vocab,)).copy()
 
     def interrupt(self) -> None:
         """Cut the interruptible pass in flight short (from any thread); with none in flight, the
@@ -469,7 +483,7 @@ class TreeContext:
             self.ctx.chain(tokens, self.seq, self.length)
             self.length += len(tokens)
 
-    def tree(self, tokens: Tensor, parents: Tensor, ancestors: Tensor | None = None) -> Tensor:
+    def tree(self, tokens: np.ndarray, parents: np.ndarray, ancestors: np.ndarray | None = None) -> np.ndarray:
         """Every node's logits for a tree rooted right after the committed tokens.
 
         tokens, parents: [n]; ancestors: [n, n] bool, [i, j] when j is i or above it.
@@ -520,12 +534,14 @@ class TreeContext:
             self.close()
 
 
-TreeInput = tuple[TreeContext, Tensor, Tensor, Tensor | None]  # lane, tokens [n], parents [n], ancestors
+TreeInput = tuple[TreeContext, np.ndarray, np.ndarray, np.ndarray | None]  # lane, tokens [n], parents [n], ancestors
 
 
-def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) -> list[Tensor]:
+def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
+              read: Callable[[int, np.ndarray], Any] | None = None) -> list[Any]:  # fmt: skip
     """Several lanes' trees in one `llama_decode` on the context they share; each tree's logits
-    [n, vocab]. A node's ids are those of the leaves beneath it, numbered across the pass, and each
+    [n, vocab], or what `read(i, logits)` makes of tree i's while the context is still locked (a
+    view of llama.cpp's own buffer, not a copy: up to 256 rows of 0.6 MB). A node's ids are those of the leaves beneath it, numbered across the pass, and each
     leaf id first joins its lane's committed cells, so every node sees its own prefix and ancestors
     and nothing of the other trees or lanes. `pending[i]`: committed tokens of lane i without KV yet
     (the root excluded), run in the same pass ahead of its tree: they carry the lane's id and all
@@ -537,9 +553,10 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
     layouts = []
     rows = leaf_count = 0
     for (lane, tokens, parents, ancestors), chain in zip(trees, chains, strict=True):
+        tokens, parents = np.asarray(tokens), np.asarray(parents)
         if lane.seq < 0:
             raise ValueError("this session's llama.cpp context is closed")
-        n, k = tokens.numel(), len(chain)
+        n, k = tokens.size, len(chain)
         if n > lane.max_nodes:
             raise ValueError(f"tree has {n} nodes, over this context's limit of {lane.max_nodes}")
         if lane.length + k + n > lane.n_ctx:
@@ -548,7 +565,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
             from common.decoding.tree import TreeStructure
 
             ancestors = TreeStructure.from_parents(parents).ancestors
-        anc = ancestors.numpy()
+        anc = np.asarray(ancestors)
         leaves = tree_leaves(parents)
         if leaves.size > lane.leaves_max:
             raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
@@ -564,7 +581,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
             )
         ctx.make_room(rows, [lane for lane, *_ in trees])
         for lane, tokens, anc, leaves, chain, at in layouts:
-            n, k, take = tokens.numel(), len(chain), len(ctx._leaf_free) - leaves.size
+            n, k, take = tokens.size, len(chain), len(ctx._leaf_free) - leaves.size
             ids = np.array(ctx._leaf_free[take:], dtype=np.int32)
             del ctx._leaf_free[take:]
             for leaf in ids.tolist():  # the committed cells join every leaf's sequence
@@ -581,7 +598,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
             order = np.argsort(~below, axis=1, kind="stable")  # each row: its leaves' columns first
             ctx._seq[at : at + n, : leaves.size] = ids[order]
             ctx._n_seq[at : at + n] = below.sum(1)
-            ctx._token[at : at + n] = tokens.numpy()
+            ctx._token[at : at + n] = tokens
             ctx._pos[at : at + n] = lane.length + k + anc.sum(1) - 1
             ctx._logits[at : at + n] = 1
             lane._leaves, lane._first = ids, ctx._seq[at : at + n, 0].copy()
@@ -593,10 +610,12 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None) ->
             raise
         for (lane, *_), chain in zip(trees, chains, strict=True):
             lane.length += len(chain)
-        outputs = sum(t.numel() for _, t, *_ in trees)
+        outputs = sum(len(t) for _, t, *_ in layouts)
         logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(outputs, ctx.vocab))
-        out = torch.from_numpy(logits.copy())  # [outputs, vocab]
-    return list(out.split([t.numel() for _, t, *_ in trees]))
+        parts = np.split(logits, np.cumsum([len(t) for _, t, *_ in layouts])[:-1])  # views, [n_i, vocab]
+        if read is not None:
+            return [read(i, part) for i, part in enumerate(parts)]
+        return [part.copy() for part in parts]
 
 
 BACKENDS = ("auto", "torch", "llama.cpp")
@@ -636,12 +655,12 @@ def find_gguf(path: Path) -> Path | None:
 
 
 def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None, kv_type: str = "f16",
-              repack: bool = True) -> Any:  # fmt: skip
+              repack: bool = True, tokenizer: bool = True) -> Any:  # fmt: skip
     """A LoadedModel whose model is llama.cpp's: the GGUF as it is, its tokenizer from the directory's
-    tokenizer files (or, for a bare file, read out of the GGUF by transformers)."""
-    from transformers import AutoConfig, AutoTokenizer
-
-    from common.model.loading import LoadedModel, eos_token_ids, tokenizer_fingerprint
+    tokenizer files (or, for a bare file, read out of the GGUF by transformers). Without `tokenizer`
+    (a node: it serves the files and never tokenizes) only the tokenizer's identity is read, in a
+    child process (`tokenizer_identity`), so that this one never imports torch."""
+    from common.model.loaded import LoadedModel
     from common.model.store import DEFAULT_MODELS, resolve_gguf
 
     resolved = resolve_gguf(str(path))
@@ -654,21 +673,60 @@ def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = 
     path = resolved
     gguf = find_gguf(path)
     assert gguf is not None
+    identity = (read_identity if tokenizer else tokenizer_identity)(path)
     model = LlamaCppModel(gguf, n_gpu_layers=n_gpu_layers, threads=threads, kv_type=kv_type, repack=repack)
-    if path.is_file():  # a bare GGUF: its tokenizer and config go beside a link to it, once
-        path = _beside(path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    hf_config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
-    where = path
+    where = Path(identity["dir"])
     return LoadedModel(
-        model=model,  # type: ignore[arg-type]
-        tokenizer=tokenizer,
-        name=gguf.stem if gguf.parent != path else path.name,
-        eos_token_ids=eos_token_ids(where, hf_config, tokenizer),
+        model=model,
+        tokenizer=identity.get("tokenizer"),
+        name=gguf.stem if gguf.parent != where else where.name,
+        eos_token_ids=tuple(identity["eos"]),
         max_context=model.cfg.max_position_embeddings,
-        tokenizer_fingerprint=tokenizer_fingerprint(tokenizer),
+        tokenizer_fingerprint=identity["fingerprint"],
         path=where,
     )
+
+
+def read_identity(path: Path) -> dict[str, Any]:
+    """The tokenizer of a GGUF's directory (a bare file's, written beside it first) and what pairs
+    nodes by it: its end-of-sequence ids and fingerprint."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    from common.model.loaded import eos_token_ids, tokenizer_fingerprint
+
+    path = _beside(path) if path.is_file() else path
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    hf_config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    return {"dir": str(path), "eos": list(eos_token_ids(path, hf_config, tokenizer)),
+            "fingerprint": tokenizer_fingerprint(tokenizer), "tokenizer": tokenizer}  # fmt: skip
+
+
+def tokenizer_identity(path: Path) -> dict[str, Any]:
+    """`read_identity` without the tokenizer, run once in a child process and cached by the files'
+    names, sizes and times: transformers imports torch wherever it is installed (its config module
+    does), about 180 MiB a llama.cpp node does not otherwise need."""
+    import hashlib
+    import json
+    import subprocess
+
+    from common.model.store import cache_root
+
+    files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file() and f.suffix != ".gguf")
+    stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
+    cached = cache_root() / "tokenizer-identity" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:24]}.json"
+    with contextlib.suppress(OSError, ValueError):
+        return dict(json.loads(cached.read_text()))
+    code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity; "
+            "i = read_identity(Path(sys.argv[1])); i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"could not read the tokenizer of {path}: {run.stderr.strip()[-2000:]}")
+    identity = json.loads(run.stdout.strip().splitlines()[-1])
+    cached.parent.mkdir(parents=True, exist_ok=True)
+    tmp = cached.with_suffix(f".tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(identity))
+    os.replace(tmp, cached)
+    return dict(identity)
 
 
 def _beside(gguf: Path) -> Path:

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor
 
 from common.model.llama_cpp import MAX_SEQUENCES, MAX_TREE_LEAVES, LlamaContext, LlamaCppError, LlamaCppModel
-from common.model.transformer import ForwardInterrupted
+from common.model.loaded import ForwardInterrupted
 
 # The draft's expansion batches are 16 rows by default: a larger batch runs in pieces of this many
 # rows, and the context's compute buffer holds this many rows' logits instead of 256.
@@ -218,7 +218,7 @@ class SearchContext:
             logits = self.ctx.chain(tokens, self.seq, self.length, last_logits=True)
             self.length += len(tokens)
         assert logits is not None
-        return logits
+        return torch.from_numpy(logits)
 
     def expand(self, slots: np.ndarray, parent_slots: np.ndarray, tokens: np.ndarray, positions: np.ndarray,
                interruptible: bool = False) -> Tensor:  # fmt: skip

@@ -4,30 +4,16 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import hashlib
-import json
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from common.model import packed_linear, quantized_linear
+from common.model.loaded import LoadedModel, eos_token_ids, tokenizer_fingerprint
 from common.model.transformer import Transformer, config_from_hf, rope_inverse_frequencies
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-@dataclass
-class LoadedModel:
-    model: Transformer
-    tokenizer: Any
-    name: str
-    eos_token_ids: tuple[int, ...]
-    max_context: int
-    tokenizer_fingerprint: str
-    path: Path | None = None  # the weights' directory: what the forward-time curve cache is keyed by
 
 
 def parse_dtype(name: str) -> torch.dtype:
@@ -117,29 +103,3 @@ def _release_freed_memory() -> None:
     heap for reuse; malloc_trim hands their pages back (bf16 1.5B target: 4.3 -> 3.8 GiB resident)."""
     with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
-    """Union of every place a checkpoint declares end-of-sequence: chat models often list several."""
-    ids: set[int] = set()
-
-    def add(value: Any) -> None:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list | tuple):
-            ids.update(v for v in value if isinstance(v, int))
-
-    add(getattr(hf_config, "eos_token_id", None))
-    add(tokenizer.eos_token_id)
-    gen = path / "generation_config.json"
-    if gen.is_file():
-        add(json.loads(gen.read_text()).get("eos_token_id"))
-    return tuple(sorted(ids))
-
-
-def tokenizer_fingerprint(tokenizer: Any) -> str:
-    """Hash of the vocabulary and special tokens: two nodes may pair only if their ids mean the same text."""
-    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
-    special = sorted(str(t) for t in tokenizer.all_special_tokens)
-    payload = json.dumps([vocab, special], ensure_ascii=False).encode()
-    return hashlib.sha256(payload).hexdigest()[:16]

@@ -20,13 +20,13 @@ from __future__ import annotations
 import copy
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from common.model.choices import OffloadPlan
 from common.model.loading import LoadedModel, load_model
 from common.model.transformer import DecoderLayer, Transformer
 
@@ -174,14 +174,6 @@ def offload(
     model.to(device)
     model.model.layers = streamed
     return model
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """How to split the target between device and host: `--offload`, `--resident-layers`, `--prefetch-layers`."""
-
-    resident_layers: int = 0
-    prefetch_layers: int = 2
 
 
 def load_target(

@@ -13,14 +13,16 @@ import os
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 from tqdm import tqdm
 
-from common.decoding.tree import TreeStructure, attention_bias
+from common.decoding.tree import TreeStructure
 from common.model.store import cache_root
-from common.model.transformer import Transformer
+
+if TYPE_CHECKING:  # torch loads only to time our transformer: a llama.cpp node runs without it
+    from common.model.transformer import Transformer
 
 PREFIX = 64
 
@@ -42,10 +44,9 @@ def profile_sizes(limit: int) -> list[int]:
     return sizes if sizes[-1] == limit else [*sizes, limit]
 
 
-def synthetic_parents(n: int, seed: int = 0) -> torch.Tensor:
+def synthetic_parents(n: int, seed: int = 0) -> np.ndarray:
     """A random recursive tree: bushy near the root and about e*ln(n) deep, like a best-first tree."""
-    g = torch.Generator().manual_seed(seed)
-    parents = (torch.rand(n, generator=g) * torch.arange(n)).long()
+    parents = (np.random.default_rng(seed).random(n) * np.arange(n)).astype(np.int64)
     parents[0] = -1
     return parents
 
@@ -56,15 +57,18 @@ def time_tree_forward(model: Transformer, n: int, logits_rows: int, budget_secon
 
     After a warm-up, fast passes repeat until `budget_seconds` have been spent (at most 20 times) and
     the minimum is kept: the least disturbed run is the best estimate of the hardware's cost."""
-    parents = synthetic_parents(n)
-    structure = TreeStructure.from_parents(parents)
+    import torch
+
+    from common.model.transformer import attention_bias
+
+    structure = TreeStructure.from_parents(synthetic_parents(n))
     cache = model.new_cache(PREFIX + n)
     tokens = torch.randint(0, model.cfg.vocab_size, (n,))
     causal = torch.ones(PREFIX, PREFIX, dtype=torch.bool).tril()
     prefix = torch.arange(PREFIX)
     model(torch.randint(0, model.cfg.vocab_size, (PREFIX,)), prefix, prefix, attention_bias(causal, 0), cache)
     bias = attention_bias(structure.ancestors, PREFIX)
-    positions, slots = PREFIX + structure.depths, torch.arange(PREFIX, PREFIX + n)
+    positions, slots = PREFIX + torch.from_numpy(structure.depths), torch.arange(PREFIX, PREFIX + n)
     times: list[float] = []
     while len(times) < 21 and sum(times[1:]) < budget_seconds:
         start = time.perf_counter()
@@ -131,8 +135,10 @@ def curve_key(model: Transformer, weights: Path, limit: int, logits_share: float
     """What a curve depends on. Module types capture int8, repacked and offloaded layers; compiled
     buckets and offload settings are read off the model."""
     if hasattr(model, "curve_key"):  # llama.cpp
-        return {"version": CURVE_CACHE_VERSION, "weights": weights_digest(weights), "torch": torch.__version__,
-                "limit": limit, **model.curve_key()}  # fmt: skip
+        return {"version": CURVE_CACHE_VERSION, "weights": weights_digest(weights), "limit": limit,
+                **model.curve_key()}  # fmt: skip
+    import torch
+
     compiled = getattr(model, "compiled", None)
     layers = model.model.layers
     return {

@@ -23,11 +23,9 @@ import weakref
 import torch
 from torch import Tensor, nn
 
+from common.model.choices import QUANTIZE_CHOICES, draft_dtype  # noqa: F401 (re-exported)
 from common.model.packed_linear import replace_projections
 from common.model.transformer import Transformer
-
-QUANTIZE_CHOICES = ("none", "int8")
-
 
 # Compiled graphs cannot take the packed weights (a TorchScript object) as an argument, so the traced
 # op names its layer by a number instead.
@@ -78,12 +76,6 @@ class Int8DynamicLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.split_sizes}, int8 dynamic"
-
-
-def draft_dtype(dtype: str, scheme: str) -> str:
-    """The float dtype an int8 draft runs its norms and activations in when the user asked for `dtype`
-    for both models: float32, its fastest on a CPU (no conversions around each int8 product)."""
-    return dtype if scheme == "none" else "float32"
 
 
 def check_quantize(scheme: str, device: str | torch.device) -> None:

@@ -34,10 +34,12 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm import tqdm
+
+if TYPE_CHECKING:  # torch loads only where a GGUF is de-quantized for our transformer
+    import torch
 
 MARKER_NAME = "specexec-model.json"
 # Bump when the converted layout changes: directories with an older marker are rebuilt, never loaded.
@@ -294,7 +296,7 @@ def _install_gguf(gguf_path: Path, out: Path, provenance: dict[str, str], source
 def convert_gguf(
     path: str | os.PathLike[str],
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
     progress: bool = True,
     force: bool = False,
 ) -> Path:
@@ -302,6 +304,9 @@ def convert_gguf(
 
     A conversion in another dtype under the same key is replaced, not kept beside it.
     """
+    import torch
+
+    dtype = dtype or torch.bfloat16
     gguf_path = Path(path).expanduser().resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
@@ -481,13 +486,16 @@ def _convert(
     provenance: dict[str, str],
     source_sha256: str,
     *,
-    dtype: torch.dtype = torch.bfloat16,
+    dtype: torch.dtype | None = None,
 ) -> None:
     """Dequantize a GGUF into an HF directory in a temp dir, then swap it into place.
 
     The marker is written last and the directory renamed into place, so a crash at any point leaves
     either the old state or an incomplete temp dir, never a directory that looks loadable but is not.
     """
+    import torch
+
+    dtype = dtype or torch.bfloat16
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
     from transformers import __version__ as transformers_version

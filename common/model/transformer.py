@@ -17,12 +17,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from common.model.kv_cache import KVCache
+from common.model.loaded import ForwardInterrupted
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-
-class ForwardInterrupted(RuntimeError):
-    """A pass given a `stop` event that was set: it ended between two layers."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +101,20 @@ def rope_inverse_frequencies(hf_config: Any) -> tuple[Tensor, float]:
     if rope_type not in ROPE_INIT_FUNCTIONS or rope_type == "dynamic":
         raise ValueError(f"rope_type {rope_type!r} is not supported")
     return ROPE_INIT_FUNCTIONS[rope_type](hf_config)
+
+
+def attention_bias(visible: Tensor | Any, prefix_len: int) -> Tensor:
+    """Additive float mask rows: the whole committed prefix plus the `visible` columns after it
+    (bool [rows, cols], a tensor or a tree's NumPy structure).
+
+    Float, not boolean: eager attention in transformers treats boolean 4-D masks differently and
+    returns wrong logits, and sdpa needs the same convention on every backend.
+    """
+    visible = torch.as_tensor(visible)
+    rows = visible.shape[0]
+    bias = torch.zeros(rows, prefix_len + visible.shape[1], device=visible.device)
+    bias[:, prefix_len:].masked_fill_(~visible, float("-inf"))
+    return bias
 
 
 @dataclass(frozen=True)

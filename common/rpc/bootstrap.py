@@ -11,12 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import torch
 
-from common.model.compiled_forward import compile_model
+from common.model.choices import OffloadPlan
 from common.model.llama_cpp import load_gguf, resolve_backend, tree_limit
-from common.model.loading import LoadedModel, load_model
-from common.model.offload import OffloadPlan, load_target
+from common.model.loaded import LoadedModel
 from common.model.store import resolve_model
 from common.ops.logs import LogSettings
 from common.ops.logs import configure as configure_logs
@@ -92,6 +90,9 @@ def choose_backend(config: NodeConfig) -> str:
 
 def load(config: NodeConfig, path: Path) -> LoadedModel:
     """Resident on the device, or (target) kept in host RAM and streamed under an offload plan."""
+    from common.model.loading import load_model
+    from common.model.offload import load_target
+
     if config.offload is not None:
         if config.quantize != "none":
             raise ValueError("an offloaded target cannot be quantized")
@@ -118,7 +119,8 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
     limits = config.limits
     if choose_backend(config) == "llama.cpp":
-        loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack)
+        loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack,
+                           tokenizer=False)  # fmt: skip
         assert loaded.path is not None
         path = loaded.path
         sharing = limits.max_sessions if config.max_batch_tokens > 1 and role.name == "target" else 1
@@ -128,6 +130,8 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
         loaded = load(config, path)
         limits = replace(limits, max_tree=limits.max_tree or 1024)
     if config.compile_buckets is not None:
+        from common.model.compiled_forward import compile_model
+
         compile_model(loaded.model, config.compile_buckets)
     engine = role.engine(loaded, **asdict(limits), **role.engine_options(config))
     if config.profile:
@@ -152,7 +156,7 @@ def say(line: str) -> None:
 
 
 def describe_weights(config: NodeConfig, loaded: LoadedModel | None = None) -> str:
-    if loaded is not None and not isinstance(loaded.model, torch.nn.Module):
+    if loaded is not None and loaded.on_llama_cpp:
         return f"llama.cpp, {loaded.model.dtype}, {config.n_gpu_layers} layers on the GPU"
     if config.quantize == "none":
         return config.dtype
@@ -163,5 +167,7 @@ def memory_report(device: str) -> str:
     """Peak memory so far: what a user sizing a machine for this model needs to know."""
     report = f"peak RSS {peak_rss_bytes() / 2**30:.2f} GiB"
     if device.startswith("cuda"):
+        import torch
+
         report += f", peak GPU {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB"
     return report

@@ -7,7 +7,6 @@ Python loop however large the tree, and a malformed payload is caught before it 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
@@ -23,11 +22,11 @@ _F32 = np.dtype("<f4")
 def tree_to_proto(tree: TokenTree) -> pb.TokenTree:
     msg = pb.TokenTree(
         format_version=TREE_FORMAT_VERSION,
-        tokens=tree.tokens.to(torch.int32).numpy().astype(_I32, copy=False).tobytes(),
-        parents=tree.parents.to(torch.int32).numpy().astype(_I32, copy=False).tobytes(),
+        tokens=tree.tokens.astype(_I32).tobytes(),
+        parents=tree.parents.astype(_I32).tobytes(),
     )
     if tree.logprobs is not None:
-        msg.logprobs = tree.logprobs.float().numpy().astype(_F32, copy=False).tobytes()
+        msg.logprobs = tree.logprobs.astype(_F32).tobytes()
     return msg
 
 
@@ -47,9 +46,9 @@ def tree_from_proto(msg: pb.TokenTree, max_nodes: int = MAX_WIRE_TREE_NODES) -> 
         raise TreeError(f"tree.parents has {len(msg.parents) // 4} entries but tree.tokens has {n}")
     if msg.logprobs and len(msg.logprobs) != len(msg.tokens):
         raise TreeError(f"tree.logprobs has {len(msg.logprobs) // 4} entries but tree.tokens has {n}")
-    tokens = torch.from_numpy(np.frombuffer(msg.tokens, dtype=_I32).astype(np.int64))
-    parents = torch.from_numpy(np.frombuffer(msg.parents, dtype=_I32).astype(np.int64))
-    logprobs = torch.from_numpy(np.frombuffer(msg.logprobs, dtype=_F32).copy()) if msg.logprobs else None
+    tokens = np.frombuffer(msg.tokens, dtype=_I32).astype(np.int64)
+    parents = np.frombuffer(msg.parents, dtype=_I32).astype(np.int64)
+    logprobs = np.frombuffer(msg.logprobs, dtype=_F32).astype(np.float32) if msg.logprobs else None
     return TokenTree(tokens, parents, logprobs)
 
 

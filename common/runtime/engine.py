@@ -8,7 +8,7 @@ from typing import Generic, TypeVar
 
 from common.decoding.tree import MAX_TREE_DEPTH, check_token_ids
 from common.decoding.types import NodeInfo
-from common.model.loading import LoadedModel
+from common.model.loaded import LoadedModel
 from common.model.profiling import cached_forward_curve
 from common.runtime.sessions import DEFAULT_MAX_SESSIONS, SessionTable
 

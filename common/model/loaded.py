@@ -1,0 +1,57 @@
+"""What a node holds once a model is loaded, whatever runs it: the model, its tokenizer and its
+identity. Free of torch, so that a llama.cpp node never imports it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+class ForwardInterrupted(RuntimeError):
+    """A pass given a `stop` event that was set: it ended between two layers (or llama.cpp's abort
+    callback cut it short)."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # our `Transformer`, or a `LlamaCppModel`
+    tokenizer: Any
+    name: str
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    tokenizer_fingerprint: str
+    path: Path | None = None  # the weights' directory: what the forward-time curve cache is keyed by
+
+    @property
+    def on_llama_cpp(self) -> bool:
+        """Whether llama.cpp runs the model (a GGUF as it is) rather than our transformer."""
+        return getattr(self.model, "backend", "torch") == "llama.cpp"
+
+
+def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
+    """Union of every place a checkpoint declares end-of-sequence: chat models often list several."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list | tuple):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    add(tokenizer.eos_token_id)
+    gen = path / "generation_config.json"
+    if gen.is_file():
+        add(json.loads(gen.read_text()).get("eos_token_id"))
+    return tuple(sorted(ids))
+
+
+def tokenizer_fingerprint(tokenizer: Any) -> str:
+    """Hash of the vocabulary and special tokens: two nodes may pair only if their ids mean the same text."""
+    vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
+    special = sorted(str(t) for t in tokenizer.all_special_tokens)
+    payload = json.dumps([vocab, special], ensure_ascii=False).encode()
+    return hashlib.sha256(payload).hexdigest()[:16]
