@@ -541,9 +541,10 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
               read: Callable[[int, np.ndarray], Any] | None = None) -> list[Any]:  # fmt: skip
     """Several lanes' trees in one `llama_decode` on the context they share; each tree's logits
     [n, vocab], or what `read(i, logits)` makes of tree i's while the context is still locked (a
-    view of llama.cpp's own buffer, not a copy: up to 256 rows of 0.6 MB). A node's ids are those of the leaves beneath it, numbered across the pass, and each
-    leaf id first joins its lane's committed cells, so every node sees its own prefix and ancestors
-    and nothing of the other trees or lanes. `pending[i]`: committed tokens of lane i without KV yet
+    view of llama.cpp's own buffer, not a copy: up to 256 rows of 0.6 MB). A node's ids are those
+    of the leaves beneath it, numbered across the pass, and each leaf id first joins its lane's
+    committed cells, so every node sees its own prefix and ancestors and nothing of the other trees
+    or lanes. `pending[i]`: committed tokens of lane i without KV yet
     (the root excluded), run in the same pass ahead of its tree: they carry the lane's id and all
     its leaves', so the tree sees them and they join the committed cells, with no pass of their own."""
     ctx = trees[0][0].ctx
