@@ -259,6 +259,22 @@ def test_load_gguf_reads_identity_from_the_directory(ggufs):
     assert loaded.tokenizer_fingerprint == hf.target.loaded.tokenizer_fingerprint
 
 
+def test_a_nodes_tokenizer_identity_is_read_apart_and_cached(ggufs, tmp_path, monkeypatch):
+    """A node reads its tokenizer's identity in a child process (transformers would load torch)
+    and caches it: the same EOS ids and fingerprint as the tokenizer itself, once."""
+    import subprocess as sp
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    model = ggufs["Q8_0"]
+    full = load_gguf(model)
+    node = load_gguf(model, tokenizer=False)
+    assert node.tokenizer is None and full.tokenizer is not None
+    assert (node.eos_token_ids, node.tokenizer_fingerprint, node.path, node.name) == (
+        full.eos_token_ids, full.tokenizer_fingerprint, full.path, full.name)  # fmt: skip
+    monkeypatch.setattr(sp, "run", lambda *a, **k: pytest.fail("the cached identity was read again"))
+    assert load_gguf(model, tokenizer=False).tokenizer_fingerprint == full.tokenizer_fingerprint
+
+
 def test_target_node_on_llama_cpp_serves_the_same_tokens(ggufs, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))  # profiles and fetched tokenizers
     env = dict(os.environ)

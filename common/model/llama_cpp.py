@@ -715,8 +715,10 @@ def tokenizer_identity(path: Path) -> dict[str, Any]:
     files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file() and f.suffix != ".gguf")
     stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     cached = cache_root() / "tokenizer-identity" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:24]}.json"
-    with contextlib.suppress(OSError, ValueError):
-        return dict(json.loads(cached.read_text()))
+    with contextlib.suppress(OSError, ValueError, KeyError):
+        identity = json.loads(cached.read_text())
+        if Path(identity["dir"]).is_dir():  # a bare file's directory beside it may have been cleared
+            return dict(identity)
     code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity; "
             "i = read_identity(Path(sys.argv[1])); i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
