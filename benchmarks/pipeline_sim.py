@@ -5,9 +5,11 @@ noise, so planner and lookahead variants compare within a few percent (docs/benc
 nodes on llama.cpp"; docs/planner.md, "Passes cut to the sizes the target measured").
 
 Variants: `auto` (`--budget auto` as it runs), `auto-old` (the planner on a curve at powers of two,
-smoothed, without cutting trees to measured sizes: before 26 November), `chainK` (a fixed chain of K);
+smoothed, without cutting trees to measured sizes: before 26 November), `chainK` (a fixed chain of K),
+`alone` (the target alone);
 a `-nola` suffix turns the lookahead off (the sequential split), an `-ebN` suffix sets auto's
-expansion batch to N nodes a draft pass.
+expansion batch to N nodes a draft pass, `-nobackoff` keeps exploring drafts every 8 steps on
+the target alone.
 
     python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
 """
@@ -64,37 +66,46 @@ def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple
     plan = BudgetPlanner(target, draft, base=TreeParams(budget=BUDGET))
     if batch := re.search(r"-eb(\d+)", variant):
         plan.expand_batch = int(batch.group(1))
+    plan.explore_backoff = "-nobackoff" not in variant
     return plan
 
 
 def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
         draft: list[tuple[int, float]]) -> dict[str, float]:  # fmt: skip
-    """One generation of `text`; the target's pass is the measured time of the tree's rows."""
+    """One generation of `text`; the target's pass is the measured time of its rows. Under auto a
+    step the planner finds not worth drafting (`draft_pays`) runs the root alone, as the client
+    does, and the draft catches up on its tokens at the next drafted step."""
     plan = planner_for(variant, target, draft)
     request = plan.start() if plan is not None else None
-    fixed = TreeParams.chain(int(variant.removeprefix("chain").split("-")[0])) if plan is None else None
+    fixed = None if plan is not None or variant == "alone" else TreeParams.chain(int(variant.removeprefix("chain").split("-")[0]))  # fmt: skip
     measured = dict(target)
     sid = engine.open_session(prompt)
-    done, new, steps, wait, reused = 0, [], 0, 0.0, 0
+    done, unseen, steps, skipped, wait, reused = 0, [], 0, 0, 0.0, 0
     start = time.perf_counter()
     while done < len(text) - 1:
         params = plan.choose(request=request) if plan is not None else fixed
-        assert params is not None
+        if params is None or (plan is not None and not plan.draft_pays(request=request)):
+            time.sleep(measured.get(1, target[0][1]))
+            unseen, done, steps, skipped = unseen + text[done : done + 1], done + 1, steps + 1, skipped + 1
+            if plan is not None:
+                plan.observe_alone(1, measured.get(1, target[0][1]), request=request)
+            continue
         asked = time.perf_counter()
-        drafted = engine.build_tree(sid, new, params)
+        drafted = engine.build_tree(sid, unseen, params)
         waited = time.perf_counter() - asked
         tree = plan.fit(drafted.tree, 0, request=request) if plan is not None else drafted.tree
         accepted = len(tree.walk(text[done:])) - 1
-        new = text[done : done + accepted + 1]
+        unseen = text[done : done + accepted + 1]
         pass_seconds = measured.get(tree.size, interpolate(target, tree.size))
         time.sleep(pass_seconds)
         if plan is not None and steps > 0:
-            plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), new, waited,
+            plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), unseen, waited,
                          pass_seconds, request=request)  # fmt: skip
-        wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(new)
+        wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(unseen)
     wall = time.perf_counter() - start
     engine.close_session(sid)
-    return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps}
+    return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps,
+            "skipped": skipped / steps}  # fmt: skip
 
 
 def main() -> None:
@@ -135,12 +146,13 @@ def main() -> None:
             engine.close()
     print(f"draft {args.draft} on core {args.draft_core}, target {args.target} played by its curve, "
           f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
-    print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted |")
-    print("|---|---|---|---|---|---|")
+    print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted | target alone |")
+    print("|---|---|---|---|---|---|---|")
     for (category, variant), rs in sorted(results.items()):
         geo = math.exp(sum(math.log(r["tok_s"]) for r in rs) / len(rs))
-        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused")}
-        print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} |")
+        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused", "skipped")}
+        print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} "
+              f"| {mean['skipped']:.0%} |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ SLOPE_SPAN = 16  # tree tokens the target's cost per token is measured over, at 
 FIT_CANDIDATES = 4  # a tree to fit brings nodes down to this fraction of the node floor, to round up to
 FIT_MAX_SHARING = 1.5  # past this many sessions a pass, the pass's rows are not one tree's: no fitting
 EXPLORE_EVERY = 8  # while trees do not pay, one step in this many still drafts, to notice when they do
+EXPLORE_MAX = 32  # the gap doubles after each such step that did not pay, up to this
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -66,6 +67,7 @@ class RegimeStats:
     alone: float = 0.0  # seconds per token of steps run on the target alone; 0: not measured yet
     alone_steps: int = 0
     skipped: int = 0  # steps in a row the draft was left out of
+    explore: int = EXPLORE_EVERY  # steps on the target alone before the next exploring draft
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
 
@@ -134,6 +136,7 @@ class BudgetPlanner:
     k_level: float = K_LEVEL  # per planner, so benchmarks/auto_constants.py can race variants side by side
     k_node: float = K_NODE
     fit_trees: bool = True  # cut trees to measured pass sizes (`fit`); off: benchmarks race the two
+    explore_backoff: bool = True  # exploring drafts grow apart while they do not pay; off: the A/B
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -151,7 +154,7 @@ class BudgetPlanner:
     def start(self, regime: str = GREEDY) -> RegimeStats:
         """A request's own running means, starting from what earlier requests of its regime taught."""
         with self._lock:
-            return replace(self._stats(regime), steps=0, trees=0, skipped=0)
+            return replace(self._stats(regime), steps=0, trees=0, skipped=0, explore=EXPLORE_EVERY)
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
@@ -245,11 +248,13 @@ class BudgetPlanner:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
             if s.rate >= 1.0 / alone:
-                s.skipped = 0
+                s.skipped, s.explore = 0, EXPLORE_EVERY
                 return True
             s.skipped += 1
-            if s.skipped >= EXPLORE_EVERY:
+            if s.skipped >= s.explore:
                 s.skipped = 0
+                if self.explore_backoff:
+                    s.explore = min(2 * s.explore, EXPLORE_MAX)
                 return True
             return False
 

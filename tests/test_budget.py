@@ -15,6 +15,7 @@ import torch
 from client.api import SpecExec
 from client.budget import (
     EXPLORE_EVERY,
+    EXPLORE_MAX,
     FIT_CANDIDATES,
     GREEDY,
     PRIOR_STEPS,
@@ -335,18 +336,23 @@ def test_auto_budget_output_is_still_exact(loaded, model_dirs):
 
 def test_steps_run_on_the_target_alone_where_trees_do_not_pay():
     """Drafted steps slower than the target alone (a steep target curve, a draft the target
-    rejects): most steps leave the draft out, one in EXPLORE_EVERY drafts to measure again, and
-    trees come back once drafted steps beat the target alone."""
+    rejects): most steps leave the draft out, one after EXPLORE_EVERY drafts to measure again, the
+    gap doubling (to EXPLORE_MAX) while those do not pay, and trees come back once drafted steps
+    beat the target alone."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     assert plan.draft_pays()  # nothing learned yet
     observe(plan, accepted=0, seconds=0.4)  # 1 token per 0.4 s; alone: 1 per 0.078 s
     for _ in range(10):
         plan.observe_alone(1, 0.08)
-    choices = [plan.draft_pays() for _ in range(2 * EXPLORE_EVERY)]
-    assert choices.count(True) == 2 and choices[EXPLORE_EVERY - 1] and choices[-1]
+    choices = [plan.draft_pays() for _ in range(3 * EXPLORE_MAX)]
+    gaps = [EXPLORE_EVERY, 2 * EXPLORE_EVERY, *[EXPLORE_MAX] * 4]
+    assert [i for i, c in enumerate(choices) if c] == [sum(gaps[: k + 1]) - 1 for k in range(4)]
     observe(plan, accepted=6, seconds=0.2)  # 7 tokens per 0.2 s
     assert plan.draft_pays()
     assert all(plan.draft_pays() for _ in range(EXPLORE_EVERY))
+    observe(plan, accepted=0, seconds=2.0)  # back to trees that do not pay: the gap starts over
+    choices = [plan.draft_pays() for _ in range(EXPLORE_EVERY)]
+    assert choices.count(True) == 1 and choices[-1]
 
 
 def test_a_request_tries_trees_on_its_own_text_first():
