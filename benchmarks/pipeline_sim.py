@@ -71,11 +71,10 @@ def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple
 
 
 def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
-        draft: list[tuple[int, float]]) -> dict[str, float]:  # fmt: skip
+        plan: BudgetPlanner | None) -> dict[str, float]:  # fmt: skip
     """One generation of `text`; the target's pass is the measured time of its rows. Under auto a
     step the planner finds not worth drafting (`draft_pays`) runs the root alone, as the client
     does, and the draft catches up on its tokens at the next drafted step."""
-    plan = planner_for(variant, target, draft)
     request = plan.start() if plan is not None else None
     fixed = None if plan is not None or variant == "alone" else TreeParams.chain(int(variant.removeprefix("chain").split("-")[0]))  # fmt: skip
     measured = dict(target)
@@ -124,7 +123,8 @@ def main() -> None:
     target = load_gguf(str(paths[args.target]), threads=1)
     target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
     prompts = load_prompts(None, None, ("code", "prose"))
-    picks = [p for c in ("code", "prose") for p in [q for q in prompts if q["category"] == c][: args.prompts]]
+    by = {c: [q for q in prompts if q["category"] == c][: args.prompts] for c in ("code", "prose")}
+    picks = [p for pair in zip(by["code"], by["prose"], strict=True) for p in pair]  # alternating, as a bench runs
     texts = [(p["category"], encode(target.tokenizer, p["prompt"])) for p in picks]
     texts = [(c, ids, greedy_text(target.model, ids, args.tokens + 1)) for c, ids in texts]
     target.model.close()
@@ -137,9 +137,12 @@ def main() -> None:
             engine.lookahead.alone_seconds = 0.0  # one session at a time, each new
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     try:
+        # One planner per variant for all its prompts, as a client keeps one: a request starts from
+        # what the ones before it learned.
+        plans = {v: planner_for(v, target_curve, draft_curve) for v in args.variants}
         for category, ids, text in texts:  # variants interleaved prompt by prompt
             for variant in args.variants:
-                r = run(engines[not variant.endswith("-nola")], ids, text, variant, target_curve, draft_curve)
+                r = run(engines[not variant.endswith("-nola")], ids, text, variant, target_curve, plans[variant])
                 results.setdefault((category, variant), []).append(r)
     finally:
         for engine in engines.values():
