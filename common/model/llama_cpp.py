@@ -710,25 +710,21 @@ def tokenizer_identity(path: Path) -> dict[str, Any]:
     import json
     import subprocess
 
-    from common.model.store import cache_root
+    from common.model.store import cache_root, read_json, write_json
 
     files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file() and f.suffix != ".gguf")
     stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     cached = cache_root() / "tokenizer-identity" / f"{hashlib.sha256(stamp.encode()).hexdigest()[:24]}.json"
-    with contextlib.suppress(OSError, ValueError, KeyError):
-        identity = json.loads(cached.read_text())
-        if Path(identity["dir"]).is_dir():  # a bare file's directory beside it may have been cleared
-            return dict(identity)
+    identity = read_json(cached)
+    if isinstance(identity, dict) and identity.get("dir") and Path(identity["dir"]).is_dir():
+        return identity  # (a bare file's directory beside it may have been cleared: read again)
     code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity; "
             "i = read_identity(Path(sys.argv[1])); i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
     run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     if run.returncode:
         raise RuntimeError(f"could not read the tokenizer of {path}: {run.stderr.strip()[-2000:]}")
     identity = json.loads(run.stdout.strip().splitlines()[-1])
-    cached.parent.mkdir(parents=True, exist_ok=True)
-    tmp = cached.with_suffix(f".tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(identity))
-    os.replace(tmp, cached)
+    write_json(cached, identity)
     return dict(identity)
 
 

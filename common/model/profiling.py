@@ -9,8 +9,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,7 +17,7 @@ import numpy as np
 from tqdm import tqdm
 
 from common.decoding.tree import TreeStructure
-from common.model.store import cache_root
+from common.model.store import cache_root, read_json, write_json
 
 if TYPE_CHECKING:  # torch loads only to time our transformer: a llama.cpp node runs without it
     from common.model.transformer import Transformer
@@ -119,7 +117,7 @@ def weights_digest(path: Path) -> str:
     files = sorted(f for f in path.iterdir() if f.suffix in (".safetensors", ".gguf", ".bin"))
     stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
     memo_path = cache_root() / "profiles" / "digests.json"
-    memo = _read_json(memo_path) or {}
+    memo = read_json(memo_path) or {}
     if stamp in memo:
         return memo[stamp]
     h = hashlib.sha256()
@@ -127,7 +125,7 @@ def weights_digest(path: Path) -> str:
         with f.open("rb") as fh:
             h.update(hashlib.file_digest(fh, "sha256").digest())
     memo[stamp] = h.hexdigest()
-    _write_json(memo_path, memo)
+    write_json(memo_path, memo)
     return memo[stamp]
 
 
@@ -172,25 +170,9 @@ def cached_forward_curve(
     key = curve_key(model, weights, limit, logits_share)
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:24]
     path = cache_root() / "profiles" / f"curve-{digest}.json"
-    entry = None if reprofile else _read_json(path)
+    entry = None if reprofile else read_json(path)
     if entry is not None and entry.get("key") == key:
         return [(int(n), float(t)) for n, t in entry["curve"]], True
     curve = forward_curve(model, limit, logits_share, progress)
-    _write_json(path, {"key": key, "curve": curve})
+    write_json(path, {"key": key, "curve": curve})
     return curve, False
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None  # absent or torn: measure again
-
-
-def _write_json(path: Path, data: Any) -> None:
-    """Atomic, so two nodes starting at once never read half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
-    with os.fdopen(fd, "w") as fh:
-        json.dump(data, fh)
-    os.replace(tmp, path)

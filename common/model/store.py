@@ -108,6 +108,23 @@ def cache_root() -> Path:
     return Path.home() / ".cache" / "specexec"
 
 
+def read_json(path: Path) -> Any:
+    """A cache file's contents; None when it is absent or torn (the caller computes it again)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def write_json(path: Path, data: Any) -> None:
+    """Atomic, so two nodes starting at once never read half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(data, fh)
+    os.replace(tmp, path)
+
+
 def model_dir(name: str) -> Path:
     """Where a default model's converted directory lives, installed or not."""
     return cache_root() / "models" / name
