@@ -45,6 +45,7 @@ def qwen2(hidden: int, intermediate: int, layers: int, heads: int, kv_heads: int
 
 SHAPES = {  # the published configs of the Qwen2.5 family
     "tiny": ModelConfig("qwen2", 1024, 64, 128, 4, 4, 2, 16, 1e-6, True, False, True, 1024),
+    "qwen2.5-0.5b": qwen2(896, 4864, 24, 14, 2, True),
     "qwen2.5-1.5b": qwen2(1536, 8960, 28, 12, 2, True),
     "qwen2.5-7b": qwen2(3584, 18944, 28, 28, 4, False),
     "qwen2.5-14b": qwen2(5120, 13824, 48, 40, 8, False),

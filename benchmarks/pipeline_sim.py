@@ -11,16 +11,24 @@ a `-nola` suffix turns the lookahead off (the sequential split), an `-ebN` suffi
 expansion batch to N nodes a draft pass, `-nobackoff` keeps exploring drafts every 8 steps on
 the target alone.
 
+`--target-curve FILE:LABEL` plays the target by a curve measured elsewhere instead of its own on
+this core: `scripts/gpu_check.sh` writes curves.json with a target of Qwen2.5-7B's shape streamed
+to a GPU. The text stays the real target's (acceptance is the default pair's), the time is the GPU's.
+
     python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
+    python -m benchmarks.pipeline_sim --variants alone auto auto-nola --cap 128 \
+        --target-curve "docs/gpu/h100-26nov-evening/curves.json:target 7b, 0 GPU layers"
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import re
 import time
+from pathlib import Path
 
 import torch
 
@@ -108,6 +116,7 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
 
 
 def main() -> None:
+    global BUDGET
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--draft", default="qwen2.5-coder-0.5b", help="an installed GGUF's name, or a path")
     ap.add_argument("--target", default="qwen2.5-coder-1.5b", help="an installed GGUF's name, or a path")
@@ -116,12 +125,19 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--draft-core", type=int, default=0)
     ap.add_argument("--target-core", type=int, default=1, help="where the target's curve and text are computed")
+    ap.add_argument("--target-curve", metavar="FILE:LABEL", help="play the target by this curve (gpu_check.sh's curves.json)")
+    ap.add_argument("--cap", type=int, default=BUDGET, help="the largest tree, as `--auto-cap` (at most 255)")
     args = ap.parse_args()
+    BUDGET = args.cap
     torch.set_num_threads(1)
     paths = {name: resolve_gguf(name) or name for name in (args.draft, args.target)}
     os.sched_setaffinity(0, {args.target_core})
     target = load_gguf(str(paths[args.target]), threads=1)
-    target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
+    if args.target_curve:
+        file, _, label = args.target_curve.partition(":")
+        target_curve = [(int(n), float(t)) for n, t in json.loads(Path(file).read_text())[label]["curve"]]
+    else:
+        target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
     prompts = load_prompts(None, None, ("code", "prose"))
     by = {c: [q for q in prompts if q["category"] == c][: args.prompts] for c in ("code", "prose")}
     picks = [p for pair in zip(by["code"], by["prose"], strict=True) for p in pair]  # alternating, as a bench runs
@@ -147,7 +163,8 @@ def main() -> None:
     finally:
         for engine in engines.values():
             engine.close()
-    print(f"draft {args.draft} on core {args.draft_core}, target {args.target} played by its curve, "
+    played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
+    print(f"draft {args.draft} on core {args.draft_core}, target {args.target} played by {played}, "
           f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
     print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted | target alone |")
     print("|---|---|---|---|---|---|---|")

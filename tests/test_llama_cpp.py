@@ -229,17 +229,54 @@ def test_tree_passes_differ_from_one_token_passes_only_at_near_ties(ggufs, qtype
     sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
     runs = generate_both(ggufs, qtype, sampling, n_gpu_layers=n_gpu_layers)
     ours, alone = runs["specexec"].token_ids, runs["autoregressive"].token_ids
+    assert_parts_only_at_a_near_tie(ggufs[qtype], n_gpu_layers, ours, alone, tie)
+
+
+def assert_parts_only_at_a_near_tie(model_dir: Path, n_gpu_layers: int, ours: list[int], alone: list[int],
+                                    tie: float) -> None:  # fmt: skip
+    """Greedy `ours` may leave the one-token loop's `alone` only where the two tokens' logits are
+    within `tie` of the logits' spread."""
+    assert len(ours) == len(alone)
     first = next((i for i, (a, b) in enumerate(zip(ours, alone, strict=True)) if a != b), None)
     if first is None:
         return
-    kv = "f32" if qtype == "F32" else "f16"
-    model = LlamaCppModel(ggufs[qtype] / "model.gguf", threads=1, kv_type=kv, n_gpu_layers=n_gpu_layers)
+    kv = "f16" if "q8_0" in model_dir.name else "f32"
+    model = LlamaCppModel(model_dir / "model.gguf", threads=1, kv_type=kv, n_gpu_layers=n_gpu_layers)
     history = PROMPT + alone[:first]
     logits = chain_logits(model, history[:-1], history[-1:])[-1]
+    model.close()
     if not n_gpu_layers:  # on CUDA this reference, a batched pass, has the batched kernels' error too
         assert int(logits.argmax()) == alone[first]
     gap = abs(float(logits[alone[first]] - logits[ours[first]]))
     assert gap < tie * float(logits.std()), f"parted at position {first} with a logit gap of {gap}"
+
+
+@NO_GPU
+def test_both_nodes_on_the_gpu_generate_the_target_alones_text(ggufs, tmp_path):
+    """A whole generation on a GPU through real nodes: `specexec target` (torch-free) and `specexec
+    draft` on llama.cpp with every layer on the GPU, the draft's lookahead on. TF32 tree passes may
+    part the text from the one-token loop's only at a near tie."""
+    models = {"target": ggufs["F32"], "draft": gguf_model_dir(ggufs["draft"], tmp_path / "draft-gguf")}
+    env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}
+    addrs = {role: f"127.0.0.1:{free_port()}" for role in models}
+    nodes = {role: Proc(role, ["-m", "client.cli.main", role, "--model", str(models[role]), "--kv-type", "f32",
+                               "--n-gpu-layers", "99", "--listen", addrs[role]], env, tmp_path)
+             for role in models}  # fmt: skip
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    try:
+        for role, node in nodes.items():
+            node.wait_serving(addrs[role])
+        gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+        assert gen.target.info().device == gen.draft.info().device == "cuda"
+        out = gen.generate(PROMPT, sampling)
+        maps = Path(f"/proc/{nodes['target'].popen.pid}/maps").read_text()
+        assert "libggml-cuda" in maps and "libtorch" not in maps, nodes["target"].output()
+    finally:
+        for node in nodes.values():
+            node.stop()
+    assert out.stats.target_steps < 40 and out.stats.reused_trees > 0
+    alone = SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive", kv_type="f32", n_gpu_layers=99)
+    assert_parts_only_at_a_near_tie(ggufs["F32"], 99, out.token_ids, alone.generate(PROMPT, sampling).token_ids, 0.2)
 
 
 def test_auto_picks_llama_cpp_for_a_gguf_target(ggufs):
