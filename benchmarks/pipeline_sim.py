@@ -14,6 +14,9 @@ the target alone.
 `--target-curve FILE:LABEL` plays the target by a curve measured elsewhere instead of its own on
 this core: `scripts/gpu_check.sh` writes curves.json with a target of Qwen2.5-7B's shape streamed
 to a GPU. The text stays the real target's (acceptance is the default pair's), the time is the GPU's.
+`--draft-curve FILE:LABEL` plays the draft's passes by a curve too (a draft on that GPU, as in the
+paper's one-machine setup): the real draft still builds each tree, and a virtual clock charges each
+of its passes the curve's time for its rows. Nothing overlaps then: every variant runs sequential.
 
     python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
     python -m benchmarks.pipeline_sim --variants alone auto auto-nola --cap 128 \
@@ -36,13 +39,29 @@ from client.bench.harness import encode, load_prompts
 from client.budget import BudgetPlanner
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.model.llama_cpp import LlamaCppModel, load_gguf
+from common.model.llama_cpp import LlamaContext, LlamaCppModel, load_gguf
 from common.model.profiling import cached_forward_curve, interpolate
 from common.model.store import resolve_gguf
 from draft_node.engine import DraftEngine
 from target_node.llama_session import LlamaTargetSession
 
 BUDGET = 64
+PASSES: list[int] = []  # the draft's pass sizes, recorded while it is played by a curve
+
+
+def record_draft_passes() -> None:
+    decode = LlamaContext._decode
+
+    def recorded(self: LlamaContext, n: int, at: int, interruptible: bool = False) -> None:
+        PASSES.append(n)
+        decode(self, n, at, interruptible)
+
+    LlamaContext._decode = recorded  # type: ignore[method-assign]
+
+
+def read_curve(spec: str) -> list[tuple[int, float]]:
+    file, _, label = spec.partition(":")
+    return [(int(n), float(t)) for n, t in json.loads(Path(file).read_text())[label]["curve"]]
 
 
 def old_curve(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
@@ -79,10 +98,19 @@ def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple
 
 
 def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
-        plan: BudgetPlanner | None) -> dict[str, float]:  # fmt: skip
+        plan: BudgetPlanner | None, draft: list[tuple[int, float]] | None = None) -> dict[str, float]:  # fmt: skip
     """One generation of `text`; the target's pass is the measured time of its rows. Under auto a
     step the planner finds not worth drafting (`draft_pays`) runs the root alone, as the client
-    does, and the draft catches up on its tokens at the next drafted step."""
+    does, and the draft catches up on its tokens at the next drafted step. With a `draft` curve,
+    time is virtual: each pass of either model adds its curve's time, and nothing sleeps."""
+    virtual = 0.0
+
+    def spend(seconds: float) -> None:
+        nonlocal virtual
+        if draft is None:
+            time.sleep(seconds)
+        virtual += seconds
+
     request = plan.start() if plan is not None else None
     fixed = None if plan is not None or variant == "alone" else TreeParams.chain(int(variant.removeprefix("chain").split("-")[0]))  # fmt: skip
     measured = dict(target)
@@ -92,24 +120,27 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
     while done < len(text) - 1:
         params = plan.choose(request=request) if plan is not None else fixed
         if params is None or (plan is not None and not plan.draft_pays(request=request)):
-            time.sleep(measured.get(1, target[0][1]))
+            spend(measured.get(1, target[0][1]))
             unseen, done, steps, skipped = unseen + text[done : done + 1], done + 1, steps + 1, skipped + 1
             if plan is not None:
                 plan.observe_alone(1, measured.get(1, target[0][1]), request=request)
             continue
         asked = time.perf_counter()
+        PASSES.clear()
         drafted = engine.build_tree(sid, unseen, params)
-        waited = time.perf_counter() - asked
+        waited = time.perf_counter() - asked if draft is None else sum(interpolate(draft, n) for n in PASSES)
+        if draft is not None:
+            spend(waited)
         tree = plan.fit(drafted.tree, 0, request=request) if plan is not None else drafted.tree
         accepted = len(tree.walk(text[done:])) - 1
         unseen = text[done : done + accepted + 1]
         pass_seconds = measured.get(tree.size, interpolate(target, tree.size))
-        time.sleep(pass_seconds)
+        spend(pass_seconds)
         if plan is not None and steps > 0:
             plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), unseen, waited,
                          pass_seconds, request=request)  # fmt: skip
         wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(unseen)
-    wall = time.perf_counter() - start
+    wall = time.perf_counter() - start if draft is None else virtual
     engine.close_session(sid)
     return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps,
             "skipped": skipped / steps}  # fmt: skip
@@ -126,6 +157,7 @@ def main() -> None:
     ap.add_argument("--draft-core", type=int, default=0)
     ap.add_argument("--target-core", type=int, default=1, help="where the target's curve and text are computed")
     ap.add_argument("--target-curve", metavar="FILE:LABEL", help="play the target by this curve (gpu_check.sh's curves.json)")
+    ap.add_argument("--draft-curve", metavar="FILE:LABEL", help="play the draft's passes by this curve (virtual time)")
     ap.add_argument("--cap", type=int, default=BUDGET, help="the largest tree, as `--auto-cap` (at most 255)")
     args = ap.parse_args()
     BUDGET = args.cap
@@ -134,8 +166,7 @@ def main() -> None:
     os.sched_setaffinity(0, {args.target_core})
     target = load_gguf(str(paths[args.target]), threads=1)
     if args.target_curve:
-        file, _, label = args.target_curve.partition(":")
-        target_curve = [(int(n), float(t)) for n, t in json.loads(Path(file).read_text())[label]["curve"]]
+        target_curve = read_curve(args.target_curve)
     else:
         target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
     prompts = load_prompts(None, None, ("code", "prose"))
@@ -146,7 +177,11 @@ def main() -> None:
     target.model.close()
     os.sched_setaffinity(0, {args.draft_core})
     draft = load_gguf(str(paths[args.draft]), threads=1)
-    draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
+    if args.draft_curve:
+        draft_curve = read_curve(args.draft_curve)
+        record_draft_passes()
+    else:
+        draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
     engines = {la: DraftEngine(draft, lookahead=la, max_context=2048, max_tree=BUDGET, max_sessions=4) for la in (True, False)}
     for engine in engines.values():
         if engine.lookahead is not None:
@@ -158,13 +193,16 @@ def main() -> None:
         plans = {v: planner_for(v, target_curve, draft_curve) for v in args.variants}
         for category, ids, text in texts:  # variants interleaved prompt by prompt
             for variant in args.variants:
-                r = run(engines[not variant.endswith("-nola")], ids, text, variant, target_curve, plans[variant])
+                lookahead = not variant.endswith("-nola") and not args.draft_curve
+                played = draft_curve if args.draft_curve else None
+                r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant], played)
                 results.setdefault((category, variant), []).append(r)
     finally:
         for engine in engines.values():
             engine.close()
     played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
-    print(f"draft {args.draft} on core {args.draft_core}, target {args.target} played by {played}, "
+    drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
+    print(f"draft {args.draft} {drafting}, target {args.target} played by {played}, "
           f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
     print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted | target alone |")
     print("|---|---|---|---|---|---|---|")

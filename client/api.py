@@ -162,6 +162,7 @@ class SpecExec:
         n_gpu_layers: int = 0,
         kv_type: str = "f16",
         draft_backend: str = "auto",
+        draft_n_gpu_layers: int = 0,
         max_sessions: int = 8,
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
@@ -172,8 +173,9 @@ class SpecExec:
         `compile_buckets` compiles both models' passes for those token counts before returning
         (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
         target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
-        GPU; `draft_backend` does the same for the draft (on the CPU; its trees then stay within 255
-        nodes). `max_sessions`: generations at once; a llama.cpp target allocates the KV cache of
+        GPU; `draft_backend` does the same for the draft, with `draft_n_gpu_layers` on the GPU (its
+        trees then stay within 255 nodes). A small draft kept whole on the GPU beside a target streamed
+        from RAM is the paper's one-machine setup (docs/benchmarks.md, "On a GPU"). `max_sessions`: generations at once; a llama.cpp target allocates the KV cache of
         that many sessions up front so that their trees share passes (1: one context, one user)."""
         plain = offload is None and compile_buckets is None and device == "cpu"
         if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
@@ -192,9 +194,11 @@ class SpecExec:
             if resolve_backend(draft_backend, str(draft_model), plain=draft_plain) == "llama.cpp":
                 if not draft_plain:
                     raise ValueError("the llama.cpp draft takes no int8 quantization, offload plan, compile buckets or device")
-                draft_loaded = load_gguf(draft_model, kv_type=kv_type, repack=repack)
+                draft_loaded = load_gguf(draft_model, n_gpu_layers=draft_n_gpu_layers, kv_type=kv_type, repack=repack)
                 draft_tree = min(max_tree, MAX_TREE_LEAVES)
             else:
+                if draft_n_gpu_layers:
+                    raise ValueError("draft_n_gpu_layers (--draft-n-gpu-layers) needs a GGUF draft on llama.cpp")
                 draft_loaded = load_model(
                     resolve_model(str(draft_model)),
                     dtype=draft_dtype(dtype, draft_quantize),

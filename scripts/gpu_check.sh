@@ -16,7 +16,11 @@
 #      drafts of Qwen2.5-0.5B's and 1.5B's shapes on the GPU, on random Q4_K GGUFs
 #      (benchmarks/bench_offload.py --write-gguf: a pass costs what a real file of the shape costs).
 #      `benchmarks/pipeline_sim.py --target-curve/--draft-curve` plays the default pair's real
-#      acceptance on them.
+#      acceptance on them;
+#   5. whole generations in one process at that scale, the 7B-shape target streamed from RAM and the
+#      0.5B-shape draft on the GPU, each step's time against what the curves predict
+#      (benchmarks/gpu_generation.py).
+# ONLY=REGEX runs only the steps whose names match (the setup always runs).
 # On 26 Nov (H100) an earlier form of steps 1-3 took about 2 minutes.
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
@@ -29,6 +33,7 @@ failed=0
 step() {  # step NAME COMMAND...: run, time and log one step
     local name=$1
     shift
+    [[ $name =~ ${ONLY:-.} ]] || return 0
     echo "== [$(($(date +%s) - start)) s] $name"
     "$@" || { echo "!! $name failed ($?)"; failed=$((failed + 1)); }
 }
@@ -110,5 +115,8 @@ for label, (shape, layers) in runs.items():
     with open(os.path.join(os.environ["OUT"], "curves.json"), "w") as f:
         json.dump(out, f, indent=1)
 PY
+step "whole generations, 7B-shape target streamed, 0.5B-shape draft on the GPU" timeout 240 \
+    python3 -m benchmarks.gpu_generation --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
+    --target-layers 0 --draft-layers 99 --budgets 4 16 64 128 --out "$OUT/generation.json"
 echo "== [$(($(date +%s) - start)) s] done, $failed failed"
 exit $failed

@@ -279,6 +279,33 @@ def test_both_nodes_on_the_gpu_generate_the_target_alones_text(ggufs, tmp_path):
     assert_parts_only_at_a_near_tie(ggufs["F32"], 99, out.token_ids, alone.generate(PROMPT, sampling).token_ids, 0.2)
 
 
+@NO_GPU
+def test_a_draft_on_the_gpu_beside_a_target_streamed_from_ram(ggufs, tmp_path):
+    """The paper's one-machine setup in one process: the target's layers stay in RAM and stream to the
+    GPU for each tree (one-token passes run on the CPU), the draft runs whole on the GPU."""
+    draft = gguf_model_dir(ggufs["draft"], tmp_path / "draft-gguf")
+    sampling = SamplingParams(max_new_tokens=40, ignore_eos=True)
+    gen = SpecExec.local(str(draft), str(ggufs["F32"]), tree=TreeParams(budget=16), kv_type="f32",
+                         draft_n_gpu_layers=99)  # fmt: skip
+    assert gen.draft.loaded.model.device == "cuda" and gen.target.loaded.model.device == "cpu"
+    out = gen.generate(PROMPT, sampling)
+    assert out.stats.target_steps < 40
+    alone = SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive", kv_type="f32")
+    assert_parts_only_at_a_near_tie(ggufs["F32"], 0, out.token_ids, alone.generate(PROMPT, sampling).token_ids, 0.2)
+
+
+def test_draft_gpu_layers_need_a_llama_cpp_draft_and_a_gpu_build(ggufs, tmp_path, caplog):
+    with pytest.raises(ValueError, match=r"needs a GGUF draft on llama\.cpp"):
+        SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), draft_n_gpu_layers=99)
+    if llama_cpp.llama_supports_gpu_offload():
+        return
+    draft = gguf_model_dir(ggufs["draft"], tmp_path / "draft-gguf")
+    with caplog.at_level("WARNING"):
+        gen = SpecExec.local(str(draft), str(ggufs["F32"]), tree=TreeParams(budget=8), draft_n_gpu_layers=99)
+    assert gen.draft.loaded.model.device == "cpu" and gen.draft.loaded.model.n_gpu_layers == 0
+    assert "no GPU backend, so --n-gpu-layers 99 is ignored" in caplog.text
+
+
 def test_auto_picks_llama_cpp_for_a_gguf_target(ggufs):
     gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), tree=TreeParams(budget=8))
     assert type(gen.target.loaded.model).__name__ == "LlamaCppModel"

@@ -170,4 +170,9 @@ def test_local_gives_a_llama_cpp_target_trees_its_sessions_can_share():
                                           "--max-budget", "1024", "--target-backend", backend])  # fmt: skip
         target, _ = node_commands(args, [])
         assert target[target.index("--max-tree") + 1] == str(want)
+        assert "--n-gpu-layers" not in target
+    args = build_parser().parse_args(["local", "--draft-model", "d", "--target-model", "t", "--target-n-gpu-layers",
+                                      "14", "--draft-n-gpu-layers", "99"])  # fmt: skip
+    target, draft = node_commands(args, [])
+    assert target[target.index("--n-gpu-layers") + 1] == "14" and draft[draft.index("--n-gpu-layers") + 1] == "99"
     assert tree_limit(DEFAULT_MAX_SESSIONS) <= 256 - DEFAULT_MAX_SESSIONS

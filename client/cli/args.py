@@ -93,6 +93,13 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
             default="auto",
             help="the draft model's backend, as --backend is the target's (auto: llama.cpp for a GGUF)",
         )
+        p.add_argument(
+            "--draft-n-gpu-layers",
+            type=int,
+            default=0,
+            metavar="N",
+            help="llama.cpp draft: layers on the GPU (99: a small draft whole, beside a target streamed from RAM)",
+        )
         add_repack_arg(p)
         add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
@@ -158,6 +165,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             auto_budget=auto_budget(args),
             backend=args.backend,
             draft_backend=args.draft_backend,
+            draft_n_gpu_layers=args.draft_n_gpu_layers,
             n_gpu_layers=args.n_gpu_layers,
             kv_type=args.kv_type,
             max_sessions=1,  # generate, chat and profile run one generation at a time

@@ -234,6 +234,14 @@ def build_parser() -> argparse.ArgumentParser:
         default="auto",
         help="the draft node's --backend (llama.cpp: the GGUF as it is; see specexec draft --help)",
     )
+    for role in ("target", "draft"):
+        lo.add_argument(
+            f"--{role}-n-gpu-layers",
+            type=int,
+            default=0,
+            metavar="N",
+            help=f"the {role} node's --n-gpu-layers (llama.cpp: layers on the GPU)",
+        )
     add_quantize_arg(lo, "--draft-quantize")
     add_compile_args(lo)
     lo.add_argument("--target-port", type=int, default=50051)

@@ -24,10 +24,14 @@ def node_commands(args: argparse.Namespace, security_args: list[str]) -> list[li
     if args.compile:
         extra = [*extra, "--compile", "--compile-buckets", ",".join(map(str, args.compile_buckets))]
     target_extra = [*extra, "--backend", args.target_backend]
+    if args.target_n_gpu_layers:
+        target_extra += ["--n-gpu-layers", str(args.target_n_gpu_layers)]
     # llama.cpp (chosen by "auto" for a GGUF) takes at most 255 tree nodes besides the root, and
     # fewer where the node's sessions are to share passes (`specexec serve` on these nodes).
     target_budget = budget if args.target_backend == "torch" else min(budget, tree_limit(DEFAULT_MAX_SESSIONS))
     draft_extra = [*extra, "--backend", args.draft_backend]
+    if args.draft_n_gpu_layers:
+        draft_extra += ["--n-gpu-layers", str(args.draft_n_gpu_layers)]
     draft_budget = budget if args.draft_backend == "torch" else min(budget, MAX_TREE_LEAVES)
     return [
         node_command("target", args.target_model, args.target_port, args.dtype, target_budget, target_extra),

@@ -164,8 +164,13 @@ class LlamaCppModel:
                         "(ggml-org/llama.cpp#20824): loading without repacked weights; "
                         "scripts/setup.sh builds it without them")  # fmt: skip
             repack = False
+        gpu = bool(lib.llama_supports_gpu_offload())
+        if n_gpu_layers and not gpu:
+            log.warning("this llama.cpp has no GPU backend, so --n-gpu-layers %d is ignored and every layer "
+                        "runs on the CPU (a CUDA build: docs/usage.md)", n_gpu_layers)  # fmt: skip
+            n_gpu_layers = 0
         # A discrete GPU (not Apple's unified memory) streams the layers kept in RAM over its bus.
-        streams = bool(lib.llama_supports_gpu_offload()) and sys.platform != "darwin"
+        streams = gpu and sys.platform != "darwin"
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
         params.use_extra_bufts = repack
