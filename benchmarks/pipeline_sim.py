@@ -158,6 +158,8 @@ def main() -> None:
     ap.add_argument("--target-core", type=int, default=1, help="where the target's curve and text are computed")
     ap.add_argument("--target-curve", metavar="FILE:LABEL", help="play the target by this curve (gpu_check.sh's curves.json)")
     ap.add_argument("--draft-curve", metavar="FILE:LABEL", help="play the draft's passes by this curve (virtual time)")
+    ap.add_argument("--target-scale", type=float, default=1.0,
+                    help="multiply the target's curve: 10 makes the 7B shape's stream a 70B-class one's")
     ap.add_argument("--cap", type=int, default=BUDGET, help="the largest tree, as `--auto-cap` (at most 255)")
     args = ap.parse_args()
     BUDGET = args.cap
@@ -166,7 +168,7 @@ def main() -> None:
     os.sched_setaffinity(0, {args.target_core})
     target = load_gguf(str(paths[args.target]), threads=1)
     if args.target_curve:
-        target_curve = read_curve(args.target_curve)
+        target_curve = [(n, t * args.target_scale) for n, t in read_curve(args.target_curve)]
     else:
         target_curve, _ = cached_forward_curve(target.model, BUDGET + 1, 1.0, target.path)
     prompts = load_prompts(None, None, ("code", "prose"))
@@ -201,6 +203,7 @@ def main() -> None:
         for engine in engines.values():
             engine.close()
     played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
+    played += f" x{args.target_scale:g}" if args.target_scale != 1 else ""
     drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
     print(f"draft {args.draft} {drafting}, target {args.target} played by {played}, "
           f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
