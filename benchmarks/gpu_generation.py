@@ -45,8 +45,8 @@ def record_passes() -> None:
     LlamaContext._decode = recorded  # type: ignore[method-assign]
 
 
-def loaded(path: Path, layers: int) -> LoadedModel:
-    model = LlamaCppModel(path, n_gpu_layers=layers)
+def loaded(path: Path, layers: int, threads: int | None = None) -> LoadedModel:
+    model = LlamaCppModel(path, n_gpu_layers=layers, threads=threads)
     return LoadedModel(model=model, tokenizer=None, name=path.stem, eos_token_ids=(), max_context=4096,
                        tokenizer_fingerprint="random")  # fmt: skip
 
@@ -85,12 +85,18 @@ def main() -> None:
     ap.add_argument("--draft-layers", type=int, default=99, help="the draft's --n-gpu-layers")
     ap.add_argument("--budgets", type=int, nargs="+", default=[4, 16, 64, 128])
     ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--target-threads", type=int, help="llama.cpp's CPU threads (default: the nodes')")
+    ap.add_argument("--draft-threads", type=int)
+    ap.add_argument("--curves-from", type=Path, help="an earlier --out's curves, instead of measuring them")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     record_passes()
-    models = {"target": loaded(args.target, args.target_layers), "draft": loaded(args.draft, args.draft_layers)}
-    curves = {}
+    models = {"target": loaded(args.target, args.target_layers, args.target_threads),
+              "draft": loaded(args.draft, args.draft_layers, args.draft_threads)}  # fmt: skip
+    curves = json.loads(args.curves_from.read_text())["curves"] if args.curves_from else {}
     for role, m in models.items():
+        if role in curves:
+            continue
         started = time.perf_counter()
         curves[role] = forward_curve(m.model, max(args.budgets) + 1, 1.0, progress=False)
         print(f"{role} curve in {time.perf_counter() - started:.0f} s: "
@@ -101,8 +107,10 @@ def main() -> None:
     runs: dict[str, Any] = {"target alone": generate(target, None, None, args.tokens, curves)}
     for budget in args.budgets:
         runs[f"tree of {budget}"] = generate(target, draft, TreeParams(budget=budget), args.tokens, curves)
-    print(f"target {args.target.name} ({args.target_layers} GPU layers), draft {args.draft.name} "
-          f"({args.draft_layers} GPU layers), {args.tokens} tokens; per steady step, in ms:")  # fmt: skip
+    threads = {role: m.model.threads for role, m in models.items()}
+    print(f"target {args.target.name} ({args.target_layers} GPU layers, {threads['target']} threads), draft "
+          f"{args.draft.name} ({args.draft_layers} GPU layers, {threads['draft']} threads), {args.tokens} tokens; "
+          "per steady step, in ms:")  # fmt: skip
     print("| run | tok/s | tokens/step | tree | draft passes | draft | its curve says | target | its curve says |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, r in runs.items():
