@@ -9,7 +9,9 @@ smoothed, without cutting trees to measured sizes: before 26 November), `chainK`
 `alone` (the target alone);
 a `-nola` suffix turns the lookahead off (the sequential split), an `-ebN` suffix sets auto's
 expansion batch to N nodes a draft pass, `-nobackoff` keeps exploring drafts every 8 steps on
-the target alone.
+the target alone, `-nowarm` makes the first tree wait for the draft's prefill (the client runs the
+target alone until a draft on its own machine has caught up: `Sequence._catch_up_apart`). The
+target's first pass includes the prompt's rows.
 
 `--target-curve FILE:LABEL` plays the target by a curve measured elsewhere instead of its own on
 this core: `scripts/gpu_check.sh` writes curves.json with a target of Qwen2.5-7B's shape streamed
@@ -30,6 +32,7 @@ import json
 import math
 import os
 import re
+import threading
 import time
 from pathlib import Path
 
@@ -37,6 +40,7 @@ import torch
 
 from client.bench.harness import encode, load_prompts
 from client.budget import BudgetPlanner
+from client.generation import CATCH_UP, CATCH_UP_ALONE
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.model.llama_cpp import LlamaContext, LlamaCppModel, load_gguf
@@ -116,11 +120,27 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
     measured = dict(target)
     sid = engine.open_session(prompt)
     done, unseen, steps, skipped, wait, reused = 0, [], 0, 0, 0.0, 0
+    prefill, ttft = len(prompt), 0.0  # the target's first pass runs the prompt too
+    cold = len(prompt)  # the draft's session runs its prompt at its first build
+    catch_up: threading.Thread | None = None
+    warm = draft is None and variant != "alone" and "-nowarm" not in variant
     start = time.perf_counter()
     while done < len(text) - 1:
+        if warm and catch_up is None and cold + len(unseen) >= CATCH_UP_ALONE:
+            catch_up = threading.Thread(target=engine.build_tree, args=(sid, unseen, CATCH_UP))
+            catch_up.start()
+            unseen, cold = [], 0
+        if catch_up is not None and catch_up.is_alive():  # the target goes on alone meanwhile
+            spend(interpolate(target, prefill + 1))
+            unseen, done, steps, prefill = unseen + text[done : done + 1], done + 1, steps + 1, 0
+            ttft = ttft or time.perf_counter() - start
+            continue
+        catch_up = None
         params = plan.choose(request=request) if plan is not None else fixed
         if params is None or (plan is not None and not plan.draft_pays(request=request)):
-            spend(measured.get(1, target[0][1]))
+            spend(interpolate(target, prefill + 1) if prefill else measured.get(1, target[0][1]))
+            prefill = 0
+            ttft = ttft or time.perf_counter() - start
             unseen, done, steps, skipped = unseen + text[done : done + 1], done + 1, steps + 1, skipped + 1
             if plan is not None:
                 plan.observe_alone(1, measured.get(1, target[0][1]), request=request)
@@ -128,22 +148,27 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
         asked = time.perf_counter()
         PASSES.clear()
         drafted = engine.build_tree(sid, unseen, params)
+        cold = 0
         waited = time.perf_counter() - asked if draft is None else sum(interpolate(draft, n) for n in PASSES)
         if draft is not None:
             spend(waited)
         tree = plan.fit(drafted.tree, 0, request=request) if plan is not None else drafted.tree
         accepted = len(tree.walk(text[done:])) - 1
         unseen = text[done : done + accepted + 1]
-        pass_seconds = measured.get(tree.size, interpolate(target, tree.size))
+        pass_seconds = interpolate(target, prefill + tree.size) if prefill else measured.get(tree.size, interpolate(target, tree.size))
         spend(pass_seconds)
+        prefill = 0
+        ttft = ttft or time.perf_counter() - start
         if plan is not None and steps > 0:
             plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), unseen, waited,
                          pass_seconds, request=request)  # fmt: skip
         wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(unseen)
     wall = time.perf_counter() - start if draft is None else virtual
+    if catch_up is not None:
+        catch_up.join()
     engine.close_session(sid)
     return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps,
-            "skipped": skipped / steps}  # fmt: skip
+            "skipped": skipped / steps, "ttft": ttft}  # fmt: skip
 
 
 def main() -> None:
@@ -207,13 +232,13 @@ def main() -> None:
     drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
     print(f"draft {args.draft} {drafting}, target {args.target} played by {played}, "
           f"{args.tokens} greedy tokens, {args.prompts} prompts per category")  # fmt: skip
-    print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted | target alone |")
-    print("|---|---|---|---|---|---|---|")
+    print("| category | variant | tok/s (geomean) | tokens/step | draft wait | re-rooted | target alone | first token |")
+    print("|---|---|---|---|---|---|---|---|")
     for (category, variant), rs in sorted(results.items()):
         geo = math.exp(sum(math.log(r["tok_s"]) for r in rs) / len(rs))
-        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused", "skipped")}
+        mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused", "skipped", "ttft")}
         print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} "
-              f"| {mean['skipped']:.0%} |")  # fmt: skip
+              f"| {mean['skipped']:.0%} | {mean['ttft']:.2f} s |")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import math
 import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -23,6 +24,10 @@ from common.decoding.types import NodeInfo, VerifyResult, check_pair
 PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
 
 MODES = ("specexec", "chain", "autoregressive")
+# A draft on a machine of its own with at least this many tokens to catch up on (a prompt, a new chat
+# turn) does so in the background while the target generates alone (`Sequence._catch_up_apart`).
+CATCH_UP_ALONE = 32
+CATCH_UP = TreeParams.chain(1)  # what that background call asks for: the KV; its tree is not used
 log = logging.getLogger("specexec.client")
 
 
@@ -291,6 +296,10 @@ class Sequence:
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.
         self._valid = {"target": len(prompt), "draft": len(prompt)}
         self._length = dict(self._valid)
+        self._draft_kv = 0  # tokens whose KV the draft has computed (a session runs its history lazily)
+        self._apart = getattr(draft, "runs_apart", False)
+        self._background: ThreadPoolExecutor | None = None
+        self._catch_up: tuple[Future[DraftedTree], int] | None = None  # in flight; the epoch it was sent in
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -335,6 +344,8 @@ class Sequence:
             return None, False
         params = budget.params()  # after `_draft_ready`: a draft that just came up may bring the planner
         assert params is not None
+        if self._catch_up_apart():
+            return None, False
         if not budget.draft_pays():
             return None, True
         drafted = self._draft_tree(params, stats)
@@ -355,8 +366,10 @@ class Sequence:
         epoch = self.link.epoch
         if self._draft_epoch == epoch:
             return True
+        self._settle_catch_up(stats)
         try:
             self._reopen("draft")
+            self._draft_kv = 0
         except NodeFault as exc:
             self._draft_failed(exc, epoch, stats)
             return False
@@ -366,16 +379,54 @@ class Sequence:
     def _draft_tree(self, params: TreeParams, stats: GenerationStats) -> DraftedTree | None:
         """The draft's tree, or None if the draft failed (the step then runs on the target alone)."""
         assert self.draft is not None
+        if not self._settle_catch_up(stats):
+            return None
         try:
             truncate_to, append = self._sync("draft")
-            return self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
+            drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
         except NodeFault as exc:
             self._draft_failed(exc, self._draft_epoch, stats)
             return None
+        self._draft_kv = len(self.tokens)
+        return drafted
 
-    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
+    def _catch_up_apart(self) -> bool:
+        """Whether this step runs on the target alone while a draft on its own machine catches up in
+        the background: with a prompt or a new chat turn to run first, it would make the target wait
+        for its prefill, and the first token come only after the draft's prefill, its tree and the
+        target's. Until it has caught up the target goes on alone; then trees resume."""
+        if not self._apart:
+            return False
+        if self._catch_up is not None:
+            return not self._catch_up[0].done()
+        if len(self.tokens) - self._draft_kv < CATCH_UP_ALONE:
+            return False
+        assert self.draft is not None
+        if self._background is None:
+            self._background = ThreadPoolExecutor(1, thread_name_prefix="draft-catch-up")
+        truncate_to, append = self._sync("draft")
+        call = self._background.submit(self.draft.build_tree, self.draft_session, append, CATCH_UP,
+                                       truncate_to=truncate_to)  # fmt: skip
+        self._catch_up = (call, self._draft_epoch)
+        return True
+
+    def _settle_catch_up(self, stats: GenerationStats | None) -> bool:
+        """Wait for the catch-up in flight, if any; False if it failed (the draft then counts as down)."""
+        if self._catch_up is None:
+            return True
+        (call, epoch), self._catch_up = self._catch_up, None
+        try:
+            call.result()
+        except NodeFault as exc:
+            self._draft_failed(exc, epoch, stats)
+            return False
+        self._draft_kv = self._length["draft"]
+        return True
+
+    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats | None) -> None:
         assert self.link is not None
-        stats.draft_failures += 1
+        if stats is not None:
+            stats.draft_failures += 1
         self.link.lost(epoch)
         self.recovery.notify(f"{exc}; continuing with the target alone")
 
@@ -449,6 +500,9 @@ class Sequence:
     def close(self) -> None:
         """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the
         rest), so a draft known to be down is not asked."""
+        if self._background is not None:
+            self._background.shutdown(wait=True)  # a catch-up in flight ends first: it holds the session
+            self._settle_catch_up(None)
         _close_quietly(self.target, self.target_session)
         if self.draft is not None and self.link is not None and self.link.info is not None:
             _close_quietly(self.draft, self.draft_session)

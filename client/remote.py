@@ -149,6 +149,7 @@ class _RemoteNode:
 
 class RemoteDraft(_RemoteNode):
     role = "draft"
+    runs_apart = True  # on a machine of its own: its catch-up overlaps the target's steps (Sequence)
 
     def __init__(self, address: str, *, probe_timeout: float = DEFAULT_PROBE_TIMEOUT, **kwargs: Any) -> None:
         super().__init__(address, **kwargs)

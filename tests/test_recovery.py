@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import threading
 from typing import Any
 
 import pytest
 
 from client.api import SpecExec, collect
 from client.faults import NodeUnavailable
-from client.generation import Recovery
+from client.generation import CATCH_UP, CATCH_UP_ALONE, Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
@@ -87,3 +88,79 @@ def test_a_draft_with_a_shorter_context_drafts_as_far_as_it_reaches(loaded, mode
     assert out.token_ids == reference_decode(model_dirs["target"], prompt, params)
     assert (out.stats.target_steps < 48) == (prompt_length < 64) and out.stats.draft_failures == 0
     assert len(draft.sessions) == 0 and len(target.sessions) == 0
+
+
+class Apart:
+    """The in-process draft standing in for one on a machine of its own (`runs_apart`): a long way to
+    catch up is run in the background while the target goes on alone. Records each build's (catch-up,
+    tokens sent); the `fail_on`-th catch-up times out; a catch-up ends only once `release` is set."""
+
+    runs_apart = True
+
+    def __init__(self, engine: DraftEngine, fail_on: int = 0) -> None:
+        self.engine, self.fail_on = engine, fail_on
+        self.builds: list[tuple[bool, int]] = []
+        self.release = threading.Event()
+        self.release.set()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def build_tree(self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None):
+        catch_up = params == CATCH_UP
+        self.builds.append((catch_up, len(new_tokens)))
+        if catch_up and sum(c for c, _ in self.builds) == self.fail_on:
+            raise NodeUnavailable("draft node timed out", timed_out=True)
+        if catch_up:
+            assert self.release.wait(30)
+        return self.engine.build_tree(session_id, new_tokens, params, truncate_to=truncate_to)
+
+
+class Releasing:
+    """A target that sets `event` as it starts its `after`-th step."""
+
+    def __init__(self, engine: TargetEngine, event: threading.Event, after: int) -> None:
+        self.engine, self.event, self.after, self.steps = engine, event, after, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.engine, name)
+
+    def verify(self, *args: Any, **kwargs: Any) -> Any:
+        self.steps += 1
+        if self.steps == self.after:
+            self.event.set()
+        return self.engine.verify(*args, **kwargs)
+
+
+LONG_PROMPT = (PROMPT * 8)[: CATCH_UP_ALONE + 8]
+
+
+@pytest.mark.parametrize("fail_on", [0, 1], ids=["caught-up", "catch-up-fails"])
+@pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "seeded"])
+def test_a_draft_apart_catches_up_on_a_long_prompt_while_the_target_starts(loaded, model_dirs, fail_on, sampling):
+    """A draft on its own machine runs a long prompt in the background while the target generates
+    alone, so the first token does not wait for the draft's prefill; trees follow, with the target
+    alone's text. A catch-up that times out is the draft failing: it is reopened and used again."""
+    draft = Apart(DraftEngine(loaded["truncated"], max_context=256, max_tree=8), fail_on=fail_on)
+    draft.release.clear()  # the target's first three steps run while the draft is still catching up
+    target = Releasing(TargetEngine(loaded["target"], max_context=256, max_tree=8), draft.release, after=3)
+    recovery = Recovery(draft_retry_seconds=0.0, notify=lambda message: None)
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8), recovery=recovery)
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
+    out = gen.generate(LONG_PROMPT, params)
+    assert out.token_ids == reference_decode(model_dirs["target"], LONG_PROMPT, params)
+    assert draft.builds[0][0]  # the prompt (sent as the session opened) runs in the background first
+    assert out.stats.accepted_per_step[:3] == [0, 0, 0]  # the target started alone, not waiting
+    assert out.stats.draft_failures == (1 if fail_on else 0)
+    trees = [sent for catch_up, sent in draft.builds if not catch_up]
+    assert trees and max(trees) < CATCH_UP_ALONE  # no tree waited for a prefill
+    assert out.stats.budgets  # trees resumed (after a failed catch-up, on a reopened session)
+
+
+def test_a_short_prompt_drafts_from_the_first_step(loaded):
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=8)
+    draft = Apart(DraftEngine(loaded["truncated"], max_context=256, max_tree=8))
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8))
+    out = gen.generate(PROMPT[: CATCH_UP_ALONE - 1], SamplingParams(max_new_tokens=8, ignore_eos=True))
+    assert not any(catch_up for catch_up, _ in draft.builds) and out.stats.budgets
+    assert len(out.stats.budgets) == out.stats.target_steps
