@@ -410,7 +410,7 @@ class Sequence:
         self._catch_up = (call, self._draft_epoch)
         return True
 
-    def _settle_catch_up(self, stats: GenerationStats | None) -> bool:
+    def _settle_catch_up(self, stats: GenerationStats) -> bool:
         """Wait for the catch-up in flight, if any; False if it failed (the draft then counts as down)."""
         if self._catch_up is None:
             return True
@@ -423,10 +423,9 @@ class Sequence:
         self._draft_kv = self._length["draft"]
         return True
 
-    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats | None) -> None:
+    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
         assert self.link is not None
-        if stats is not None:
-            stats.draft_failures += 1
+        stats.draft_failures += 1
         self.link.lost(epoch)
         self.recovery.notify(f"{exc}; continuing with the target alone")
 
@@ -502,7 +501,11 @@ class Sequence:
         rest), so a draft known to be down is not asked."""
         if self._background is not None:
             self._background.shutdown(wait=True)  # a catch-up in flight ends first: it holds the session
-            self._settle_catch_up(None)
+        if self._catch_up is not None:  # its outcome no longer matters: the session closes next
+            failure = self._catch_up[0].exception()
+            if failure is not None:
+                log.debug("the draft's catch-up ended in %r as its sequence closed", failure)
+            self._catch_up = None
         _close_quietly(self.target, self.target_session)
         if self.draft is not None and self.link is not None and self.link.info is not None:
             _close_quietly(self.draft, self.draft_session)
