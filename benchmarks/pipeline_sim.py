@@ -38,31 +38,19 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.gpu_generation import PASSES, record_passes
 from client.bench.harness import encode, load_prompts
 from client.budget import BudgetPlanner
 from client.generation import CATCH_UP, CATCH_UP_ALONE
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.model.llama_cpp import LlamaContext, LlamaCppModel, load_gguf
+from common.model.llama_cpp import LlamaCppModel, load_gguf
 from common.model.profiling import cached_forward_curve, interpolate
 from common.model.store import resolve_gguf
 from draft_node.engine import DraftEngine
 from target_node.llama_session import LlamaTargetSession
 
 BUDGET = 64
-PASSES: list[int] = []  # the draft's pass sizes, recorded while it is played by a curve
-
-
-def record_draft_passes() -> None:
-    decode = LlamaContext._decode
-
-    def recorded(self: LlamaContext, n: int, at: int, interruptible: bool = False) -> None:
-        PASSES.append(n)
-        decode(self, n, at, interruptible)
-
-    LlamaContext._decode = recorded  # type: ignore[method-assign]
-
-
 def read_curve(spec: str) -> list[tuple[int, float]]:
     file, _, label = spec.partition(":")
     return [(int(n), float(t)) for n, t in json.loads(Path(file).read_text())[label]["curve"]]
@@ -115,6 +103,9 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
             time.sleep(seconds)
         virtual += seconds
 
+    def elapsed() -> float:
+        return time.perf_counter() - start if draft is None else virtual
+
     request = plan.start() if plan is not None else None
     fixed = None if plan is not None or variant == "alone" else TreeParams.chain(int(variant.removeprefix("chain").split("-")[0]))  # fmt: skip
     measured = dict(target)
@@ -133,23 +124,24 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
         if catch_up is not None and catch_up.is_alive():  # the target goes on alone meanwhile
             spend(interpolate(target, prefill + 1))
             unseen, done, steps, prefill = unseen + text[done : done + 1], done + 1, steps + 1, 0
-            ttft = ttft or time.perf_counter() - start
+            ttft = ttft or elapsed()
             continue
         catch_up = None
         params = plan.choose(request=request) if plan is not None else fixed
         if params is None or (plan is not None and not plan.draft_pays(request=request)):
             spend(interpolate(target, prefill + 1) if prefill else measured.get(1, target[0][1]))
             prefill = 0
-            ttft = ttft or time.perf_counter() - start
+            ttft = ttft or elapsed()
             unseen, done, steps, skipped = unseen + text[done : done + 1], done + 1, steps + 1, skipped + 1
             if plan is not None:
                 plan.observe_alone(1, measured.get(1, target[0][1]), request=request)
             continue
         asked = time.perf_counter()
-        PASSES.clear()
+        PASSES.pop(id(engine.loaded.model), None)
         drafted = engine.build_tree(sid, unseen, params)
         cold = 0
-        waited = time.perf_counter() - asked if draft is None else sum(interpolate(draft, n) for n in PASSES)
+        passes = PASSES.pop(id(engine.loaded.model), [])
+        waited = time.perf_counter() - asked if draft is None else sum(interpolate(draft, n) for n in passes)
         if draft is not None:
             spend(waited)
         tree = plan.fit(drafted.tree, 0, request=request) if plan is not None else drafted.tree
@@ -158,12 +150,12 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
         pass_seconds = interpolate(target, prefill + tree.size) if prefill else measured.get(tree.size, interpolate(target, tree.size))
         spend(pass_seconds)
         prefill = 0
-        ttft = ttft or time.perf_counter() - start
+        ttft = ttft or elapsed()
         if plan is not None and steps > 0:
             plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), unseen, waited,
                          pass_seconds, request=request)  # fmt: skip
         wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(unseen)
-    wall = time.perf_counter() - start if draft is None else virtual
+    wall = elapsed()
     if catch_up is not None:
         catch_up.join()
     engine.close_session(sid)
@@ -206,7 +198,7 @@ def main() -> None:
     draft = load_gguf(str(paths[args.draft]), threads=1)
     if args.draft_curve:
         draft_curve = read_curve(args.draft_curve)
-        record_draft_passes()
+        record_passes()
     else:
         draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
     engines = {la: DraftEngine(draft, lookahead=la, max_context=2048, max_tree=BUDGET, max_sessions=4) for la in (True, False)}
@@ -220,7 +212,7 @@ def main() -> None:
         plans = {v: planner_for(v, target_curve, draft_curve) for v in args.variants}
         for category, ids, text in texts:  # variants interleaved prompt by prompt
             for variant in args.variants:
-                lookahead = not variant.endswith("-nola") and not args.draft_curve
+                lookahead = "-nola" not in variant and not args.draft_curve
                 played = draft_curve if args.draft_curve else None
                 r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant], played)
                 results.setdefault((category, variant), []).append(r)
