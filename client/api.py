@@ -174,9 +174,10 @@ class SpecExec:
         (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
         target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
         GPU; `draft_backend` does the same for the draft, with `draft_n_gpu_layers` on the GPU (its
-        trees then stay within 255 nodes). A small draft kept whole on the GPU beside a target streamed
-        from RAM is the paper's one-machine setup (docs/benchmarks.md, "On a GPU"). `max_sessions`: generations at once; a llama.cpp target allocates the KV cache of
-        that many sessions up front so that their trees share passes (1: one context, one user)."""
+        trees then stay within 255 nodes). A small draft kept whole on the GPU beside a target
+        streamed from RAM is the paper's one-machine setup (docs/benchmarks.md, "Whole generations
+        and the draft on a GPU"). `max_sessions`: generations at once; a llama.cpp target allocates
+        the KV cache of that many sessions up front so that their trees share passes (1: one context, one user)."""
         plain = offload is None and compile_buckets is None and device == "cpu"
         if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
             if not plain:

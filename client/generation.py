@@ -313,6 +313,7 @@ class Sequence:
         self.tokens = list(tokens)
         for node in self._valid:
             self._valid[node] = min(self._valid[node], common)
+        self._draft_kv = min(self._draft_kv, common)
 
     def _sync(self, node: str) -> tuple[int | None, list[int]]:
         valid = self._valid[node]

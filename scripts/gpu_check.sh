@@ -21,7 +21,7 @@
 #      0.5B-shape draft on the GPU, each step's time against what the curves predict
 #      (benchmarks/gpu_generation.py).
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
-# On 26 Nov (H100) an earlier form of steps 1-3 took about 2 minutes.
+# On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute.
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
 set -u

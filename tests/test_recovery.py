@@ -9,7 +9,7 @@ import pytest
 
 from client.api import SpecExec, collect
 from client.faults import NodeUnavailable
-from client.generation import CATCH_UP, CATCH_UP_ALONE, Recovery
+from client.generation import CATCH_UP, CATCH_UP_ALONE, GenerationStats, Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
@@ -117,19 +117,20 @@ class Apart:
 
 
 class Releasing:
-    """A target that sets `event` as it starts its `after`-th step."""
+    """A target that sets `event` as it starts its `after`-th step; records each step's tree size."""
 
     def __init__(self, engine: TargetEngine, event: threading.Event, after: int) -> None:
-        self.engine, self.event, self.after, self.steps = engine, event, after, 0
+        self.engine, self.event, self.after = engine, event, after
+        self.sizes: list[int] = []
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
 
-    def verify(self, *args: Any, **kwargs: Any) -> Any:
-        self.steps += 1
-        if self.steps == self.after:
+    def verify(self, session_id: str, tree: Any, *args: Any, **kwargs: Any) -> Any:
+        self.sizes.append(tree.size)
+        if len(self.sizes) == self.after:
             self.event.set()
-        return self.engine.verify(*args, **kwargs)
+        return self.engine.verify(session_id, tree, *args, **kwargs)
 
 
 LONG_PROMPT = (PROMPT * 8)[: CATCH_UP_ALONE + 8]
@@ -151,6 +152,7 @@ def test_a_draft_apart_catches_up_on_a_long_prompt_while_the_target_starts(loade
     assert out.token_ids == reference_decode(model_dirs["target"], LONG_PROMPT, params)
     assert draft.builds[0][0]  # the prompt (sent as the session opened) runs in the background first
     assert out.stats.accepted_per_step[:3] == [0, 0, 0]  # the target started alone, not waiting
+    assert target.sizes[:3] == [1, 1, 1] and max(target.sizes) > 1  # root-only trees, then the draft's
     assert out.stats.draft_failures == (1 if fail_on else 0)
     trees = [sent for catch_up, sent in draft.builds if not catch_up]
     assert trees and max(trees) < CATCH_UP_ALONE  # no tree waited for a prefill
@@ -164,3 +166,24 @@ def test_a_short_prompt_drafts_from_the_first_step(loaded):
     out = gen.generate(PROMPT[: CATCH_UP_ALONE - 1], SamplingParams(max_new_tokens=8, ignore_eos=True))
     assert not any(catch_up for catch_up, _ in draft.builds) and out.stats.budgets
     assert len(out.stats.budgets) == out.stats.target_steps
+
+
+def test_a_sequence_reset_far_back_catches_the_draft_up_again(loaded, model_dirs):
+    """A chat turn that keeps only an early prefix: the draft's KV past it is gone, so the long new
+    part is a catch-up again, not a tree that waits for it."""
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=8)
+    draft = Apart(DraftEngine(loaded["truncated"], max_context=256, max_tree=8))
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8))
+    params = SamplingParams(max_new_tokens=24, ignore_eos=True)
+    seq = gen.sequence(LONG_PROMPT)
+    try:
+        for _ in seq.steps(params, gen.tree, GenerationStats()):
+            pass
+        turn = LONG_PROMPT[:4] + [(7 * i + 5) % 200 for i in range(CATCH_UP_ALONE + 4)]
+        seq.reset_to(turn)
+        before = len(draft.builds)
+        out = [t for r in seq.steps(params, gen.tree, GenerationStats()) for t in r.tokens]
+    finally:
+        seq.close()
+    assert draft.builds[before][0]  # the new turn ran in the background first
+    assert out == reference_decode(model_dirs["target"], turn, params)
