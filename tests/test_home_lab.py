@@ -37,17 +37,23 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores to pin the nodes apart")
-def test_home_lab_on_llama_cpp_runs_both_nodes_and_llama_cpp_itself(tmp_path):
+@pytest.mark.parametrize("draft_backend", ["llama.cpp", "torch"])
+def test_home_lab_on_llama_cpp_runs_both_nodes_and_llama_cpp_itself(tmp_path, draft_backend):
+    """torch: the quickstart's pair, an int8 torch draft beside the llama.cpp target."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
     from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
     target = make_tiny_model(tmp_path / "target", arch="qwen2", layers=3, seed=3)
     dirs = {}
-    for name, src in (("target", target), ("draft", truncate_layers(target, tmp_path / "draft", keep=1))):
+    draft = truncate_layers(target, tmp_path / "draft", keep=1)
+    for name, src in (("target", target), ("draft", draft)):
         dirs[name] = gguf_model_dir(src, tmp_path / f"{name}-gguf")
+    if draft_backend == "torch":
+        dirs["draft"] = draft
     out = tmp_path / "lab"
     cmd = [sys.executable, "-m", "client.cli.main", "bench", "--home-lab", "--lab-backend", "llama.cpp",
+           "--lab-draft-backend", draft_backend, "--draft-quantize", "int8" if draft_backend == "torch" else "none",
            "--draft-model", str(dirs["draft"]), "--target-model", str(dirs["target"]), "--limit", "2",
            "--max-new-tokens", "12", "--auto-cap", "16", "--settings", "greedy", "--out", str(out)]  # fmt: skip
     env = {**os.environ, "SPECEXEC_HOME": str(tmp_path / "home")}
@@ -59,7 +65,8 @@ def test_home_lab_on_llama_cpp_runs_both_nodes_and_llama_cpp_itself(tmp_path):
     }
     # f16 KV on a random model: llama.cpp itself may part at a near tie; ours agree among themselves
     assert all(row["same_tokens"] for row in results["summary"] if row["contestant"] != "llama.cpp itself")
-    assert "both GGUF files on llama.cpp" in (out / "report.md").read_text()
+    draft_weights = "int8 on torch" if draft_backend == "torch" else "its GGUF on llama.cpp"
+    assert f"({draft_weights}) -> target {dirs['target']} (its GGUF on llama.cpp)" in (out / "report.md").read_text()
 
 
 def test_home_lab_refuses_shared_or_missing_cores(tmp_path):

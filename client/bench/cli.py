@@ -223,6 +223,11 @@ def add_bench_parser(sub: Any) -> None:
         default="torch",
         help="both models' backend in the home lab (llama.cpp: their GGUF files, installed with --format gguf)",
     )
+    lab.add_argument(
+        "--lab-draft-backend",
+        choices=("torch", "llama.cpp"),
+        help="the draft's backend, where it differs from --lab-backend (torch: --draft-quantize applies)",
+    )
     lab.add_argument("--draft-cores", type=cores, default=(0,), metavar="N,N,...")
     lab.add_argument("--target-cores", type=cores, default=(1,), metavar="N,N,...")
     lab.add_argument(
@@ -338,6 +343,7 @@ def cmd_home_lab(args: argparse.Namespace) -> int:
         seed=args.seed,
         rtt_ms=args.rtt_ms,
         backend=args.lab_backend,
+        draft_backend=args.lab_draft_backend,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

@@ -55,6 +55,11 @@ class HomeLabConfig:
     seed: int = 0
     rtt_ms: float = 0.0  # client-target round trip, through client.bench.relay
     backend: str = "torch"  # both models' backend; llama.cpp runs their GGUF files (--format gguf installs)
+    draft_backend: str | None = None  # the draft's, where it differs from the target's
+
+    @property
+    def draft_runs_on(self) -> str:
+        return self.draft_backend or self.backend
     out: Path = field(default_factory=lambda: Path("bench-results/home-lab"))
 
 
@@ -69,14 +74,17 @@ class LabRun:
 
 
 def lab_models(config: HomeLabConfig) -> tuple[str, str]:
-    """The draft's and the target's model directories for the lab's backend."""
-    if config.backend == "torch":
-        return str(resolve_model(config.draft_model)), str(resolve_model(config.target_model))
-    dirs = [resolve_gguf(name) for name in (config.draft_model, config.target_model)]
-    for name, found in zip((config.draft_model, config.target_model), dirs, strict=True):
-        if found is None:
-            raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
-    return str(dirs[0]), str(dirs[1])
+    """The draft's and the target's model directories for their backends."""
+    return _model_dir(config.draft_model, config.draft_runs_on), _model_dir(config.target_model, config.backend)
+
+
+def _model_dir(name: str, backend: str) -> str:
+    if backend == "torch":
+        return str(resolve_model(name))
+    found = resolve_gguf(name)
+    if found is None:
+        raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
+    return str(found)
 
 
 def pinned(cmd: list[str], cores: tuple[int, ...]) -> tuple[list[str], dict[str, str]]:
@@ -93,17 +101,16 @@ class Lab:
         self.procs: list[subprocess.Popen] = []
         self.addrs: dict[str, str] = {}
         draft, target = lab_models(config)
-        quantize = config.draft_quantize if config.backend == "torch" else "none"
+        quantize = config.draft_quantize if config.draft_runs_on == "torch" else "none"
         nodes = (
-            ("target", "target", target, config.target_cores, "none", False),
-            ("draft-seq", "draft", draft, config.draft_cores, quantize, False),
-            ("draft-pipe", "draft", draft, config.draft_cores, quantize, True),
+            ("target", "target", target, config.target_cores, "none", False, config.backend),
+            ("draft-seq", "draft", draft, config.draft_cores, quantize, False, config.draft_runs_on),
+            ("draft-pipe", "draft", draft, config.draft_cores, quantize, True, config.draft_runs_on),
         )
-        max_tree = config.max_budget if config.backend == "torch" else min(config.max_budget, MAX_TREE_LEAVES)
-        for name, role, model, cores, quantize, lookahead in nodes:
+        for name, role, model, cores, quantize, lookahead, backend in nodes:
             port = free_port()
-            backend = ["--backend", config.backend]
-            cmd = node_command(role, model, port, config.dtype, max_tree, backend, quantize, lookahead)
+            max_tree = config.max_budget if backend == "torch" else min(config.max_budget, MAX_TREE_LEAVES)
+            cmd = node_command(role, model, port, config.dtype, max_tree, ["--backend", backend], quantize, lookahead)
             argv, env = pinned(cmd, cores)
             proc = subprocess.Popen(argv, env=env)
             self.procs.append(proc)
@@ -181,16 +188,16 @@ def worker_main(config: HomeLabConfig) -> None:
     """The one-process contestant: both models in this (pinned, one-thread) process."""
     torch.set_num_threads(1)
     draft, target = lab_models(config)
-    llama = config.backend == "llama.cpp"
+    llama = "llama.cpp" in (config.backend, config.draft_runs_on)
     gen = SpecExec.local(
         draft,
         target,
         dtype=config.dtype,
-        draft_quantize="none" if llama else config.draft_quantize,
+        draft_quantize=config.draft_quantize if config.draft_runs_on == "torch" else "none",
         tree=TreeParams(budget=min(config.max_budget, MAX_TREE_LEAVES) if llama else config.max_budget),
         auto_budget=True,
         backend=config.backend,
-        draft_backend=config.backend,
+        draft_backend=config.draft_runs_on,
     )
     print("ready", flush=True)
     for line in sys.stdin:
@@ -280,9 +287,8 @@ def write_report(out: Path, config: HomeLabConfig, runs: list[LabRun], rows: lis
         {"config": asdict(config), "runs": [asdict(r) for r in runs], "summary": rows}, indent=1, default=str))  # fmt: skip
     lines = [
         "# Home lab: draft and target on separate cores, one thread each", "",
-        (f"{config.draft_model} ({config.draft_quantize} draft) -> {config.target_model} ({config.dtype}), "
-         if config.backend == "torch" else
-         f"{config.draft_model} -> {config.target_model}, both GGUF files on llama.cpp, ") +
+        f"draft {config.draft_model} ({_weights(config.draft_runs_on, config.draft_quantize)}) -> target "
+        f"{config.target_model} ({_weights(config.backend, config.dtype)}), " +
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens} tokens, "
         f"--budget auto (cap {config.max_budget}), client-target round trip "
         f"{config.rtt_ms:g} ms{' (delaying relay)' if config.rtt_ms else ''}.", "",
@@ -302,6 +308,10 @@ def write_report(out: Path, config: HomeLabConfig, runs: list[LabRun], rows: lis
               "the draft's lookahead search."]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "home-lab.png", rows)
+
+
+def _weights(backend: str, torch_weights: str) -> str:
+    return "its GGUF on llama.cpp" if backend == "llama.cpp" else f"{torch_weights} on torch"
 
 
 def plot(path: Path, rows: list[dict[str, Any]]) -> None:
