@@ -31,6 +31,7 @@ import torch
 from common.model.offload import offload
 from common.model.profiling import time_tree_forward
 from common.model.transformer import ModelConfig, Transformer
+from common.ops.hugepages import reexec_with_huge_pages
 from common.ops.memory import peak_rss_bytes
 
 
@@ -242,4 +243,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

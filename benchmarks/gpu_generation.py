@@ -29,6 +29,7 @@ from common.decoding.tree import TreeParams
 from common.model.llama_cpp import LlamaContext, LlamaCppModel
 from common.model.loaded import LoadedModel
 from common.model.profiling import forward_curve, interpolate
+from common.ops.hugepages import reexec_with_huge_pages
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
@@ -124,4 +125,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

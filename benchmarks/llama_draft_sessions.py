@@ -22,6 +22,7 @@ import time
 from common.decoding.tree import TreeParams
 from common.model.llama_cpp import load_gguf
 from common.model.store import resolve_gguf
+from common.ops.hugepages import reexec_with_huge_pages
 from common.ops.memory import peak_rss_bytes
 from draft_node.engine import DraftEngine
 
@@ -84,4 +85,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

@@ -27,6 +27,8 @@ from pathlib import Path
 
 import llama_cpp as lib
 
+from common.ops.hugepages import reexec_with_huge_pages
+
 PREFIX = 64
 
 
@@ -117,4 +119,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

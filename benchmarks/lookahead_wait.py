@@ -25,6 +25,7 @@ from common.decoding.tree import TreeParams
 from common.model.llama_cpp import load_gguf
 from common.model.loading import load_model
 from common.model.store import resolve_model
+from common.ops.hugepages import reexec_with_huge_pages
 from common.runtime.sessions import StepTiming
 from draft_node.engine import DraftEngine
 from draft_node.llama_session import LlamaDraftSession
@@ -97,4 +98,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

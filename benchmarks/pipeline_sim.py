@@ -47,6 +47,7 @@ from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.model.llama_cpp import LlamaCppModel, load_gguf
 from common.model.profiling import cached_forward_curve, interpolate
 from common.model.store import resolve_gguf
+from common.ops.hugepages import reexec_with_huge_pages
 from draft_node.engine import DraftEngine
 from target_node.llama_session import LlamaTargetSession
 
@@ -234,4 +235,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()
     main()

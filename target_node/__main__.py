@@ -1,5 +1,9 @@
 import sys
 
-from target_node.server import main
+from common.ops.hugepages import reexec_with_huge_pages
+
+reexec_with_huge_pages()
+
+from target_node.server import main  # noqa: E402
 
 sys.exit(main())

@@ -20,6 +20,7 @@ from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeParams
 from common.model.profiling import synthetic_parents
+from common.ops import hugepages
 from tests.helpers import Proc, free_port, node_pair
 from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
@@ -380,6 +381,10 @@ def test_a_target_node_on_llama_cpp_runs_without_torch(ggufs, tmp_path):
         assert result.tokens and result.accepted <= 2
         maps = Path(f"/proc/{node.popen.pid}/maps").read_text()
         assert "libllama" in maps and "libtorch" not in maps, node.output()
+        # The node restarted itself with glibc's huge-page tunable (common.ops.hugepages), same pid.
+        environ = Path(f"/proc/{node.popen.pid}/environ").read_bytes().split(b"\0")
+        tuned = any(hugepages.TUNABLE.encode() in e for e in environ if e.startswith(b"GLIBC_TUNABLES="))
+        assert tuned == hugepages.wanted(env), node.output()
         target.close()
     finally:
         node.stop()

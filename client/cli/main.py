@@ -12,6 +12,7 @@ from client.cli.nodes import NODE_COMMANDS, add_node_parser
 from common.model.store import ModelStoreError
 from common.ops import config
 from common.ops.config import add_config_option
+from common.ops.hugepages import reexec_with_huge_pages
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +41,10 @@ def subcommand(argv: list[str]) -> str | None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """`argv` None: run as the `specexec` program, which first restarts itself with huge pages
+    where they help (common.ops.hugepages)."""
+    if argv is None:
+        reexec_with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     role = subcommand(argv)
     parser = node_parser(role) if role in NODE_COMMANDS else build_parser()

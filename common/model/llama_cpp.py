@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from common.model.loaded import ForwardInterrupted
+from common.ops import hugepages
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
@@ -235,7 +236,7 @@ class LlamaCppModel:
         """What a forward-time curve of this model depends on, besides the file and the limit."""
         return {"backend": "llama.cpp", "llama_cpp": getattr(self.lib, "__version__", "?"),
                 "n_gpu_layers": self.n_gpu_layers, "kv_type": self.kv_type, "threads": self.threads,
-                "repack": self.repack, **self._offload_key()}  # fmt: skip
+                "repack": self.repack, "huge_pages": hugepages.active(), **self._offload_key()}  # fmt: skip
 
     def _offload_key(self) -> dict[str, Any]:
         """On a GPU build the pass-size threshold for streaming shapes the curve too."""

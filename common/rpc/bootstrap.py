@@ -16,6 +16,7 @@ from common.model.choices import OffloadPlan
 from common.model.llama_cpp import load_gguf, resolve_backend, tree_limit
 from common.model.loaded import LoadedModel
 from common.model.store import resolve_model
+from common.ops import hugepages
 from common.ops.logs import LogSettings
 from common.ops.logs import configure as configure_logs
 from common.ops.memory import peak_rss_bytes
@@ -157,7 +158,8 @@ def say(line: str) -> None:
 
 def describe_weights(config: NodeConfig, loaded: LoadedModel | None = None) -> str:
     if loaded is not None and loaded.on_llama_cpp:
-        return f"llama.cpp, {loaded.model.dtype}, {config.n_gpu_layers} layers on the GPU"
+        pages = "huge pages" if hugepages.active() else "4 KiB pages (SPECEXEC_HUGE_PAGES or the kernel's THP off)"
+        return f"llama.cpp, {loaded.model.dtype}, {config.n_gpu_layers} layers on the GPU, {pages}"
     if config.quantize == "none":
         return config.dtype
     return f"{config.quantize} linears, {config.dtype} elsewhere"
