@@ -75,10 +75,11 @@ class LabRun:
 
 def lab_models(config: HomeLabConfig) -> tuple[str, str]:
     """The draft's and the target's model directories for their backends."""
-    return _model_dir(config.draft_model, config.draft_runs_on), _model_dir(config.target_model, config.backend)
+    return model_dir(config.draft_model, config.draft_runs_on), model_dir(config.target_model, config.backend)
 
 
-def _model_dir(name: str, backend: str) -> str:
+def model_dir(name: str, backend: str) -> str:
+    """An installed model's directory for `backend` (llama.cpp: its GGUF's)."""
     if backend == "torch":
         return str(resolve_model(name))
     found = resolve_gguf(name)

@@ -34,9 +34,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from tqdm import tqdm
 
 from client.bench.harness import free_port, load_prompts, stop_processes
-from client.bench.home_lab import pinned
+from client.bench.home_lab import model_dir, pinned
 from client.remote import wait_until_serving
-from common.model.store import resolve_gguf, resolve_model
 from common.options import node_command
 
 # Each contestant's extra flags: (target node's, draft node's).
@@ -82,8 +81,8 @@ class LoadLab:
     def __init__(self, config: LoadConfig) -> None:
         self.config = config
         self.procs: list[subprocess.Popen] = []
-        draft, target = self._model_dir(config.draft_model, config.draft_backend), self._model_dir(
-            config.target_model, config.target_backend)  # fmt: skip
+        draft = model_dir(config.draft_model, config.draft_backend)
+        target = model_dir(config.target_model, config.target_backend)
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
         backend = ["--backend", config.target_backend]
         llama_draft = config.draft_backend == "llama.cpp"
@@ -109,15 +108,6 @@ class LoadLab:
             self.procs.append(subprocess.Popen(argv, env=env))
             self.urls[name] = f"http://127.0.0.1:{port}"
             wait_http(self.urls[name] + "/health", self.procs[-1])
-
-    @staticmethod
-    def _model_dir(name: str, backend: str) -> str:
-        if backend == "torch":
-            return str(resolve_model(name))
-        found = resolve_gguf(name)
-        if found is None:
-            raise ValueError(f"no GGUF for {name!r}: run `specexec models install {name} --format gguf`")
-        return str(found)
 
     def _start(self, cmd: list[str], cores: tuple[int, ...], address: str) -> str:
         argv, env = pinned(cmd, cores)
