@@ -74,10 +74,10 @@ def llama_itself(gguf: Path, threads: int) -> Any:
 
 
 class LlamaItself:
-    """llama.cpp itself in a process of its own that holds only its model, as a user runs it. In one
-    process, a model loaded after another one decoded 12% faster on the AMX Xeon (62.8 against 70.9
-    ms a token for the 1.5B Q4_K_M, whatever the load mode or context), which had favoured llama.cpp
-    itself, loaded after our target, by about that much."""
+    """llama.cpp itself in a process of its own that holds only its model, as a user runs it. It
+    inherits the bench's environment, so it runs on huge pages where our nodes do
+    (common.ops.hugepages): on 4 KiB pages whichever process loaded its model second decoded about
+    15% faster on the AMX Xeon, which had favoured llama.cpp itself, started after our target."""
 
     def __init__(self, gguf: Path, threads: int, prefix: list[str] | None = None,
                  env: dict[str, str] | None = None) -> None:  # fmt: skip
