@@ -44,6 +44,7 @@ FIT_CANDIDATES = 4  # a tree to fit brings nodes down to this fraction of the no
 FIT_MAX_SHARING = 1.5  # past this many sessions a pass, the pass's rows are not one tree's: no fitting
 EXPLORE_EVERY = 8  # while trees do not pay, one step in this many still drafts, to notice when they do
 EXPLORE_MAX = 32  # the gap doubles after each such step that did not pay, up to this
+TRIALS_DECLINED = 3  # after this many requests in a row whose trees did not pay, a request skips its trial
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -68,6 +69,9 @@ class RegimeStats:
     alone_steps: int = 0
     skipped: int = 0  # steps in a row the draft was left out of
     explore: int = EXPLORE_EVERY  # steps on the target alone before the next exploring draft
+    trial: bool = True  # a request's first PRIOR_STEPS steps draft, whatever the regime learned
+    judged: bool = False  # a request's verdict on its trees is in the regime's `declined`
+    declined: int = 0  # the regime's requests in a row whose trees did not pay
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
 
@@ -83,8 +87,10 @@ class RegimeStats:
         """A running mean over the first steps, then an exponential one: a request's means move to
         its own text within a few steps, then follow it over about 20. The tree's means count only
         steps that proposed a tree, so empty steps on text the draft cannot guess do not hold the
-        inherited calibration in place. Called under the planner's lock."""
-        w = max(EMA, 1.0 / (PRIOR_STEPS + self.steps))
+        inherited calibration in place. A request that skipped its trial takes its first drafted
+        step's rate as its own: only its text can overturn the verdict it inherited. Called under
+        the planner's lock."""
+        w = 1.0 if not self.trial and self.steps == 0 else max(EMA, 1.0 / (PRIOR_STEPS + self.steps))
         self.steps += 1
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
@@ -137,6 +143,7 @@ class BudgetPlanner:
     k_node: float = K_NODE
     fit_trees: bool = True  # cut trees to measured pass sizes (`fit`); off: benchmarks race the two
     explore_backoff: bool = True  # exploring drafts grow apart while they do not pay; off: the A/B
+    trials_declined: int = TRIALS_DECLINED  # a huge number: every request tries trees first (the A/B)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -152,9 +159,15 @@ class BudgetPlanner:
             return replace(self._stats(regime))
 
     def start(self, regime: str = GREEDY) -> RegimeStats:
-        """A request's own running means, starting from what earlier requests of its regime taught."""
+        """A request's own running means, starting from what earlier requests of its regime taught.
+        It tries trees on its own text first (`draft_pays`) unless TRIALS_DECLINED requests in a row
+        found they did not pay: then the pair, not the text, is why, and it starts on the target
+        alone, drafting only to explore, first after twice the usual gap."""
         with self._lock:
-            return replace(self._stats(regime), steps=0, trees=0, skipped=0, explore=EXPLORE_EVERY)
+            shared = self._stats(regime)
+            trial = shared.declined < self.trials_declined
+            return replace(shared, steps=0, trees=0, skipped=0, judged=False, trial=trial,
+                           explore=EXPLORE_EVERY if trial else 2 * EXPLORE_EVERY)  # fmt: skip
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
@@ -239,15 +252,22 @@ class BudgetPlanner:
         whose pass grows steeply with the tree, text the draft cannot guess), the running rate of
         drafted steps stays below the target alone's: the step then runs on the target alone, and
         one in EXPLORE_EVERY drafts anyway, so the rate is measured again and trees come back when
-        the text turns predictable. A request's first few steps always draft: inheriting the last
-        request's verdict kept code requests that followed prose on the target alone (home lab,
-        docs/benchmarks.md)."""
+        the text turns predictable. A request's first few steps draft: inheriting the last request's
+        verdict kept code requests that followed prose on the target alone (home lab,
+        docs/benchmarks.md). Not once TRIALS_DECLINED requests in a row found that trees do not pay
+        (a target whose one-token pass is fast against the draft's, docs/planner.md): each trial cost
+        a request about a sixth of its speed in one process."""
         with self._lock:
-            s = request if request is not None else self._stats(regime)
-            if s.steps < PRIOR_STEPS:
+            shared = self._stats(regime)
+            s = request if request is not None else shared
+            if s.trial and s.steps < PRIOR_STEPS:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
-            if s.rate >= 1.0 / alone:
+            pays = s.rate >= 1.0 / alone
+            if pays or not s.judged:
+                s.judged = True
+                shared.declined = 0 if pays else shared.declined + 1
+            if pays:
                 s.skipped, s.explore = 0, EXPLORE_EVERY
                 return True
             s.skipped += 1

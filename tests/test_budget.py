@@ -20,6 +20,7 @@ from client.budget import (
     GREEDY,
     PRIOR_STEPS,
     SAMPLED,
+    TRIALS_DECLINED,
     BudgetPlanner,
     RegimeStats,
     free_batch,
@@ -366,6 +367,61 @@ def test_a_request_tries_trees_on_its_own_text_first():
         assert plan.draft_pays(request=request)
         plan.observe(DraftedTree(tree, 7), list(range(1, 8)), 8 * DRAFT[0][1], 0.09, request=request)
     assert plan.draft_pays(request=request)  # 7 tokens in 0.21 s beat the target alone
+
+
+def run_request(plan: BudgetPlanner, steps: int, accepted: int, seconds: float) -> list[bool]:
+    """One request of `steps` steps: drafted ones take `seconds` for `accepted` + 1 tokens, the others
+    one token in the target alone's 0.08 s. Returns which steps drafted."""
+    request = plan.start()
+    tree, choices = chain_tree(8, 0.8), []
+    for _ in range(steps):
+        choices.append(plan.draft_pays(request=request))
+        if choices[-1]:
+            plan.observe(DraftedTree(tree, 7), list(range(1, accepted + 2)), 8 * DRAFT[0][1],
+                         seconds - 8 * DRAFT[0][1], request=request)  # fmt: skip
+        else:
+            plan.observe_alone(1, 0.08, request=request)
+    return choices
+
+
+def test_requests_stop_trying_trees_the_pair_cannot_pay_for():
+    """Where drafted steps lose on every text (a target whose one-token pass is fast against the
+    draft), a request's trial of its first steps is waste: after TRIALS_DECLINED requests in a row
+    whose trees did not pay, a request starts on the target alone and drafts only to explore; a
+    request whose exploring trees pay brings the trials back."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    for _ in range(TRIALS_DECLINED):
+        choices = run_request(plan, 40, accepted=0, seconds=0.4)
+        assert all(choices[:PRIOR_STEPS]) and choices.count(True) < PRIOR_STEPS + 4
+    first = 2 * EXPLORE_EVERY - 1  # the first exploring step
+    choices = run_request(plan, 40, accepted=0, seconds=0.4)
+    assert not any(choices[:first]) and choices[first] and choices.count(True) == 1
+    choices = run_request(plan, 40, accepted=7, seconds=0.1)  # an exploring step finds trees pay
+    assert not any(choices[:first]) and all(choices[first:])
+    assert all(run_request(plan, PRIOR_STEPS, accepted=0, seconds=0.4))  # the next request tries again
+
+
+def test_a_step_that_catches_the_draft_up_teaches_the_planner_nothing(loaded):
+    """A step that drafts after a long run of steps on the target alone pays for the draft's pass over
+    those tokens: its time says nothing about a tree's worth, so the planner does not learn it."""
+    gen = auto_generator(loaded, budget=16)
+    assert gen.planner is not None
+    plan = gen.planner
+    step = iter(range(1000))
+    plan.draft_pays = lambda regime=GREEDY, request=None: next(step) in (0, 1, 36)  # type: ignore[method-assign]
+    learned: list[int] = []
+    observe_step = plan.observe
+
+    def recording(drafted, tokens, *args, **kwargs):
+        learned.append(len(tokens))
+        observe_step(drafted, tokens, *args, **kwargs)
+
+    plan.observe = recording  # type: ignore[method-assign]
+    from common.decoding.sampling import SamplingParams
+
+    out = gen.generate(PROMPT, SamplingParams(max_new_tokens=96, ignore_eos=True))
+    assert len(out.stats.budgets) == 3  # steps 0, 1 and 36 drafted (at most 34 tokens before 36)
+    assert len(learned) == 1  # step 0 runs the prompt, step 36 catches up on 34 tokens
 
 
 def test_leaving_the_draft_out_keeps_the_output_exact(loaded, model_dirs):
