@@ -337,8 +337,8 @@ class Sequence:
 
     def _draft_step(self, budget: StepBudget, stats: GenerationStats) -> tuple[DraftedTree | None, bool]:
         """This step's tree, or None to run it on the target alone; and whether the step is a steady
-        one, its times free of a draft session's first pass over the history (or over a long run
-        of tokens the target made alone)."""
+        one, its times free of the draft's first pass over the history (a request that starts on
+        the target alone runs it in its first drafted step)."""
         if self.link is None or budget.tree is None:
             return None, False
         held = self._draft_epoch
@@ -350,14 +350,14 @@ class Sequence:
             return None, False
         if not budget.draft_pays():
             return None, True
-        behind = len(self.tokens) - self._draft_kv
+        fresh = self._draft_kv == 0  # the draft's first pass over this sequence's history
         drafted = self._draft_tree(params, stats)
         if drafted is not None:
             drafted = budget.fit(drafted, len(self.tokens) - self._valid["target"])
             stats.budgets.append(drafted.tree.size - 1)
             stats.chain_steps += params.is_chain
             stats.reused_trees += drafted.reused
-        return drafted, self._draft_epoch == held and behind < CATCH_UP_ALONE
+        return drafted, self._draft_epoch == held and not fresh
 
     def _draft_ready(self, stats: GenerationStats) -> bool:
         """Whether this step can draft: the draft is usable, the sequence fits its context, and this
