@@ -25,7 +25,8 @@ PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
 
 MODES = ("specexec", "chain", "autoregressive")
 # A draft on a machine of its own with at least this many tokens to catch up on (a prompt, a new chat
-# turn) does so in the background while the target generates alone (`Sequence._catch_up_apart`).
+# turn) opens its session and catches up in the background while the target generates alone
+# (`Sequence._catch_up_apart`, `Sequence._open_apart`).
 CATCH_UP_ALONE = 32
 CATCH_UP = TreeParams.chain(1)  # what that background call asks for: the KV; its tree is not used
 log = logging.getLogger("specexec.client")
@@ -299,7 +300,7 @@ class Sequence:
         self._draft_kv = 0  # tokens whose KV the draft has computed (a session runs its history lazily)
         self._apart = getattr(draft, "runs_apart", False)
         self._background: ThreadPoolExecutor | None = None
-        self._catch_up: tuple[Future[DraftedTree], int] | None = None  # in flight; the epoch it was sent in
+        self._catch_up: tuple[Future[Any], int] | None = None  # in flight; the epoch it was sent in
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -370,6 +371,11 @@ class Sequence:
         if self._draft_epoch == epoch:
             return True
         self._settle_catch_up(stats)
+        if self._apart and len(self.tokens) >= CATCH_UP_ALONE:
+            self._draft_epoch, self._draft_kv = epoch, 0
+            self._valid["draft"] = self._length["draft"] = len(self.tokens)
+            self._in_background(self._open_apart, self.draft_session, list(self.tokens))
+            return True
         try:
             self._reopen("draft")
             self._draft_kv = 0
@@ -405,13 +411,25 @@ class Sequence:
         if len(self.tokens) - self._draft_kv < CATCH_UP_ALONE:
             return False
         assert self.draft is not None
+        truncate_to, append = self._sync("draft")
+        self._in_background(self.draft.build_tree, self.draft_session, append, CATCH_UP, truncate_to=truncate_to)
+        return True
+
+    def _in_background(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
         if self._background is None:
             self._background = ThreadPoolExecutor(1, thread_name_prefix="draft-catch-up")
-        truncate_to, append = self._sync("draft")
-        call = self._background.submit(self.draft.build_tree, self.draft_session, append, CATCH_UP,
-                                       truncate_to=truncate_to)  # fmt: skip
-        self._catch_up = (call, self._draft_epoch)
-        return True
+        self._catch_up = (self._background.submit(call, *args, **kwargs), self._draft_epoch)
+
+    def _open_apart(self, old: str, prompt: list[int]) -> None:
+        """Reopen a draft on its own machine and catch it up, in the background: opening allocates
+        the session's KV cache, which took the draft node up to 0.4 s, all of it before the first
+        token while it was done in line. The session id is the sequence's as soon as it exists, so a
+        failed catch-up's session is closed with the next reopen; nothing else reads it until the
+        call has settled."""
+        assert self.draft is not None
+        _close_quietly(self.draft, old)
+        self.draft_session = self.draft.open_session(prompt)
+        self.draft.build_tree(self.draft_session, [], CATCH_UP)
 
     def _settle_catch_up(self, stats: GenerationStats) -> bool:
         """Wait for the catch-up in flight, if any; False if it failed (the draft then counts as down)."""

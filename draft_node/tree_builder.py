@@ -28,6 +28,13 @@ from torch import Tensor
 
 from common.decoding.tree import MAX_BUDGET, TokenTree, TreeParams
 
+# An idle step expands a node only if it could be expanded in the next tree: the next root is one of
+# its ancestors, reached with about that ancestor's probability, and the tree below it expands nodes
+# at least `min_prob` as likely as it. A node below `min_prob` times this share has at most this
+# chance of such a root. Without a bound the search grew to its cap on every tree, a core's full
+# load while trees did not pay (prose), which slowed the target beside it on one box by 9-18%.
+IDLE_FLOOR_SHARE = 1 / 16
+
 __all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "ExpansionRefused", "TreeBuilder", "TreeParams"]
 
 
@@ -69,8 +76,9 @@ class TreeBuilder:
 
     def __init__(self, params: TreeParams, search: bool = False) -> None:
         """A `search` (the draft node's lookahead) keeps every child it has room for and lets idle-time
-        steps expand below the floors and past the request's depth: the floors price the step's
-        wait, idle time costs none, and the next tree's root lies below this one's deepest node
+        steps expand below the expansion floor (to IDLE_FLOOR_SHARE of it) and past the request's
+        depth: the floor prices the step's wait, idle time costs only power and, on one box, the
+        target's memory bandwidth, and the next tree's root lies below this one's deepest node
         when all of it is accepted. What it ships (`take`) and what a request waits for (`grow`)
         still obey the request's floors and depth."""
         self.params = params
@@ -106,6 +114,7 @@ class TreeBuilder:
         if not same or params.budget > self.params.budget or params.max_depth > self.params.max_depth:
             raise ValueError(f"params {params} do not fit a builder made for {self.params.shape}")
         self.floor = math.log(params.min_prob) if params.min_prob > 0 else -math.inf
+        self.idle_floor = self.floor + math.log(IDLE_FLOOR_SHARE)
         self.node_floor = math.log(params.min_node_prob) if params.min_node_prob > 0 else -math.inf
         self.depth = params.max_depth
 
@@ -121,10 +130,10 @@ class TreeBuilder:
     def step(self, expander: Expander, budget: int | None = None, idle: bool = False) -> bool:
         """One batched expansion of the best open nodes; False once none could still place a child
         among the `budget` best (default: every node this search keeps). An `idle` step of a search
-        ignores the expansion floor."""
+        lowers the expansion floor to what the next tree might expand (IDLE_FLOOR_SHARE)."""
         p = self.params
         budget = p.budget if budget is None else budget
-        floor, depth = (-math.inf, p.max_depth) if idle and self.search else (self.floor, self.depth)
+        floor, depth = (self.idle_floor, p.max_depth) if idle and self.search else (self.floor, self.depth)
         nodes = self._next_batch(budget, floor, depth)
         if nodes.numel() == 0:
             return False

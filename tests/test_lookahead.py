@@ -15,7 +15,7 @@ from common.decoding.tree import TreeStructure
 from draft_node.engine import DraftEngine
 from draft_node.lookahead import Interrupted, Lookahead
 from draft_node.session import DraftSession
-from draft_node.tree_builder import TreeBuilder, TreeParams
+from draft_node.tree_builder import IDLE_FLOOR_SHARE, TreeBuilder, TreeParams
 from target_node.engine import TargetEngine
 from tests.test_exactness import PROMPT
 from tests.test_kv_cache import assert_cache_prefix_equal, recomputed
@@ -149,6 +149,29 @@ def test_idle_time_grows_the_search_below_the_floors_it_ships_by(loaded):
     assert low.any(), "the search keeps children below the node floor"
     again = search.take(floors.budget, 0)
     assert (np.exp(again.tree.logprobs[1:]) >= 0.2).all()
+
+
+def test_idle_time_stops_where_the_next_tree_could_not_expand(loaded):
+    """Idle time is not free: it costs power, and on one box the target's memory bandwidth. The
+    search expands no node below IDLE_FLOOR_SHARE of the expansion floor, so it stops well short of
+    its cap where the draft is unsure, and what it left open is all below that bound."""
+    from dataclasses import replace
+
+    floors = replace(PARAMS, min_prob=0.3, min_node_prob=0.2)
+    session = DraftSession(loaded["truncated"].model, PROMPT, max_context=256, max_tree=64, lookahead=True)
+    session.build_tree(floors)
+    search = session._search
+    assert search is not None
+    idle = 0
+    while session.idle_step():
+        idle += 1
+        assert idle < 1000
+    n, bound = search.used, np.log(0.3 * IDLE_FLOOR_SHARE)
+    live = search.alive[:n] & (search.depths[:n] < search.params.max_depth)
+    assert idle > 0 and bool((search.scores[:n][search.expanded[:n]] >= bound - 1e-6).all())
+    left = live & ~search.expanded[:n]
+    assert left.any() and bool((search.scores[:n][left] < bound).all())
+    assert int(search.expanded[:n].sum()) < search.params.budget // search.params.max_branch
 
 
 def test_the_worker_grows_the_search_between_requests_and_stands_aside(loaded):

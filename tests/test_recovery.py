@@ -93,7 +93,8 @@ def test_a_draft_with_a_shorter_context_drafts_as_far_as_it_reaches(loaded, mode
 class Apart:
     """The in-process draft standing in for one on a machine of its own (`runs_apart`): a long way to
     catch up is run in the background while the target goes on alone. Records each build's (catch-up,
-    tokens sent); the `fail_on`-th catch-up times out; a catch-up ends only once `release` is set."""
+    tokens sent); the `fail_on`-th catch-up times out; a catch-up, and the opening of a session on a
+    long prompt (a node allocating its KV cache), end only once `release` is set."""
 
     runs_apart = True
 
@@ -105,6 +106,11 @@ class Apart:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.engine, name)
+
+    def open_session(self, prompt: list[int]) -> str:
+        if len(prompt) >= CATCH_UP_ALONE:
+            assert self.release.wait(30)
+        return self.engine.open_session(prompt)
 
     def build_tree(self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None):
         catch_up = params == CATCH_UP
@@ -139,9 +145,10 @@ LONG_PROMPT = (PROMPT * 8)[: CATCH_UP_ALONE + 8]
 @pytest.mark.parametrize("fail_on", [0, 1], ids=["caught-up", "catch-up-fails"])
 @pytest.mark.parametrize("sampling", [{"temperature": 0.0}, {"temperature": 0.8, "seed": 3}], ids=["greedy", "seeded"])
 def test_a_draft_apart_catches_up_on_a_long_prompt_while_the_target_starts(loaded, model_dirs, fail_on, sampling):
-    """A draft on its own machine runs a long prompt in the background while the target generates
-    alone, so the first token does not wait for the draft's prefill; trees follow, with the target
-    alone's text. A catch-up that times out is the draft failing: it is reopened and used again."""
+    """A draft on its own machine opens its session on a long prompt and runs it in the background
+    while the target generates alone, so the first token waits neither for the session's allocation
+    nor for the draft's prefill; trees follow, with the target alone's text. A catch-up that times
+    out is the draft failing: it is reopened and used again."""
     draft = Apart(DraftEngine(loaded["truncated"], max_context=256, max_tree=8), fail_on=fail_on)
     draft.release.clear()  # the target's first three steps run while the draft is still catching up
     target = Releasing(TargetEngine(loaded["target"], max_context=256, max_tree=8), draft.release, after=3)
