@@ -23,6 +23,7 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as lib
@@ -40,8 +41,10 @@ def _fill(batch: lib.llama_batch, tokens: list[int], start: int) -> None:
 
 
 def pass_times(path: Path, n_gpu_layers: int, ks: list[int], seconds: float, threads: int,
-               repack: bool = True, mmap: bool = True) -> dict[str, float]:  # fmt: skip
-    """Seconds of one k-token pass after a PREFIX-token prompt, for each k."""
+               repack: bool = True, mmap: bool = True,
+               reduce: Callable[[list[float]], float] = min) -> dict[str, float]:  # fmt: skip
+    """Seconds of one k-token pass after a PREFIX-token prompt, for each k: `reduce` (the minimum)
+    over the repeats after a warm-up."""
     params = lib.llama_model_default_params()
     params.n_gpu_layers = n_gpu_layers
     params.use_extra_bufts = repack
@@ -77,7 +80,7 @@ def pass_times(path: Path, n_gpu_layers: int, ks: list[int], seconds: float, thr
                 lib.llama_synchronize(ctx)
                 times.append(time.perf_counter() - start)
                 lib.llama_memory_seq_rm(memory, 0, PREFIX, -1)
-            result[str(k)] = min(times[1:])
+            result[str(k)] = reduce(times[1:])
         return result
     finally:
         lib.llama_batch_free(batch)
