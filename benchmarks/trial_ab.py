@@ -1,8 +1,10 @@
 """Does a request still try trees first where they never pay? One process, 2 threads, the quickstart's
 pair (the 1.5B GGUF on llama.cpp, the int8 0.5B draft on torch), greedy, interleaved per prompt in
 alternating order: llama.cpp itself, our target alone, `--budget auto` with every request trying
-trees on its first steps ("trial always"), and as shipped (the trial skipped after TRIALS_DECLINED
-requests in a row whose trees did not pay). Four untimed requests first give both planners a history.
+trees on its first steps ("trial always"), with the trial skipped after TRIALS_DECLINED requests in
+a row whose trees did not pay but each request exploring on its own count ("explore per request"),
+and as shipped (those requests explore on one count of the regime's steps). Four untimed requests
+first give the planners a history.
 
     python -m benchmarks.trial_ab [--prompts 8] [--rounds 2] [--tokens 64]
 """
@@ -22,7 +24,7 @@ from common.model.llama_cpp import find_gguf
 from common.model.store import resolve_gguf, resolve_model
 from common.ops.hugepages import reexec_with_huge_pages
 
-NAMES = ("llama.cpp itself", "target alone", "trial always", "as shipped")
+NAMES = ("llama.cpp itself", "target alone", "trial always", "explore per request", "as shipped")
 
 
 def main() -> None:
@@ -40,11 +42,14 @@ def main() -> None:
     always = SpecExec(shipped.target, shipped.draft, shipped.tokenizer, tree=tree, auto_budget=True)
     assert always.planner is not None
     always.planner.trials_declined = 10**9
+    apart = SpecExec(shipped.target, shipped.draft, shipped.tokenizer, tree=tree, auto_budget=True)
+    assert apart.planner is not None
+    apart.planner.explore_across = False
     alone = shipped.variant("autoregressive", None)
     itself = LlamaItself(find_gguf(gguf), args.threads)
     prompts = load_prompts(None, args.prompts + 4, ("code", "prose"))
     for p in prompts[:4]:
-        for gen in (shipped, always):
+        for gen in (shipped, always, apart):
             gen.generate(encode(shipped.tokenizer, p["prompt"]), max_new_tokens=args.tokens)
     runs: list[dict[str, float | str]] = []
     try:
@@ -52,7 +57,7 @@ def main() -> None:
             for p in prompts[4:]:
                 ids = encode(shipped.tokenizer, p["prompt"])
                 row: dict[str, float | str] = {"category": p["category"]}
-                contestants = list(zip(NAMES, (None, alone, always, shipped), strict=True))
+                contestants = list(zip(NAMES, (None, alone, always, apart, shipped), strict=True))
                 for name, gen in contestants[:: -1 if rnd % 2 else 1]:
                     if gen is None:
                         tokens, wall = itself(ids, args.tokens)

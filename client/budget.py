@@ -45,6 +45,7 @@ FIT_MAX_SHARING = 1.5  # past this many sessions a pass, the pass's rows are not
 EXPLORE_EVERY = 8  # while trees do not pay, one step in this many still drafts, to notice when they do
 EXPLORE_MAX = 32  # the gap doubles after each such step that did not pay, up to this
 TRIALS_DECLINED = 3  # after this many requests in a row whose trees did not pay, a request skips its trial
+EXPLORE_DECLINED_MAX = 128  # then the exploring gap counts the regime's steps across requests, up to this
 GREEDY, SAMPLED = "greedy", "sampled"
 
 
@@ -67,7 +68,7 @@ class RegimeStats:
     reused: float = 0.0  # share of trees the draft grew from its lookahead search (re-rooted)
     alone: float = 0.0  # seconds per token of steps run on the target alone; 0: not measured yet
     alone_steps: int = 0
-    skipped: int = 0  # steps in a row the draft was left out of
+    skipped: int = 0  # steps in a row the draft was left out of (a regime's: while trials are skipped)
     explore: int = EXPLORE_EVERY  # steps on the target alone before the next exploring draft
     trial: bool = True  # a request's first PRIOR_STEPS steps draft, whatever the regime learned
     judged: bool = False  # a request's verdict on its trees is in the regime's `declined`
@@ -144,6 +145,7 @@ class BudgetPlanner:
     fit_trees: bool = True  # cut trees to measured pass sizes (`fit`); off: benchmarks race the two
     explore_backoff: bool = True  # exploring drafts grow apart while they do not pay; off: the A/B
     trials_declined: int = TRIALS_DECLINED  # a huge number: every request tries trees first (the A/B)
+    explore_across: bool = True  # declined requests explore on the regime's count; off: each its own (the A/B)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -162,7 +164,7 @@ class BudgetPlanner:
         """A request's own running means, starting from what earlier requests of its regime taught.
         It tries trees on its own text first (`draft_pays`) unless TRIALS_DECLINED requests in a row
         found they did not pay: then the pair, not the text, is why, and it starts on the target
-        alone, drafting only to explore, first after twice the usual gap."""
+        alone, drafting only to explore (`draft_pays`)."""
         with self._lock:
             shared = self._stats(regime)
             trial = shared.declined < self.trials_declined
@@ -256,7 +258,10 @@ class BudgetPlanner:
         verdict kept code requests that followed prose on the target alone (home lab,
         docs/benchmarks.md). Not once TRIALS_DECLINED requests in a row found that trees do not pay
         (a target whose one-token pass is fast against the draft's, docs/planner.md): each trial cost
-        a request about a sixth of its speed in one process."""
+        a request about a sixth of its speed in one process. Their requests then explore on one
+        count of the regime's steps, first after twice the usual gap, the gap doubling up to
+        EXPLORE_DECLINED_MAX: two exploring drafts in each 64-token request, each mostly the
+        draft's first pass over its prompt, still cost it 5-7% there."""
         with self._lock:
             shared = self._stats(regime)
             s = request if request is not None else shared
@@ -267,14 +272,17 @@ class BudgetPlanner:
             if pays or not s.judged:
                 s.judged = True
                 shared.declined = 0 if pays else shared.declined + 1
+                if shared.declined == self.trials_declined:
+                    shared.skipped, shared.explore = 0, 2 * EXPLORE_EVERY
             if pays:
                 s.skipped, s.explore = 0, EXPLORE_EVERY
                 return True
-            s.skipped += 1
-            if s.skipped >= s.explore:
-                s.skipped = 0
+            gap, most = (s, EXPLORE_MAX) if s.trial or not self.explore_across else (shared, EXPLORE_DECLINED_MAX)
+            gap.skipped += 1
+            if gap.skipped >= gap.explore:
+                gap.skipped = 0
                 if self.explore_backoff:
-                    s.explore = min(2 * s.explore, EXPLORE_MAX)
+                    gap.explore = min(2 * gap.explore, most)
                 return True
             return False
 

@@ -4,6 +4,7 @@ Large trees where a target pass costs the same for any size; small, confident on
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import replace
 from pathlib import Path
@@ -14,6 +15,7 @@ import torch
 
 from client.api import SpecExec
 from client.budget import (
+    EXPLORE_DECLINED_MAX,
     EXPLORE_EVERY,
     EXPLORE_MAX,
     FIT_CANDIDATES,
@@ -396,9 +398,26 @@ def test_requests_stop_trying_trees_the_pair_cannot_pay_for():
     first = 2 * EXPLORE_EVERY - 1  # the first exploring step
     choices = run_request(plan, 40, accepted=0, seconds=0.4)
     assert not any(choices[:first]) and choices[first] and choices.count(True) == 1
+    # The gap (now 4 * EXPLORE_EVERY) counts on across requests: 40 - first - 1 steps are behind.
+    explores = 4 * EXPLORE_EVERY - (40 - first - 1) - 1
     choices = run_request(plan, 40, accepted=7, seconds=0.1)  # an exploring step finds trees pay
-    assert not any(choices[:first]) and all(choices[first:])
+    assert not any(choices[:explores]) and all(choices[explores:])
     assert all(run_request(plan, PRIOR_STEPS, accepted=0, seconds=0.4))  # the next request tries again
+
+
+def test_while_trials_are_declined_exploring_drafts_space_out_across_requests():
+    """Two exploring drafts a request, each mostly the draft's first pass over the prompt, cost a
+    64-token request 5-7% where trees never pay. So once requests skip their trials the gap counts
+    the regime's steps, not each request's, and doubles up to EXPLORE_DECLINED_MAX."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    for _ in range(TRIALS_DECLINED):
+        run_request(plan, 40, accepted=0, seconds=0.4)
+    steps = [drafted for _ in range(12) for drafted in run_request(plan, 40, accepted=0, seconds=0.4)]
+    drafted = [i for i, d in enumerate(steps) if d]
+    gaps = [b - a for a, b in itertools.pairwise(drafted)]
+    assert drafted[0] == 2 * EXPLORE_EVERY - 1
+    assert gaps == [min(2 ** (k + 2) * EXPLORE_EVERY, EXPLORE_DECLINED_MAX) for k in range(len(gaps))]
+    assert len(drafted) == 5  # in 480 steps; one in each of the 12 requests before
 
 
 def test_the_drafts_first_pass_over_the_prompt_teaches_the_planner_nothing(loaded):
