@@ -261,7 +261,7 @@ class BudgetPlanner:
         a request about a sixth of its speed in one process. Their requests then explore on one
         count of the regime's steps, first after twice the usual gap, the gap doubling up to
         EXPLORE_DECLINED_MAX: two exploring drafts in each 64-token request, each mostly the
-        draft's first pass over its prompt, still cost it 5-7% there."""
+        draft's first pass over its prompt, still cost it about 5% there."""
         with self._lock:
             shared = self._stats(regime)
             s = request if request is not None else shared

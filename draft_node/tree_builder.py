@@ -32,7 +32,7 @@ from common.decoding.tree import MAX_BUDGET, TokenTree, TreeParams
 # its ancestors, reached with about that ancestor's probability, and the tree below it expands nodes
 # at least `min_prob` as likely as it. A node below `min_prob` times this share has at most this
 # chance of such a root. Without a bound the search grew to its cap on every tree, a core's full
-# load while trees did not pay (prose), which slowed the target beside it on one box by 9-18%.
+# load while trees did not pay (prose), which slowed the target beside it on one box by 10-20%.
 IDLE_FLOOR_SHARE = 1 / 16
 
 __all__ = ["MAX_BUDGET", "BuiltTree", "Expander", "ExpansionRefused", "TreeBuilder", "TreeParams"]
