@@ -42,14 +42,14 @@ def main() -> None:
     always = SpecExec(shipped.target, shipped.draft, shipped.tokenizer, tree=tree, auto_budget=True)
     assert always.planner is not None
     always.planner.trials_declined = 10**9
-    apart = SpecExec(shipped.target, shipped.draft, shipped.tokenizer, tree=tree, auto_budget=True)
-    assert apart.planner is not None
-    apart.planner.explore_across = False
+    per_request = SpecExec(shipped.target, shipped.draft, shipped.tokenizer, tree=tree, auto_budget=True)
+    assert per_request.planner is not None
+    per_request.planner.explore_across = False
     alone = shipped.variant("autoregressive", None)
     itself = LlamaItself(find_gguf(gguf), args.threads)
     prompts = load_prompts(None, args.prompts + 4, ("code", "prose"))
     for p in prompts[:4]:
-        for gen in (shipped, always, apart):
+        for gen in (shipped, always, per_request):
             gen.generate(encode(shipped.tokenizer, p["prompt"]), max_new_tokens=args.tokens)
     runs: list[dict[str, float | str]] = []
     try:
@@ -57,7 +57,7 @@ def main() -> None:
             for p in prompts[4:]:
                 ids = encode(shipped.tokenizer, p["prompt"])
                 row: dict[str, float | str] = {"category": p["category"]}
-                contestants = list(zip(NAMES, (None, alone, always, apart, shipped), strict=True))
+                contestants = list(zip(NAMES, (None, alone, always, per_request, shipped), strict=True))
                 for name, gen in contestants[:: -1 if rnd % 2 else 1]:
                     if gen is None:
                         tokens, wall = itself(ids, args.tokens)

@@ -407,7 +407,7 @@ def test_requests_stop_trying_trees_the_pair_cannot_pay_for():
 
 def test_while_trials_are_declined_exploring_drafts_space_out_across_requests():
     """Two exploring drafts a request, each mostly the draft's first pass over the prompt, cost a
-    64-token request 5-7% where trees never pay. So once requests skip their trials the gap counts
+    64-token request about 5% where trees never pay. So once requests skip their trials the gap counts
     the regime's steps, not each request's, and doubles up to EXPLORE_DECLINED_MAX."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     for _ in range(TRIALS_DECLINED):
