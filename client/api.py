@@ -11,10 +11,12 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from client import planner_state
 from client.budget import BudgetPlanner
 from client.generation import (
     DraftBackend,
@@ -77,9 +79,12 @@ class SpecExec:
         auto_budget: bool = False,
         recovery: Recovery | None = None,
         link: DraftLink | None = None,
+        planner_dir: Path | None = None,
     ) -> None:
         """`auto_budget` sizes each tree from the nodes' forward-time curves; `tree.budget` is then the
-        largest size considered. `recovery` is the streams' unless one brings its own; its `notify`
+        largest size considered. `planner_dir`: a directory where its planner keeps what it learned
+        for the next process on the same pair (client.planner_state; the CLI's is
+        `~/.cache/specexec/planner`); None, each process starts afresh. `recovery` is the streams' unless one brings its own; its `notify`
         also hears of a draft that is down now. `link` shares another generator's view of the same
         draft (`variant`).
 
@@ -101,6 +106,8 @@ class SpecExec:
                 self.link.check(self.recovery.notify)
         self._fit_tree([target.info(), *([self.link.info] if self.link is not None and self.link.info else [])])
         self.planner: BudgetPlanner | None = None
+        self.planner_dir = planner_dir
+        self._state_file: Path | None = None
         self._planner_lock = threading.Lock()
         self.current_planner()
 
@@ -120,9 +127,13 @@ class SpecExec:
         if self.planner is None and self.auto_budget and info is not None and self.tree is not None:
             with self._planner_lock:
                 if self.planner is None:
-                    self.planner = BudgetPlanner(
-                        list(self.target.info().forward_curve), list(info.forward_curve), base=self.tree
-                    )
+                    target = self.target.info()
+                    planner = BudgetPlanner(list(target.forward_curve), list(info.forward_curve), base=self.tree)
+                    if self.planner_dir is not None:
+                        apart = getattr(self.draft, "runs_apart", False)
+                        self._state_file = planner_state.state_path(self.planner_dir, target, info, self.tree, apart)
+                        planner_state.load(planner, self._state_file)
+                    self.planner = planner
         return self.planner
 
     def variant(self, mode: str, tree: TreeParams | None) -> SpecExec:
@@ -136,6 +147,7 @@ class SpecExec:
             tree=tree,
             recovery=self.recovery,
             link=self.link,
+            planner_dir=self.planner_dir,
         )
 
     def sequence(self, prompt: list[int], recovery: Recovery | None = None) -> Sequence:
@@ -164,6 +176,7 @@ class SpecExec:
         draft_backend: str = "auto",
         draft_n_gpu_layers: int = 0,
         max_sessions: int = 8,
+        planner_dir: Path | None = None,
     ) -> SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
@@ -216,7 +229,8 @@ class SpecExec:
         if auto_budget and draft is not None:
             target.profile()
             draft.profile()
-        return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree, auto_budget=auto_budget)
+        return cls(target, draft, target_loaded.tokenizer, mode=mode, tree=tree, auto_budget=auto_budget,
+                   planner_dir=planner_dir)  # fmt: skip
 
     def encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -239,6 +253,8 @@ class SpecExec:
             yield from self._run(sequence, sampling)
         finally:
             sequence.close()
+            if self.planner is not None and self._state_file is not None:
+                planner_state.save(self.planner, self._state_file)
 
     def generate(
         self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any

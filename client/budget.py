@@ -24,8 +24,10 @@ trees shrink under load where the pass is flat (a GPU) and keep their size where
 
 from __future__ import annotations
 
+import math
 import threading
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
 
 import numpy as np
 
@@ -170,6 +172,34 @@ class BudgetPlanner:
             trial = shared.declined < self.trials_declined
             return replace(shared, steps=0, trees=0, skipped=0, judged=False, trial=trial,
                            explore=EXPLORE_EVERY if trial else 2 * EXPLORE_EVERY)  # fmt: skip
+
+    def snapshot(self) -> dict[str, Any]:
+        """What this planner learned about the pair, as plain data (client.planner_state). The
+        sessions per pass are left out: they describe the load of the moment, not the pair."""
+        with self._lock:
+            return {"draft_scale": self.draft_scale, "target_scale": self.target_scale,
+                    "regimes": {name: asdict(s) for name, s in self._regimes.items()}}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Take up a snapshot of a planner on the same pair; ValueError, and this planner unchanged,
+        if any part of it is not one."""
+        scales = [state["draft_scale"], state["target_scale"]]
+        if not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in scales):
+            raise ValueError(f"scales must be positive numbers, got {scales}")
+        regimes = {}
+        for name, values in dict(state["regimes"]).items():
+            if name not in (GREEDY, SAMPLED) or set(values) != {f.name for f in fields(RegimeStats)}:
+                raise ValueError(f"regime {name!r} is not one this planner keeps")
+            stats = RegimeStats(**values)
+            numbers = [getattr(stats, f.name) for f in fields(RegimeStats)]
+            if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
+                raise ValueError(f"regime {name!r} holds a value that is not a count or a mean")
+            if min(stats.tokens, stats.seconds, stats.predicted) <= 0:
+                raise ValueError(f"regime {name!r} has a rate or calibration out of range")
+            regimes[name] = stats
+        with self._lock:
+            self.draft_scale, self.target_scale = float(scales[0]), float(scales[1])
+            self._regimes = regimes
 
     def _stats(self, regime: str) -> RegimeStats:
         """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,

@@ -251,6 +251,7 @@ def connect(
     tree: TreeParams | None = None,
     auto_budget: bool = False,
     recovery: Recovery | None = None,
+    planner_dir: Path | None = None,
     **kwargs: Any,
 ) -> SpecExec:
     """A `SpecExec` whose nodes are remote. The target must be up; the draft is optional: one that is
@@ -270,6 +271,7 @@ def connect(
         tree=tree,
         auto_budget=auto_budget,
         recovery=recovery,
+        planner_dir=planner_dir,
     )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -11,6 +12,9 @@ from common.model.loading import LoadedModel, load_model
 from tests.tiny_models import make_tiny_model, truncate_layers
 
 torch.set_num_threads(1)
+# The CLI keeps what --budget auto learned about a pair for its next run; tests' runs (in this
+# process and the CLIs they start) must not teach each other.
+os.environ.setdefault("SPECEXEC_NO_PLANNER_MEMORY", "1")
 
 
 @pytest.fixture(scope="session")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 from typing import Any
 
+from client import planner_state
 from client.api import SpecExec, render_chat
 from client.generation import Recovery
 from client.openai.server import TlsFiles
@@ -47,6 +49,12 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         "--max-budget (chain mode: chain length, default 4)",
     )
     g.add_argument("--max-budget", type=int, default=256, help="largest tree --budget auto considers")
+    g.add_argument(
+        "--no-planner-memory",
+        action="store_true",
+        help="--budget auto starts from nothing learned and keeps nothing; by default what it learns about a pair "
+        "of nodes (whether trees pay, how fast steps run) is kept under ~/.cache/specexec/planner for the next run",
+    )
     g.add_argument("--max-depth", type=int, default=16)
     g.add_argument("--max-branch", type=int, default=8)
     g.add_argument("--expand-batch", type=int, default=16)
@@ -122,6 +130,10 @@ def auto_budget(args: argparse.Namespace) -> bool:
     return args.budget == "auto" and args.mode == "specexec"
 
 
+def planner_dir(args: argparse.Namespace) -> Path | None:
+    return None if args.no_planner_memory else planner_state.default_dir()
+
+
 def tree_from(args: argparse.Namespace) -> TreeParams:
     if args.budget == "auto":
         budget = args.max_budget if args.mode == "specexec" else 4
@@ -169,6 +181,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             n_gpu_layers=args.n_gpu_layers,
             kv_type=args.kv_type,
             max_sessions=1,  # generate, chat and profile run one generation at a time
+            planner_dir=planner_dir(args),
         )
     return connect(
         args.draft,
@@ -179,6 +192,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
         step_timeout=args.step_timeout,
         security=client_security(args),
         recovery=Recovery(draft_retry_seconds=args.draft_retry),
+        planner_dir=planner_dir(args),
     )
 
 

@@ -6,7 +6,7 @@ import argparse
 import subprocess
 import sys
 
-from client.cli.args import auto_budget, prompt_from, sampling_from, tree_from
+from client.cli.args import auto_budget, planner_dir, prompt_from, sampling_from, tree_from
 from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
 from common.model.llama_cpp import MAX_TREE_LEAVES, tree_limit
@@ -72,6 +72,7 @@ def run_local(args: argparse.Namespace) -> int:
             tree=tree_from(args),
             auto_budget=auto_budget(args),
             security=security,
+            planner_dir=planner_dir(args),
         )
         return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
     finally:
