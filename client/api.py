@@ -82,9 +82,9 @@ class SpecExec:
         planner_dir: Path | None = None,
     ) -> None:
         """`auto_budget` sizes each tree from the nodes' forward-time curves; `tree.budget` is then the
-        largest size considered. `planner_dir`: a directory where its planner keeps what it learned
-        for the next process on the same pair (client.planner_state; the CLI's is
-        `~/.cache/specexec/planner`); None, each process starts afresh. `recovery` is the streams' unless one brings its own; its `notify`
+        largest size considered; its planner keeps what it learned for the next process on the same
+        pair in `planner_dir` (client.planner_state; the CLI's is `~/.cache/specexec/planner`), or
+        starts afresh with None. `recovery` is the streams' unless one brings its own; its `notify`
         also hears of a draft that is down now. `link` shares another generator's view of the same
         draft (`variant`).
 

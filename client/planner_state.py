@@ -43,7 +43,8 @@ def state_path(directory: Path, target: NodeInfo, draft: NodeInfo, base: TreePar
 
 def load(planner: BudgetPlanner, path: Path) -> bool:
     """Restore what an earlier process learned on this pair; False (and the planner as it was) if
-    there is nothing usable. A file that does not parse is set aside, named, not trusted."""
+    there is nothing usable: no file, a torn one, or one that is not a planner's state (a warning
+    names it)."""
     data: Any = read_json(path)
     if data is None:
         return False
