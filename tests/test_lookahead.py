@@ -328,3 +328,40 @@ def test_an_interrupted_torch_forward_leaves_the_search_as_it_was(loaded, throug
         assert np.array_equal(got.tokens, want.tokens) and np.array_equal(got.parents, want.parents)
         assert np.allclose(got.logprobs, want.logprobs, atol=1e-5)
     assert_cache_prefix_equal(cut.cache, recomputed(model.model, cut.committed), cut.cache.length)
+
+
+class EndlessSearch:
+    """A search with always more to grow, a millisecond a batch."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps = 0
+
+    def idle_step(self) -> bool:
+        time.sleep(0.001)
+        self.steps += 1
+        return True
+
+    def interrupt(self) -> None:
+        pass
+
+
+def test_a_search_stops_growing_once_its_session_stops_asking():
+    """A client that runs its steps on the target alone, or has finished, no longer asks for trees:
+    past STALL_STEPS of the session's quickest recent steps its search stops (on a shared box it
+    slowed the target's pass for nothing). One request alone says nothing of its steps: no cut."""
+    lookahead = Lookahead(alone_seconds=0.0)
+    once, asked = EndlessSearch(), EndlessSearch()
+    try:
+        lookahead.schedule(once)
+        time.sleep(0.3)
+        assert not lookahead.idle(0.2) and lookahead.stalls == 0
+        for _ in range(3):
+            lookahead.schedule(asked)  # steps of about 20 ms
+            time.sleep(0.02)
+        assert lookahead.idle(10) and lookahead.stalls == 1
+        grown = asked.steps
+        time.sleep(0.1)
+        assert asked.steps == grown > 0
+    finally:
+        lookahead.close(10)
