@@ -7,11 +7,6 @@ torch between layers; the search is left as it was before the batch), so it wait
 milliseconds rather than up to a forward (a compiled torch draft's passes still run whole). The worker holds only its session's lock; its forwards share passes with requests'
 (common.runtime.batching).
 
-A session whose client has stopped asking for trees (its steps now run on the target alone, or its
-generation is over) stops growing once STALL_STEPS of its quickest recent steps have gone by: its
-next root will be far past anything the search could reach, and on a box the nodes share, a
-search nobody will use slows the target's pass (docs/benchmarks.md).
-
 With several sessions asking for trees, the worker rests: the draft's idle moments are then short
 and belong to everyone, and each idle forward for one session delays the next request of another by
 up to a forward, and takes the core from the client beside it. With 8 concurrent clients through the
@@ -23,10 +18,8 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections import deque
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Protocol
 
 
@@ -43,25 +36,6 @@ class Searching(Protocol):
 
 
 ALONE_SECONDS = 1.0  # the worker runs while no other session has asked for a tree for this long
-STALL_STEPS = 4  # a search grows until its session has gone this many of its quickest recent steps unasked
-RECENT_STEPS = 4
-
-
-@dataclass
-class StepClock:
-    """When a session last asked for a tree, and how long its recent steps took (ask to ask)."""
-
-    last: float
-    steps: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT_STEPS))
-
-    def asked(self, now: float) -> None:
-        self.steps.append(now - self.last)
-        self.last = now
-
-    def stalled(self, now: float) -> bool:
-        """The quickest recent step, not the mean: the step after a stretch on the target alone
-        spans the whole stretch. Before a second request nothing is known, and nothing is cut."""
-        return bool(self.steps) and now - self.last > STALL_STEPS * min(self.steps)
 
 
 class Lookahead:
@@ -71,8 +45,6 @@ class Lookahead:
         # dropped by its owner is not kept alive by the worker.
         self._session: weakref.ref[Searching] | None = None
         self._served: dict[int, float] = {}  # id(session) -> when it was last served, lately
-        self._clocks: weakref.WeakKeyDictionary[Searching, StepClock] = weakref.WeakKeyDictionary()
-        self.stalls = 0  # searches stopped because their session stopped asking (tests, metrics)
         self._waiting = 0  # requests waiting for (or holding) the model
         self.alone_seconds = alone_seconds
         self.forwards = 0  # batches expanded in idle time, for tests and metrics
@@ -114,11 +86,6 @@ class Lookahead:
             now = time.monotonic()
             self._served = {sid: t for sid, t in self._served.items() if now - t < self.alone_seconds}
             self._served[id(session)] = now
-            clock = self._clocks.get(session)
-            if clock is None:
-                self._clocks[session] = StepClock(now)
-            else:
-                clock.asked(now)
             self._session = weakref.ref(session)
             self._cv.notify_all()
 
@@ -127,7 +94,6 @@ class Lookahead:
             if self._current() is session:
                 self._session = None
             self._served.pop(id(session), None)
-            self._clocks.pop(session, None)  # type: ignore[call-overload]
 
     def idle(self, timeout: float) -> bool:
         """Wait until the worker has nothing left to grow (tests)."""
@@ -157,11 +123,6 @@ class Lookahead:
             if rest > 0:  # other sessions are active: no idle steps until this one is alone
                 del session
                 self._cv.wait(rest)
-                return True
-            clock = self._clocks.get(session)  # type: ignore[arg-type]
-            if clock is not None and clock.stalled(time.monotonic()):
-                self._session, self.stalls = None, self.stalls + 1
-                self._cv.notify_all()
                 return True
         assert session is not None
         with session.lock:
