@@ -177,8 +177,8 @@ class BudgetPlanner:
         """What this planner learned about the pair, as plain data (client.planner_state). The
         sessions per pass are left out: they describe the load of the moment, not the pair."""
         with self._lock:
-            return {"draft_scale": self.draft_scale, "target_scale": self.target_scale,
-                    "regimes": {name: asdict(s) for name, s in self._regimes.items()}}  # fmt: skip
+            regimes = {name: {k: _plain(v) for k, v in asdict(s).items()} for name, s in self._regimes.items()}
+            return {"draft_scale": float(self.draft_scale), "target_scale": float(self.target_scale), "regimes": regimes}
 
     def restore(self, state: dict[str, Any]) -> None:
         """Take up a snapshot of a planner on the same pair; ValueError, and this planner unchanged,
@@ -379,6 +379,13 @@ def free_batch(draft_curve: list[tuple[int, float]], slack: float = 1.25) -> int
     per forward is then free, and fewer forwards build the same tree."""
     one = interpolate(draft_curve, 1)
     return max((n for n, t in draft_curve if t <= slack * one), default=1)
+
+
+def _plain(value: float | int | bool) -> float | int | bool:
+    """A running mean as JSON takes it: numpy's scalars are not all Python numbers."""
+    if isinstance(value, bool | np.bool_):
+        return bool(value)
+    return int(value) if isinstance(value, int | np.integer) else float(value)
 
 
 def _ema_ratio(observed: float, predicted: float) -> float:

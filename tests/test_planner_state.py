@@ -10,6 +10,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from client import planner_state
@@ -45,6 +46,18 @@ def test_a_planner_that_learned_trees_do_not_pay_hands_it_to_the_next_one(tmp_pa
     assert all(run_request(fresh, PRIOR_STEPS, accepted=0, seconds=0.4))
     assert not any(run_request(restored, PRIOR_STEPS, accepted=0, seconds=0.4))
     assert restored.snapshot()["target_scale"] == pytest.approx(taught.snapshot()["target_scale"])
+
+
+def test_numpy_numbers_in_the_means_are_kept_as_plain_ones(tmp_path):
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    run_request(plan, 8, accepted=3, seconds=0.2)
+    with plan._lock:
+        stats = plan._stats("greedy")
+        stats.batch, stats.steps, stats.judged = np.float32(2.5), np.int64(9), np.bool_(True)
+    planner_state.save(plan, tmp_path / "state.json")
+    restored = BudgetPlanner(CPU, DRAFT, base=BASE)
+    assert planner_state.load(restored, tmp_path / "state.json")
+    assert restored.stats().batch == 2.5 and restored.stats().steps == 9 and restored.stats().judged is True
 
 
 def test_the_state_belongs_to_the_pair_as_it_runs():
