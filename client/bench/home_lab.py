@@ -1,7 +1,7 @@
 """`specexec bench --home-lab`: two machines emulated on one, each node pinned to its own cores with
 one thread, and the question the product must answer: does the second machine pay?
 
-Contestants, interleaved prompt by prompt:
+Contestants, interleaved prompt by prompt, in alternating order:
 - the target alone (its node, root-only trees);
 - the sequential split: a draft node that works only when asked (`--no-lookahead`);
 - the pipelined split: a draft node that grows the next tree while the target verifies;
@@ -235,7 +235,7 @@ def run(config: HomeLabConfig) -> list[LabRun]:
                     names = contestants(config, setting)
                     for name in names:  # untimed: first-call costs stay out of the figures
                         gens[name](ids, SamplingParams(max_new_tokens=4, **SETTINGS[setting]))
-                    for name in names:
+                    for name in names[:: -1 if i % 2 else 1]:  # alternating: no contestant always runs first
                         time.sleep(1.0)  # the last run's lookahead settles before the next run
                         out = gens[name](ids, sampling)
                         runs.append(LabRun(name, i, p["category"], setting, out.token_ids, out.stats.as_dict()))
