@@ -159,6 +159,18 @@ def test_a_closed_sessions_context_is_reused_clean(ggufs):
     assert model.new_context(32, 16).ctx is not first.ctx  # another size gets a context of its own
 
 
+def test_timing_a_pass_keeps_no_context_behind(ggufs):
+    """A profiling pass's context has a shape no session asks for: kept as the spare, the largest
+    size's buffers held 0.3 GiB of the 1.5B target node for good after a cold start."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    session = model.new_context(64, 16)
+    session.close()
+    spare = model._spare
+    assert spare is not None
+    assert model.time_tree(8, 4, np.array([-1, 0, 0, 1, 1, 2, 3, 3])) > 0
+    assert model._spare is None and spare._ctx is None  # the session's spare was closed, not reshaped
+
+
 def test_too_many_leaves_or_nodes_are_refused_clearly(ggufs):
     model = LlamaCppModel(ggufs["F32"] / "model.gguf", threads=1)
     ctx = model.new_context(64, 8)
