@@ -11,14 +11,12 @@ generator of its own as in a process of its own. The state starts empty, so the 
 
 from __future__ import annotations
 
-import argparse
-import math
 import tempfile
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
+from benchmarks.trial_ab import ab_args, print_table
 from client.api import SpecExec
 from client.bench.harness import encode, load_prompts
 from common.decoding.tree import TreeParams
@@ -29,13 +27,7 @@ NAMES = ("target alone", "fresh planner", "kept state")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--prompts", type=int, default=8)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--tokens", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=2)
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
+    args = ab_args(__doc__)
     tree = TreeParams(budget=64)
     base = SpecExec.local(str(resolve_model("qwen2.5-coder-0.5b")), str(resolve_gguf("qwen2.5-coder-1.5b")),
                           draft_quantize="int8", auto_budget=True, tree=tree)  # fmt: skip
@@ -61,15 +53,7 @@ def main() -> None:
                 row[name] = out.stats.tokens_per_second
                 row[name + " drafted"] = len(out.stats.budgets)
             runs.append(row)
-    print("| category | contestant | tok/s | x target alone | drafted steps a request |")
-    print("|---|---|---|---|---|")
-    for cat in ("code", "prose"):
-        mine = [r for r in runs if r["category"] == cat]
-        for name in NAMES:
-            ratio = math.exp(sum(math.log(float(r[name]) / float(r[NAMES[0]])) for r in mine) / len(mine))
-            drafted = sum(float(r.get(name + " drafted", 0)) for r in mine) / len(mine)
-            print(f"| {cat} | {name} | {sum(float(r[name]) for r in mine) / len(mine):.2f} | {ratio:.3f} "
-                  f"| {drafted:.1f} |")  # fmt: skip
+    print_table(runs, NAMES)
     print("\nper request, in order: category, then tok/s of " + ", ".join(NAMES))
     for r in runs:
         print(f"{r['category']:6} " + "  ".join(f"{float(r[n]):6.2f}" for n in NAMES))

@@ -27,14 +27,34 @@ from common.ops.hugepages import reexec_with_huge_pages
 NAMES = ("llama.cpp itself", "target alone", "trial always", "explore per request", "as shipped")
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def ab_args(doc: str) -> argparse.Namespace:
+    """The options of the one-process A/B benchmarks (this one, benchmarks/planner_memory.py)."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    return args
+
+
+def print_table(runs: list[dict[str, float | str]], names: tuple[str, ...]) -> None:
+    """Per category, each contestant's mean tok/s, its geometric-mean ratio to the first and its
+    drafted steps a request."""
+    print(f"| category | contestant | tok/s | x {names[0]} | drafted steps a request |")
+    print("|---|---|---|---|---|")
+    for cat in ("code", "prose"):
+        mine = [r for r in runs if r["category"] == cat]
+        for name in names:
+            ratio = math.exp(sum(math.log(float(r[name]) / float(r[names[0]])) for r in mine) / len(mine))
+            drafted = sum(float(r.get(name + " drafted", 0)) for r in mine) / len(mine)
+            print(f"| {cat} | {name} | {sum(float(r[name]) for r in mine) / len(mine):.2f} | {ratio:.3f} "
+                  f"| {drafted:.1f} |")  # fmt: skip
+
+
+def main() -> None:
+    args = ab_args(__doc__)
     tree = TreeParams(budget=64)
     gguf = resolve_gguf("qwen2.5-coder-1.5b")
     shipped = SpecExec.local(str(resolve_model("qwen2.5-coder-0.5b")), str(gguf), draft_quantize="int8",
@@ -69,16 +89,7 @@ def main() -> None:
                 runs.append(row)
     finally:
         itself.close()
-    print("| category | contestant | tok/s | x llama.cpp itself | drafted steps a request |")
-    print("|---|---|---|---|---|")
-    for cat in ("code", "prose"):
-        mine = [r for r in runs if r["category"] == cat]
-        for name in NAMES:
-            ratio = math.exp(sum(math.log(float(r[name]) / float(r[NAMES[0]])) for r in mine) / len(mine))
-            drafted = sum(float(r.get(name + " drafted", 0)) for r in mine) / len(mine)
-            print(f"| {cat} | {name} | {sum(float(r[name]) for r in mine) / len(mine):.2f} | {ratio:.3f} "
-                  f"| {drafted:.1f} |")  # fmt: skip
-
+    print_table(runs, NAMES)
 
 if __name__ == "__main__":
     reexec_with_huge_pages()
