@@ -107,7 +107,8 @@ class SpecExec:
         self._fit_tree([target.info(), *([self.link.info] if self.link is not None and self.link.info else [])])
         self.planner: BudgetPlanner | None = None
         self.planner_dir = planner_dir
-        self._state_file: Path | None = None
+        self.planner_file: Path | None = None  # where the planner's state is kept, once it exists
+        self.planner_restored = False  # whether it started from what earlier processes learned
         self._planner_lock = threading.Lock()
         self.current_planner()
 
@@ -131,8 +132,8 @@ class SpecExec:
                     planner = BudgetPlanner(list(target.forward_curve), list(info.forward_curve), base=self.tree)
                     if self.planner_dir is not None:
                         apart = getattr(self.draft, "runs_apart", False)
-                        self._state_file = planner_state.state_path(self.planner_dir, target, info, self.tree, apart)
-                        planner_state.load(planner, self._state_file)
+                        self.planner_file = planner_state.state_path(self.planner_dir, target, info, self.tree, apart)
+                        self.planner_restored = planner_state.load(planner, self.planner_file)
                     self.planner = planner
         return self.planner
 
@@ -253,8 +254,8 @@ class SpecExec:
             yield from self._run(sequence, sampling)
         finally:
             sequence.close()
-            if self.planner is not None and self._state_file is not None:
-                planner_state.save(self.planner, self._state_file)
+            if self.planner is not None and self.planner_file is not None:
+                planner_state.save(self.planner, self.planner_file)
 
     def generate(
         self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any

@@ -53,6 +53,7 @@ def load(planner: BudgetPlanner, path: Path) -> bool:
     except (TypeError, ValueError, KeyError) as exc:
         log.warning("ignoring the planner state in %s (%s); starting afresh", path, exc)
         return False
+    log.info("--budget auto goes on from what earlier runs learned on this pair (%s)", path)
     return True
 
 

@@ -110,6 +110,7 @@ def test_profile_prints_both_curves_the_planner_numbers_and_its_choice(model_dir
     )
     assert "target forward pass: 1 tok" in out.stdout and "draft forward pass: 1 tok" in out.stdout
     assert "running rate" in out.stdout and "calibration" in out.stdout
+    assert "planner state: not kept (--no-planner-memory)" in out.stdout  # the tests' conftest sets it
     choice = out.stdout.strip().splitlines()[-1]
     assert choice.startswith("choice: --budget 16 --min-prob "), choice
     assert " --min-node-prob " in choice

@@ -123,9 +123,12 @@ def test_each_request_keeps_the_state_for_the_next_generator(loaded, tmp_path):
     first.generate(PROMPT, params)
     learned = first.planner.snapshot()
     assert learned["regimes"]["greedy"]["steps"] > 0
+    assert not first.planner_restored
     second = generator(loaded, tmp_path)
-    assert second.planner.snapshot() == learned
-    assert generator(loaded, None).planner.snapshot()["regimes"] == {}
+    assert second.planner_restored and second.planner.snapshot() == learned
+    assert second.planner_file == first.planner_file and second.planner_file.parent == tmp_path
+    alone = generator(loaded, None)
+    assert alone.planner.snapshot()["regimes"] == {} and alone.planner_file is None
 
 
 def test_the_cli_keeps_the_state_unless_told_not_to(model_dirs, tmp_path):

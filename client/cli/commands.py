@@ -155,6 +155,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
         raise ValueError("profile needs --mode specexec and a draft that is up")
     for role, curve in (("target", gen.planner.target_curve), ("draft", gen.planner.draft_curve)):
         print(f"{role} forward pass: " + ", ".join(f"{n} tok {t * 1e3:.1f} ms" for n, t in curve))
+    if gen.planner_file is None:
+        print("planner state: not kept (--no-planner-memory)")
+    else:
+        kept = "continuing from" if gen.planner_restored else "none kept for this pair yet; keeping it in"
+        print(f"planner state: {kept} {gen.planner_file}")
     out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)
     print(
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
