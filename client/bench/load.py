@@ -102,8 +102,10 @@ class LoadLab:
             self.metrics[name]["draft"] = f"http://127.0.0.1:{metrics}/metrics"
             draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
             port = free_port()
+            # Each contestant's planner starts afresh: kept state would carry one run (or contestant) into the next.
             cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", target_addr, "--draft", draft_addr,
-                   "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--max-budget", str(config.max_budget)]  # fmt: skip
+                   "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--max-budget", str(config.max_budget),
+                   "--no-planner-memory"]  # fmt: skip
             argv, env = pinned(cmd, config.draft_cores)
             self.procs.append(subprocess.Popen(argv, env=env))
             self.urls[name] = f"http://127.0.0.1:{port}"
