@@ -8,6 +8,7 @@ from torch import nn
 
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
+from common.model import quantized_linear
 from common.model.loading import load_model
 from common.model.quantized_linear import Int8DynamicLinear, check_quantize, quantize
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
@@ -29,6 +30,22 @@ def test_fused_int8_product_is_close_to_the_float_products():
         assert out.shape == ref.shape and out.dtype == torch.float32
         assert (out - ref).abs().max() < 0.05 * ref.abs().max()
         assert fused(x.bfloat16()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_quantizing_rows_in_pieces_gives_the_whole_weights_int8(monkeypatch, dtype):
+    """A piece of rows at a time (so the 0.5B's LM head needs no float32 copy at load) is the same
+    int8 and the same scales as one quantize_per_channel over the whole weight."""
+    monkeypatch.setattr(quantized_linear, "QUANTIZE_ROWS", 7)
+    torch.manual_seed(1)
+    linears = [nn.Linear(24, 37, bias=False).to(dtype), nn.Linear(24, 5, bias=False).to(dtype)]
+    linears[1].weight.data[2] = 0  # a row of zeros takes the smallest scale
+    weight = torch.cat([lin.weight.detach().float() for lin in linears])
+    scales = (weight.abs().amax(1) / 127).clamp(min=1e-8).double()
+    want = torch.quantize_per_channel(weight, scales, torch.zeros(42, dtype=torch.long), 0, torch.qint8)
+    got, _ = torch.ops.quantized.linear_unpack(Int8DynamicLinear(linears).packed)
+    assert torch.equal(got.int_repr(), want.int_repr())
+    assert torch.equal(got.q_per_channel_scales(), want.q_per_channel_scales())
 
 
 @pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
