@@ -91,6 +91,7 @@ def main() -> None:
         itself.close()
     print_table(runs, NAMES)
 
+
 if __name__ == "__main__":
     reexec_with_huge_pages()
     main()
