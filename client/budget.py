@@ -316,6 +316,18 @@ class BudgetPlanner:
                 return True
             return False
 
+    def alone_run(self, regime: str = GREEDY, request: RegimeStats | None = None, most: int = 1) -> int:
+        """How many steps, from one that `draft_pays` has just left on the target alone, will run alone
+        before its next exploring draft if nothing new is learned meanwhile, up to `most`: the client
+        runs them as one call to the target, and they count as skipped now."""
+        with self._lock:
+            shared = self._stats(regime)
+            s = request if request is not None else shared
+            gap = s if s.trial or not self.explore_across else shared
+            run = max(1, min(most, gap.explore - gap.skipped))
+            gap.skipped += run - 1
+            return run
+
     def observe_alone(
         self, tokens: int, seconds: float, regime: str = GREEDY, request: RegimeStats | None = None
     ) -> None:

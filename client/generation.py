@@ -12,6 +12,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -29,6 +30,9 @@ MODES = ("specexec", "chain", "autoregressive")
 # (`Sequence._catch_up_apart`, `Sequence._open_apart`).
 CATCH_UP_ALONE = 32
 CATCH_UP = TreeParams.chain(1)  # what that background call asks for: the KV; its tree is not used
+# Steps on the target alone run as one call of at most this many tokens (`Sequence._alone_run`), and
+# within a quarter of the call's deadline at the pace last measured.
+RUN_MAX = 16
 log = logging.getLogger("specexec.client")
 
 
@@ -53,6 +57,16 @@ class TargetBackend(Protocol):
         append: list[int] | None = None,
         truncate_to: int | None = None,
     ) -> VerifyResult: ...
+    def decode(
+        self,
+        session_id: str,
+        last_token: int,
+        params: SamplingParams,
+        max_tokens: int,
+        steps: int,
+        append: list[int] | None = None,
+        truncate_to: int | None = None,
+    ) -> Iterator[VerifyResult]: ...
     def close_session(self, session_id: str) -> bool: ...
 
 
@@ -184,6 +198,10 @@ class DraftLink:
             recovery.notify(f"draft node {self.name} refused: {refusal}; generating with the target alone")
         return self.info
 
+    def probe_in(self, recovery: Recovery) -> float:
+        """Seconds until `ready` may probe a draft that is down."""
+        return max(0.0, self._failed_at + recovery.draft_retry_seconds - time.monotonic())
+
     def lost(self, epoch: int) -> None:
         """A call to the draft failed: it counts as down until a probe says otherwise. A failure on a
         session of an earlier epoch says nothing about the draft that came back since."""
@@ -254,6 +272,12 @@ class StepBudget:
         tree = self._planner.fit(drafted.tree, pending, self.kind, self._request)
         return drafted if tree is drafted.tree else replace(drafted, tree=tree)
 
+    def alone_run(self, most: int) -> int:
+        """How many steps, from one `draft_pays` left on the target alone, run alone in one call."""
+        if self._planner is None:
+            return 1
+        return self._planner.alone_run(self.kind, self._request, most)
+
     def observe_alone(self, tokens: int, target_s: float) -> None:
         if self._planner is not None:
             self._planner.observe_alone(tokens, target_s, self.kind, self._request)
@@ -301,6 +325,8 @@ class Sequence:
         self._apart = getattr(draft, "runs_apart", False)
         self._background: ThreadPoolExecutor | None = None
         self._catch_up: tuple[Future[Any], int] | None = None  # in flight; the epoch it was sent in
+        self._pace: float | None = None  # seconds per token of the last step on the target alone
+        self._run_fault: NodeFault | None = None  # the last run on the target alone's, until a step recovers
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -336,21 +362,22 @@ class Sequence:
             self.draft_session = session
         self._valid[node] = self._length[node] = len(self.tokens)
 
-    def _draft_step(self, budget: StepBudget, stats: GenerationStats) -> tuple[DraftedTree | None, bool]:
-        """This step's tree, or None to run it on the target alone; and whether the step is a steady
-        one, its times free of the draft's first pass over the history (a request that starts on
-        the target alone runs it in its first drafted step)."""
+    def _draft_step(self, budget: StepBudget, stats: GenerationStats, most: int) -> tuple[DraftedTree | None, bool, int]:
+        """This step's tree, or None to run it on the target alone; whether the step is a steady one,
+        its times free of the draft's first pass over the history (a request that starts on the target
+        alone runs it in its first drafted step); and how many steps from this one, up to `most`, may
+        run on the target alone in one call: while a draft catches up, only this one."""
         if self.link is None or budget.tree is None:
-            return None, False
+            return None, False, most
         held = self._draft_epoch
         if not self._draft_ready(stats):
-            return None, False
+            return None, False, self._until_probe(most)
         params = budget.params()  # after `_draft_ready`: a draft that just came up may bring the planner
         assert params is not None
         if self._catch_up_apart():
-            return None, False
+            return None, False, 1
         if not budget.draft_pays():
-            return None, True
+            return None, True, budget.alone_run(most)
         fresh = self._draft_kv == 0  # the draft's first pass over this sequence's history
         drafted = self._draft_tree(params, stats)
         if drafted is not None:
@@ -358,7 +385,17 @@ class Sequence:
             stats.budgets.append(drafted.tree.size - 1)
             stats.chain_steps += params.is_chain
             stats.reused_trees += drafted.reused
-        return drafted, self._draft_epoch == held and not fresh
+        return drafted, self._draft_epoch == held and not fresh, 1
+
+    def _until_probe(self, most: int) -> int:
+        """Steps on the target alone, up to `most`, before a draft that is down may be probed again
+        (a run does not delay its comeback); all of them if it is up but this sequence outgrew its
+        context."""
+        assert self.link is not None
+        if self.link.info is not None or most == 1:
+            return most
+        assert self._pace is not None  # `_alone_most` allows no run without it
+        return max(1, min(most, int(self.link.probe_in(self.recovery) / self._pace)))
 
     def _draft_ready(self, stats: GenerationStats) -> bool:
         """Whether this step can draft: the draft is usable, the sequence fits its context, and this
@@ -450,25 +487,59 @@ class Sequence:
         self.link.lost(epoch)
         self.recovery.notify(f"{exc}; continuing with the target alone")
 
+    def _alone_most(self, left: int) -> int:
+        """The longest run of steps on the target alone this step may start (`_decode`), where each
+        call is a round trip: one per token cost the target alone over gRPC 4-6% of its speed in one
+        process (docs/benchmarks.md). Bounded by RUN_MAX and by a quarter of the call's deadline at
+        the pace last measured, so a slow target's run does not time out; one step after a run
+        failed, and until a pace is known."""
+        if not getattr(self.target, "runs_apart", False) or self._run_fault is not None or self._pace is None:
+            return 1
+        timeout = getattr(self.target, "step_timeout", None)
+        most = min(left, RUN_MAX)
+        return most if timeout is None else max(1, min(most, int(timeout / (4 * self._pace))))
+
+    def _decode(self, sampling: SamplingParams, max_tokens: int, run: int) -> Iterator[VerifyResult]:
+        """`run` steps on the target alone in one call, a result per token as it is committed. The
+        target may hold more tokens than the sequence takes from it (a consumer that stops at a stop
+        string): the next request rolls it back. A fault ends the run with what came so far; the next
+        step verifies alone and recovers from it as from its own (`_verify`)."""
+        truncate_to, append = self._sync("target")
+        self._length["target"] += run
+        try:
+            yield from self.target.decode(
+                self.target_session, self.tokens[-1], sampling, max_tokens, run, append=append, truncate_to=truncate_to
+            )
+            self._length["target"] = self._valid["target"]  # the run ended on the node too
+        except NodeFault as exc:
+            self._run_fault = exc
+
+    def _verified(self, tree: TokenTree, sampling: SamplingParams, max_tokens: int) -> Iterator[VerifyResult]:
+        yield self._verify(tree, sampling, max_tokens)
+
     def _verify(self, tree: TokenTree, sampling: SamplingParams, max_tokens: int) -> VerifyResult:
         deadline = time.monotonic() + self.recovery.target_retry_seconds
         timeouts = 0
+        fault, self._run_fault = self._run_fault, None  # a run's: it may have left the session anywhere
         while True:
-            try:
-                truncate_to, append = self._sync("target")
-                return self.target.verify(
-                    self.target_session,
-                    tree,
-                    sampling,
-                    max_tokens=max_tokens,
-                    append=append,
-                    truncate_to=truncate_to,
-                )
-            except NodeFault as exc:
-                timeouts += isinstance(exc, NodeUnavailable) and exc.timed_out
-                if timeouts > 1 or time.monotonic() > deadline:
-                    raise
-                self.recovery.notify(f"{exc}; reopening the target session from the committed tokens")
+            if fault is None:
+                try:
+                    truncate_to, append = self._sync("target")
+                    return self.target.verify(
+                        self.target_session,
+                        tree,
+                        sampling,
+                        max_tokens=max_tokens,
+                        append=append,
+                        truncate_to=truncate_to,
+                    )
+                except NodeFault as exc:
+                    fault = exc
+            timeouts += isinstance(fault, NodeUnavailable) and fault.timed_out
+            if timeouts > 1 or time.monotonic() > deadline:
+                raise fault
+            self.recovery.notify(f"{fault}; reopening the target session from the committed tokens")
+            fault = None
             while True:
                 try:
                     self._reopen("target")
@@ -491,31 +562,48 @@ class Sequence:
         budget = StepBudget(tree, planner, sampling)
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
-            drafted, steady = self._draft_step(budget, stats)
-            verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
+            left = sampling.max_new_tokens - generated
+            drafted, steady, alone = self._draft_step(budget, stats, self._alone_most(left))
             mid = time.perf_counter()
-            result = self._verify(verified, sampling, sampling.max_new_tokens - generated)
-            draft_s, target_s = mid - start, time.perf_counter() - mid
-            draft_wire = wire_seconds(draft_s, drafted.node_seconds if drafted is not None else None)
-            target_wire = wire_seconds(target_s, result.node_seconds)
-            stats.draft_seconds += draft_s - draft_wire
-            stats.target_seconds += target_s - target_wire
-            stats.network_seconds += draft_wire + target_wire
-            stats.target_steps += 1
-            stats.shared_steps += result.pass_sessions > 1
-            stats.accepted_per_step.append(result.accepted)
-            if steady and generated > 0 and not result.finish_reason:
-                if drafted is not None:
-                    budget.observe(drafted, result, draft_s, target_s)
-                else:
-                    budget.observe_alone(len(result.tokens), draft_s + target_s)
-            stats.new_tokens += len(result.tokens)
-            self.tokens += result.tokens
-            self._valid["target"] = self._length["target"] = len(self.tokens)
-            generated += len(result.tokens)
-            yield result
-            if result.finish_reason or not result.tokens:
-                return
+            if drafted is None and alone > 1:
+                results = self._decode(sampling, left, alone)
+            else:
+                verified = drafted.tree if drafted is not None else TokenTree.root_only(self.tokens[-1])
+                results = self._verified(verified, sampling, left)
+            with closing(results):
+                for result in results:  # one step's, or each of a run's on the target alone
+                    now = time.perf_counter()
+                    draft_s, target_s = mid - start, now - mid
+                    start = mid = now
+                    self._account(result, drafted, draft_s, target_s, stats)
+                    if steady and generated > 0 and not result.finish_reason:
+                        if drafted is not None:
+                            budget.observe(drafted, result, draft_s, target_s)
+                        else:
+                            budget.observe_alone(len(result.tokens), draft_s + target_s)
+                    if drafted is None and result.tokens:
+                        self._pace = target_s / len(result.tokens)
+                    self.tokens += result.tokens
+                    self._valid["target"] = len(self.tokens)
+                    self._length["target"] = max(self._length["target"], len(self.tokens))
+                    generated += len(result.tokens)
+                    yield result
+                    if result.finish_reason or not result.tokens:
+                        return
+
+    @staticmethod
+    def _account(
+        result: VerifyResult, drafted: DraftedTree | None, draft_s: float, target_s: float, stats: GenerationStats
+    ) -> None:
+        draft_wire = wire_seconds(draft_s, drafted.node_seconds if drafted is not None else None)
+        target_wire = wire_seconds(target_s, result.node_seconds)
+        stats.draft_seconds += draft_s - draft_wire
+        stats.target_seconds += target_s - target_wire
+        stats.network_seconds += draft_wire + target_wire
+        stats.target_steps += 1
+        stats.shared_steps += result.pass_sessions > 1
+        stats.accepted_per_step.append(result.accepted)
+        stats.new_tokens += len(result.tokens)
 
     def close(self) -> None:
         """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the

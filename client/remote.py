@@ -5,6 +5,7 @@ from __future__ import annotations
 import secrets
 import shutil
 import tempfile
+from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,29 +69,33 @@ def _call(
     try:
         return fn(request, timeout=timeout, metadata=metadata)
     except grpc.RpcError as exc:
-        code, details = exc.code(), exc.details()
-        # This client never cancels its own calls: CANCELLED means the node cut the call short,
-        # as a server does to in-flight calls when it shuts down.
-        if code in (
-            grpc.StatusCode.UNAVAILABLE,
-            grpc.StatusCode.DEADLINE_EXCEEDED,
-            grpc.StatusCode.CANCELLED,
-        ):
-            hint = ""
-            if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
-                hint = f" ({(security or ClientSecurity()).hint()})"
-            raise NodeUnavailable(
-                f"{role} node at {address} is unavailable ({code.name}): {details}{hint}",
-                timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED,
-            ) from exc
-        if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
-            message = f"{role} node at {address} refused this client ({code.name}): {details}"
-            raise NodeAuthError(code, message) from exc
-        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
-            raise SessionLost(f"{role} node at {address}: {code.name}: {details}") from exc
-        if code == grpc.StatusCode.INVALID_ARGUMENT:
-            raise ValueError(f"{role} node refused the request: {details}") from exc
-        raise NodeError(code, f"{role} node at {address}: {code.name}: {details}") from exc
+        raise _fault(role, address, exc, security) from exc
+
+
+def _fault(role: str, address: str, exc: grpc.RpcError, security: ClientSecurity | None) -> Exception:
+    """What a failed call means to the caller: a fault to ride out, a refusal, or a bad request."""
+    code, details = exc.code(), exc.details()
+    # This client cancels only calls it no longer reads: CANCELLED means the node cut the call short,
+    # as a server does to in-flight calls when it shuts down.
+    if code in (
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.CANCELLED,
+    ):
+        hint = ""
+        if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
+            hint = f" ({(security or ClientSecurity()).hint()})"
+        return NodeUnavailable(
+            f"{role} node at {address} is unavailable ({code.name}): {details}{hint}",
+            timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED,
+        )
+    if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):
+        return NodeAuthError(code, f"{role} node at {address} refused this client ({code.name}): {details}")
+    if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+        return SessionLost(f"{role} node at {address}: {code.name}: {details}")
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(f"{role} node refused the request: {details}")
+    return NodeError(code, f"{role} node at {address}: {code.name}: {details}")
 
 
 def open_channel(address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
@@ -180,6 +185,7 @@ class RemoteDraft(_RemoteNode):
 
 class RemoteTarget(_RemoteNode):
     role = "target"
+    runs_apart = True  # each call is a round trip: steps on the target alone go as runs (Sequence)
 
     def __init__(self, address: str, **kwargs: Any) -> None:
         super().__init__(address, **kwargs)
@@ -203,15 +209,50 @@ class RemoteTarget(_RemoteNode):
             append=append or [],
             truncate_to=truncate_to,
         )
-        r = self._rpc(self.stub.Verify, request, self.step_timeout)
-        return VerifyResult(
-            list(r.tokens),
-            r.accepted,
-            r.finish_reason or None,
-            r.forward_seconds + r.queue_seconds,
-            pass_sessions=max(r.pass_sessions, 1),
-            pass_tokens=r.pass_tokens,
+        return _verify_result(self._rpc(self.stub.Verify, request, self.step_timeout))
+
+    def decode(
+        self,
+        session_id: str,
+        last_token: int,
+        params: SamplingParams,
+        max_tokens: int,
+        steps: int,
+        append: list[int] | None = None,
+        truncate_to: int | None = None,
+    ) -> Iterator[VerifyResult]:
+        """Each token of a run of `steps` on the target alone as it is committed; the call is
+        cancelled when the caller stops reading. Its deadline is one step's: `Sequence` sizes runs
+        to fit it."""
+        request = pb.DecodeRequest(
+            session_id=session_id,
+            step_id=self._next_step(session_id),
+            last_token=last_token,
+            sampling=sampling_to_proto(replace(params, stop=())),
+            max_tokens=max_tokens,
+            append=append or [],
+            truncate_to=truncate_to,
+            steps=steps,
         )
+        call = self.stub.Decode(request, timeout=self.step_timeout, metadata=self.metadata)
+        try:
+            for response in call:
+                yield _verify_result(response)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise _fault(self.role, self.address, exc, self.security) from exc
+            # A node older than Decode: it saw no step, and every run from now on goes a step a call.
+            self.runs_apart, self._steps[session_id] = False, request.step_id - 1
+            root = last_token
+            for i in range(steps):
+                result = self.verify(session_id, TokenTree.root_only(root), params, max_tokens,
+                                     append if i == 0 else None, truncate_to if i == 0 else None)  # fmt: skip
+                yield result
+                if result.finish_reason or not result.tokens:
+                    return
+                root, max_tokens = result.tokens[-1], max_tokens - len(result.tokens)
+        finally:
+            call.cancel()
 
     def tokenizer(self) -> Any:
         """The target's tokenizer, fetched once and cached on disk by fingerprint."""
@@ -241,6 +282,17 @@ class RemoteTarget(_RemoteNode):
                 f"tokenizer files from {self.address} hash to {got}, but the node reports {fingerprint}"
             )
         return tokenizer
+
+
+def _verify_result(r: pb.VerifyResponse) -> VerifyResult:
+    return VerifyResult(
+        list(r.tokens),
+        r.accepted,
+        r.finish_reason or None,
+        r.forward_seconds + r.queue_seconds,
+        pass_sessions=max(r.pass_sessions, 1),
+        pass_tokens=r.pass_tokens,
+    )
 
 
 def connect(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -36,6 +36,7 @@ class VerifyJob:
     step_id: int | None
     timing: StepTiming | None = None
     cancelled: Callable[[], bool] = lambda: False  # the caller went away or its deadline passed
+    continues: bool = False  # a later pass of a Decode call: the call's step, checked at its first
     arrived: float = field(default_factory=time.perf_counter)
     result: VerifyResult | None = None
     error: BaseException | None = None
@@ -146,25 +147,58 @@ class TargetEngine(NodeEngine[TargetSession]):
         step_id: int | None = None,
         timing: StepTiming | None = None,
         cancelled: Callable[[], bool] | None = None,
+        continues: bool = False,
     ) -> VerifyResult:
         """Verify one tree, in the next pass the model runs (with other sessions' trees, if any wait)."""
         session = self.sessions.get(session_id, owner)
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
-        job = VerifyJob(
-            session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing
-        )
+        job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
+                        continues=continues)  # fmt: skip
         job.cancelled = cancelled or job.cancelled
         result = self.batcher.submit(job).result
         assert result is not None
         return result
+
+    def decode(
+        self,
+        session_id: str,
+        last_token: int,
+        params: SamplingParams,
+        max_tokens: int,
+        steps: int,
+        owner: str = "",
+        append: list[int] | None = None,
+        truncate_to: int | None = None,
+        step_id: int | None = None,
+        timing: StepTiming | None = None,
+        cancelled: Callable[[], bool] | None = None,
+    ) -> Iterator[VerifyResult]:
+        """`steps` passes of the target alone, each a Verify of a root-only tree (shared with other
+        sessions' trees like theirs): the steps a client runs without a tree, in one call. The call
+        is one step; `timing` holds each pass's as its result comes; `max_tokens` is Verify's. Stops
+        early at EOS, at the limits, or once `cancelled`; what it committed stays committed."""
+        if steps < 1:
+            raise ValueError(f"steps must be >= 1, got {steps}")
+        root, left, first = last_token, max_tokens, True
+        for _ in range(steps):
+            if cancelled is not None and cancelled():
+                return
+            result = self.verify(session_id, TokenTree.root_only(root), params, left, owner,
+                                 append if first else None, truncate_to if first else None, step_id, timing,
+                                 cancelled, continues=not first)  # fmt: skip
+            yield result
+            if result.finish_reason or not result.tokens:
+                return
+            root, left, first = result.tokens[-1], left - len(result.tokens), False
 
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""
         steps: list[tuple[VerifyJob, TreeTicket]] = []
         for job in jobs:
             try:
-                check_step(job.session.step, job.step_id)
+                # A Decode call's later passes keep its step: a request that came between ends the call.
+                check_step(job.session.step - job.continues, job.step_id)
                 ticket = job.session.prepare(
                     job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to, append=job.append
                 )
@@ -224,5 +258,6 @@ class TargetEngine(NodeEngine[TargetSession]):
 
     @staticmethod
     def _complete(job: VerifyJob, result: VerifyResult) -> None:
-        job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
+        if not job.continues:
+            job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
         job.succeed(result)

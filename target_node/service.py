@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 
+from common.decoding.types import VerifyResult
 from common.ops.metrics import observe_step
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc.server import rpc_method
+from common.rpc.server import abort_for, rpc_method
 from common.rpc.servicer import NodeServicer, client_key
 from common.rpc.wire import sampling_from_proto, tree_from_proto
 from common.runtime.sessions import StepTiming
@@ -53,22 +56,44 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             timing=timing,
             cancelled=lambda: not context.is_active(),
         )
-        observe_step(
-            "verify",
-            request.session_id,
-            request.step_id,
-            timing,
-            tree.size,
-            model_name=e.loaded.name,
-            accepted=result.accepted,
-            tokens=len(result.tokens),
-        )
-        return pb.VerifyResponse(
-            tokens=result.tokens,
-            accepted=result.accepted,
-            finish_reason=result.finish_reason or "",
-            forward_seconds=timing.compute_seconds,
-            queue_seconds=timing.queue_seconds,
-            pass_sessions=result.pass_sessions,
-            pass_tokens=result.pass_tokens,
-        )
+        self._observe(request.session_id, request.step_id, timing, tree.size, result)
+        return _response(result, timing)
+
+    def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.VerifyResponse]:
+        try:
+            e, timing = self._engine(), StepTiming()
+            results = e.decode(
+                request.session_id,
+                request.last_token,
+                sampling_from_proto(request.sampling),
+                request.max_tokens,
+                request.steps,
+                owner=client_key(context),
+                append=list(request.append),
+                truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
+                step_id=request.step_id or None,
+                timing=timing,
+                cancelled=lambda: not context.is_active(),
+            )
+            for result in results:
+                self._observe(request.session_id, request.step_id, timing, 1, result)
+                yield _response(result, timing)
+        except Exception as exc:
+            abort_for(context, exc, "Decode")
+
+    def _observe(self, session_id: str, step_id: int, timing: StepTiming, size: int, result: VerifyResult) -> None:
+        e = self._engine()
+        observe_step("verify", session_id, step_id, timing, size, model_name=e.loaded.name,
+                     accepted=result.accepted, tokens=len(result.tokens))  # fmt: skip
+
+
+def _response(result: VerifyResult, timing: StepTiming) -> pb.VerifyResponse:
+    return pb.VerifyResponse(
+        tokens=result.tokens,
+        accepted=result.accepted,
+        finish_reason=result.finish_reason or "",
+        forward_seconds=timing.compute_seconds,
+        queue_seconds=timing.queue_seconds,
+        pass_sessions=result.pass_sessions,
+        pass_tokens=result.pass_tokens,
+    )

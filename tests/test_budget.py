@@ -420,6 +420,33 @@ def test_while_trials_are_declined_exploring_drafts_space_out_across_requests():
     assert len(drafted) == 5  # in 480 steps; one in each of the 12 requests before
 
 
+@pytest.mark.parametrize("most", [1, 3, 16, 1000])
+@pytest.mark.parametrize("declined", [False, True], ids=["per request", "across requests"])
+def test_a_run_on_the_target_alone_drafts_where_steps_one_at_a_time_would(most, declined):
+    """A client sends the steps the planner leaves the draft out of as one call (`alone_run`): they
+    count as skipped at once, and the next exploring draft comes at the same step as when each step
+    asked `draft_pays`, on a request's own count and on the regime's."""
+
+    def drafted_steps(runs: bool) -> list[int]:
+        plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+        for _ in range(TRIALS_DECLINED if declined else 0):
+            run_request(plan, 40, accepted=0, seconds=0.4)
+        request, step, drafted, tree = plan.start(), 0, [], chain_tree(8, 0.8)
+        while step < 300:
+            if plan.draft_pays(request=request):
+                drafted.append(step)
+                plan.observe(DraftedTree(tree, 7), [1], 8 * DRAFT[0][1], 0.4 - 8 * DRAFT[0][1], request=request)
+                step += 1
+                continue
+            run = plan.alone_run(request=request, most=most) if runs else 1
+            for _ in range(run):
+                plan.observe_alone(1, 0.08, request=request)
+            step += run
+        return drafted
+
+    assert drafted_steps(runs=True) == drafted_steps(runs=False)
+
+
 def test_the_drafts_first_pass_over_the_prompt_teaches_the_planner_nothing(loaded):
     """A request that starts on the target alone drafts first at a later step, which pays for the
     draft's pass over the whole history: its time says nothing about a tree's worth, so the planner

@@ -111,13 +111,14 @@ def recovery(notices: list[str]) -> Recovery:
     return Recovery(draft_retry_seconds=0.2, notify=notices.append)
 
 
-def with_events(gen: SpecExec, params: SamplingParams, events: dict[int, Callable[[], None]]):
-    """Generate, running `events[i]` once the i-th step's chunk is out (between two steps)."""
+def with_events(gen: SpecExec, params: SamplingParams, events: list[tuple[Callable[[int], bool], Callable[[], None]]]):
+    """Generate, running each event's action, in order, once its condition holds for a chunk's index
+    (between two chunks: a run on the target alone streams several)."""
 
     def chunks():
         for i, chunk in enumerate(gen.stream(PROMPT, params)):
-            if i in events:
-                events.pop(i)()
+            if events and events[0][0](i):
+                events.pop(0)[1]()
             yield chunk
 
     return collect(chunks())
@@ -135,11 +136,11 @@ def test_down_at_start_then_up_then_dead_then_back_is_the_target_alone(target, d
     notices: list[str] = []
     gen = connect(draft.address, target, tree=TreeParams(budget=16), recovery=recovery(notices))
     assert kinds(notices) == ["down"] and draft.address in notices[0]
-    events = {
-        1: lambda: draft.start(model_dirs["truncated"]),
-        4: draft.kill,
-        6: lambda: draft.start(model_dirs["truncated"]),
-    }
+    events = [  # each after the chunk of the step the last one showed in: trees, then none, then trees
+        (lambda i: i == 1, lambda: draft.start(model_dirs["truncated"])),
+        (lambda i: kinds(notices)[-1] == "up", draft.kill),
+        (lambda i: kinds(notices)[-1] == "lost", lambda: draft.start(model_dirs["truncated"])),
+    ]
     out = with_events(gen, params, events)
     assert not events, "the generation ended before the draft came, went and came back"
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, params)
@@ -188,7 +189,7 @@ def test_a_mismatched_draft_that_comes_up_later_is_refused_and_never_used(
 ):
     notices: list[str] = []
     gen = connect(draft.address, target, tree=TreeParams(budget=16), recovery=recovery(notices))
-    out = with_events(gen, SHORT, {1: lambda: draft.start(odd_model)})
+    out = with_events(gen, SHORT, [(lambda i: i == 1, lambda: draft.start(odd_model))])
     again = gen.generate(PROMPT, SHORT)  # probes again: refused, and not said twice
     reference = reference_decode(model_dirs["target"], PROMPT, SHORT)
     assert out.token_ids == again.token_ids == reference

@@ -93,6 +93,25 @@ def test_target_restart_replays_the_sequence(cluster, model_dirs):
     assert any("reopening the target session" in n for n in notices)
 
 
+def test_target_restart_mid_run_on_the_target_alone_replays_the_sequence(cluster, model_dirs):
+    """Without a draft, steps go to the target as runs of a call each (`TargetService.Decode`): a
+    restart cuts one mid-stream; the tokens that came stay, and the rest are the target alone's."""
+    addrs, procs = cluster
+    notices: list[str] = []
+    gen = connect(None, addrs["target"], mode="autoregressive", step_timeout=20)
+    recovery = Recovery(target_retry_seconds=60, notify=notices.append)
+
+    def chunks():
+        for i, chunk in enumerate(gen.stream(PROMPT, PARAMS, recovery=recovery)):
+            if i == 3:  # the first step, then the third token of a run of RUN_MAX
+                restart_target(addrs, procs, model_dirs)
+            yield chunk
+
+    out = collect(chunks())
+    assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
+    assert any("reopening the target session" in n for n in notices)
+
+
 def concurrent_with_fault(addrs, fault, notices: list[str], clients: int = 4):
     """`clients` streams on shared channels (as the gateway runs them). Each pauses after its first
     chunks until all have them; then they go on and the fault strikes at once, so it finds every

@@ -651,17 +651,18 @@ def verify_chaos(draw) -> tuple[list[int], str | None, pb.VerifyRequest]:
     return prompt, draw(chaos_sessions), request
 
 
-def run_chaos(node: Node, method: str, prompt: list[int], session: str | None, request) -> Any:
-    """Open a session with `prompt` (which may be refused), send `request` on it (or on `session`)."""
+def run_chaos(node: Node, method: str, prompt: list[int], session: str | None, request, stream: bool = False) -> Any:
+    """Open a session with `prompt` (which may be refused), send `request` on it (or on `session`);
+    a streaming method's responses come back as a list, those sent before a refusal included."""
     opened, code, _ = node.call("OpenSession", pb.OpenSessionRequest(prompt=prompt))
     assert code in ALLOWED
     sid = opened.session_id if code == OK else ""
     request.session_id = session if session is not None else sid
     try:
-        response, code, details = node.call(method, request)
+        response, code, details = (node.stream if stream else node.call)(method, request)
         assert code in ALLOWED, (code, details)
         tally(f"{method} chaos", code)
-        return response if code == OK else None
+        return response if code == OK or stream else None
     finally:
         if sid:
             close_session(node, sid)
@@ -674,6 +675,35 @@ def test_verify_chaos(nodes, case):
     response = run_chaos(nodes["target"], "Verify", prompt, session, request)
     if response is not None:
         check_verify_response(response, request.max_tokens)
+    nodes["good"].check()
+
+
+@st.composite
+def decode_chaos(draw) -> tuple[list[int], str | None, pb.DecodeRequest]:
+    prompt = draw(chaos_prompts)
+    request = pb.DecodeRequest(
+        step_id=draw(chaos_steps),
+        last_token=draw(mostly(st.just(prompt[-1] if prompt else ROOT), vocab_or_not)),
+        sampling=draw(mostly(valid_sampling(), chaos_sampling())),
+        max_tokens=draw(absurd_u32),
+        append=draw(token_lists(8)),
+        truncate_to=draw(chaos_truncate),
+        steps=draw(mostly(st.integers(1, 12), absurd_u32)),
+    )
+    return prompt, draw(chaos_sessions), request
+
+
+@fuzz(150)
+@given(case=decode_chaos())
+def test_decode_chaos(nodes, case):
+    """Each streamed step is a sane Verify answer; together they keep to max_tokens and steps."""
+    prompt, session, request = case
+    responses = run_chaos(nodes["target"], "Decode", prompt, session, request, stream=True)
+    for r in responses:
+        check_verify_response(r, request.max_tokens)
+        assert r.accepted == 0 and len(r.tokens) == 1
+    assert len(responses) <= min(request.steps, request.max_tokens)
+    assert all(not r.finish_reason for r in responses[:-1])
     nodes["good"].check()
 
 

@@ -181,6 +181,26 @@ class VerifyRequest(_message.Message):
     truncate_to: int
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., tree: _Optional[_Union[TokenTree, _Mapping]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ...) -> None: ...
 
+class DecodeRequest(_message.Message):
+    __slots__ = ("session_id", "step_id", "last_token", "sampling", "max_tokens", "append", "truncate_to", "steps")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_ID_FIELD_NUMBER: _ClassVar[int]
+    LAST_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    APPEND_FIELD_NUMBER: _ClassVar[int]
+    TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    step_id: int
+    last_token: int
+    sampling: SamplingParams
+    max_tokens: int
+    append: _containers.RepeatedScalarFieldContainer[int]
+    truncate_to: int
+    steps: int
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., last_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
+
 class VerifyResponse(_message.Message):
     __slots__ = ("tokens", "accepted", "finish_reason", "forward_seconds", "queue_seconds", "pass_sessions", "pass_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]

@@ -268,6 +268,11 @@ class TargetServiceStub:
                 request_serializer=specexec_dot_v1_dot_specexec__pb2.VerifyRequest.SerializeToString,
                 response_deserializer=specexec_dot_v1_dot_specexec__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Decode = channel.unary_stream(
+                '/specexec.v1.TargetService/Decode',
+                request_serializer=specexec_dot_v1_dot_specexec__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=specexec_dot_v1_dot_specexec__pb2.VerifyResponse.FromString,
+                _registered_method=True)
         self.CloseSession = channel.unary_unary(
                 '/specexec.v1.TargetService/CloseSession',
                 request_serializer=specexec_dot_v1_dot_specexec__pb2.CloseSessionRequest.SerializeToString,
@@ -307,6 +312,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Decode(self, request, context):
+        """Generates alone, one token a pass, and streams each token as it is committed: the steps a client
+        runs without a tree (no draft, or trees that do not pay) in one call instead of a round trip
+        per token. Each pass is a Verify of a root-only tree, shared with other sessions' passes as
+        theirs are. The call is one step; it ends after `steps` passes, at EOS, at max_tokens or the
+        context limit, or when the client cancels it (tokens committed by then stay committed).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def CloseSession(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -334,6 +350,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
             'Verify': grpc.unary_unary_rpc_method_handler(
                     servicer.Verify,
                     request_deserializer=specexec_dot_v1_dot_specexec__pb2.VerifyRequest.FromString,
+                    response_serializer=specexec_dot_v1_dot_specexec__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Decode': grpc.unary_stream_rpc_method_handler(
+                    servicer.Decode,
+                    request_deserializer=specexec_dot_v1_dot_specexec__pb2.DecodeRequest.FromString,
                     response_serializer=specexec_dot_v1_dot_specexec__pb2.VerifyResponse.SerializeToString,
             ),
             'CloseSession': grpc.unary_unary_rpc_method_handler(
@@ -452,6 +473,33 @@ class TargetService:
             target,
             '/specexec.v1.TargetService/Verify',
             specexec_dot_v1_dot_specexec__pb2.VerifyRequest.SerializeToString,
+            specexec_dot_v1_dot_specexec__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Decode(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specexec.v1.TargetService/Decode',
+            specexec_dot_v1_dot_specexec__pb2.DecodeRequest.SerializeToString,
             specexec_dot_v1_dot_specexec__pb2.VerifyResponse.FromString,
             options,
             channel_credentials,
