@@ -2,9 +2,10 @@
 As in the home lab: the target node, llama.cpp itself and a one-process target alone each pinned to
 core 1 with one thread, this client on core 0; the quickstart's 1.5B GGUF on llama.cpp, greedy,
 interleaved prompt by prompt in alternating order. Prints each contestant's tok/s, its ratio to
-llama.cpp itself, and the remote ones' wire and node time per token.
+llama.cpp itself, and the remote ones' wire and node time per token. `--rtt-ms` puts a home
+network's round trip between the client and the node (client.bench.relay, on the client's core).
 
-    python -m benchmarks.alone_runs [--prompts 4] [--rounds 2] [--tokens 64]
+    python -m benchmarks.alone_runs [--prompts 4] [--rounds 2] [--tokens 64] [--rtt-ms 0]
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--rtt-ms", type=float, default=0.0)
     args = ap.parse_args()
     gguf_dir = resolve_gguf("qwen2.5-coder-1.5b")
     if gguf_dir is None:
@@ -67,6 +69,15 @@ def main() -> None:
         procs.append(subprocess.Popen(argv, env=env))
         address = f"127.0.0.1:{port}"
         wait_until_serving(address, timeout=1800, alive=lambda: procs[0].poll() is None)
+        if args.rtt_ms:
+            port = free_port()
+            argv, env = pinned([sys.executable, "-m", "client.bench.relay", str(port), address, str(args.rtt_ms)],
+                               (CLIENT_CORE,))  # fmt: skip
+            relay = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, text=True)
+            procs.append(relay)
+            if relay.stdout is None or relay.stdout.readline().strip() != "ready":
+                raise RuntimeError("the delaying relay did not start")
+            address = f"127.0.0.1:{port}"
         prefix, env = pinned([], (TARGET_CORE,))
         itself = LlamaItself(gguf, 1, prefix, env)
         procs.append(itself.proc)
@@ -111,7 +122,7 @@ def main() -> None:
                 rows.append(row)
     finally:
         stop_processes(procs)
-    print(f"{len(rows)} runs of {args.tokens} greedy tokens, interleaved\n")
+    print(f"{len(rows)} runs of {args.tokens} greedy tokens, interleaved; client-node round trip {args.rtt_ms:g} ms\n")
     print("| contestant | tok/s | x llama.cpp itself | x one process | wire ms/token | node ms/token |")
     print("|---|---|---|---|---|---|")
     for name in NAMES:
