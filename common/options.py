@@ -15,7 +15,7 @@ from common.ops.config import effective_config
 from common.ops.logs import FORMATS, LEVELS, LogSettings
 from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node
 from common.rpc.security import ClientSecurity, ServerSecurity
-from common.runtime.batching import MAX_BATCH_TOKENS
+from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS
 from common.runtime.sessions import DEFAULT_MAX_SESSIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -156,6 +156,17 @@ def add_kv_cache_arg(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def add_regroup_arg(parser: argparse.ArgumentParser, waits_for: str) -> None:
+    parser.add_argument(
+        "--batch-regroup-ms",
+        type=float,
+        default=DEFAULT_REGROUP * 1000,
+        metavar="MS",
+        help=f"continuous batching: how long a pass waits {waits_for} (default %(default)g; 0: the first "
+        "ready runs alone)",
+    )
+
+
 def add_insecure_arg(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--insecure",
@@ -275,8 +286,9 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms:g}")
     if args.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
-    if getattr(args, "batch_regroup_ms", 0.0) < 0:
-        raise ValueError(f"--batch-regroup-ms must be >= 0, got {args.batch_regroup_ms:g}")
+    regroup_ms = getattr(args, "batch_regroup_ms", DEFAULT_REGROUP * 1000)
+    if regroup_ms < 0:
+        raise ValueError(f"--batch-regroup-ms must be >= 0, got {regroup_ms:g}")
     return NodeConfig(
         model=args.model,
         listen=args.listen,
@@ -296,7 +308,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         batch_window_ms=args.batch_window_ms,
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
-        batch_regroup_ms=getattr(args, "batch_regroup_ms", 0.0),  # the target has no regroup wait
+        batch_regroup_ms=regroup_ms,
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import add_kv_cache_arg, add_node_args, add_quantize_arg, node_main
+from common.options import add_kv_cache_arg, add_node_args, add_quantize_arg, add_regroup_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
-from common.runtime.batching import DEFAULT_REGROUP
 from draft_node.engine import DraftEngine
 from draft_node.service import DraftServicer
 
@@ -38,14 +37,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
         help="do not grow the next tree while the target verifies (for a draft sharing the target's "
         "cores, where that work would slow the target down)",
     )
-    parser.add_argument(
-        "--batch-regroup-ms",
-        type=float,
-        default=DEFAULT_REGROUP * 1000,
-        metavar="MS",
-        help="continuous batching: how long an expansion pass waits for the other sessions building a tree "
-        "to choose their next expansion (default %(default)g; 0: the first ready runs alone)",
-    )
+    add_regroup_arg(parser, "for the other sessions building a tree to choose their next expansion")
     return parser
 
 

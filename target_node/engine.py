@@ -14,7 +14,7 @@ from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loaded import LoadedModel
 from common.ops.metrics import observe_preemptions, observe_verify_pass
-from common.runtime.batching import MAX_BATCH_TOKENS, PassBatcher
+from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step
 from target_node.session import TargetSession, TreeTicket
@@ -65,17 +65,19 @@ class TargetEngine(NodeEngine[TargetSession]):
         all_logits_max_nodes: int | None = None,
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
+        regroup: float = DEFAULT_REGROUP,
         kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
-        call (see target_node.torch_session); `batch_window` (seconds) and `max_batch_tokens` shape the
+        call (see target_node.torch_session); `batch_window` (seconds), `max_batch_tokens` and
+        `regroup` (seconds: a pass's wait for sessions between two passes of a Decode run) shape the
         passes shared by sessions (common.runtime.batching); `kv_cache_tokens`: the KV cells a
         llama.cpp target's sessions share; `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
-            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens
+            self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
         self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
         self._evictions = 0  # its lanes' KV taken so far, as reported to the metrics
@@ -181,16 +183,17 @@ class TargetEngine(NodeEngine[TargetSession]):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         root, left, first = last_token, max_tokens, True
-        for _ in range(steps):
-            if cancelled is not None and cancelled():
-                return
-            result = self.verify(session_id, TokenTree.root_only(root), params, left, owner,
-                                 append if first else None, truncate_to if first else None, step_id, timing,
-                                 cancelled, continues=not first)  # fmt: skip
-            yield result
-            if result.finish_reason or not result.tokens:
-                return
-            root, left, first = result.tokens[-1], left - len(result.tokens), False
+        with self.batcher.working(session_id):  # between two passes, the next pass waits for this one
+            for _ in range(steps):
+                if cancelled is not None and cancelled():
+                    return
+                result = self.verify(session_id, TokenTree.root_only(root), params, left, owner,
+                                     append if first else None, truncate_to if first else None, step_id, timing,
+                                     cancelled, continues=not first)  # fmt: skip
+                yield result
+                if result.finish_reason or not result.tokens:
+                    return
+                root, left, first = result.tokens[-1], left - len(result.tokens), False
 
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""

@@ -3,6 +3,9 @@ it runs without a tree as one call. The tokens must be the target alone's, whate
 
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import grpc
 import grpc_testing
 import pytest
@@ -139,6 +142,24 @@ def test_a_request_between_two_passes_ends_the_run_and_keeps_its_tokens(loaded, 
         next(run)
     result = e.verify(sid, TokenTree.root_only(references["greedy"][1]), GREEDY, 40, step_id=3)
     assert result.tokens == references["greedy"][2:3]
+
+
+def test_runs_of_two_sessions_share_their_passes(loaded, references):
+    """Between two passes of a run its session is at work (sending the token): the next pass waits
+    for it (up to `regroup`), so runs that started together stay in the same passes."""
+    e = TargetEngine(loaded["target"], max_context=256, max_tree=8, max_sessions=8, regroup=5.0)
+    sessions = [e.open_session(PROMPT) for _ in range(2)]
+    start = threading.Barrier(2)
+
+    def run(sid: str) -> list:
+        start.wait()
+        return list(e.decode(sid, PROMPT[-1], GREEDY, 40, steps=8, step_id=1))
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, sessions))
+    for got in results:
+        assert [r.tokens[0] for r in got] == references["greedy"][:8]
+        assert sum(r.pass_sessions == 2 for r in got) >= 7  # all but perhaps the first
 
 
 # ------------------------------------------------------------------------------------------------

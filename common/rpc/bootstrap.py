@@ -57,7 +57,7 @@ class NodeConfig:
     batch_window_ms: float = 0.0  # how long a shared pass waits for more sessions' work
     max_batch_tokens: int = MAX_BATCH_TOKENS  # rows one shared pass takes at most
     kv_cache_tokens: int | None = None  # llama.cpp: the KV cells a node's sessions share
-    batch_regroup_ms: float = DEFAULT_REGROUP * 1000  # draft: a pass's wait for sessions mid-build
+    batch_regroup_ms: float = DEFAULT_REGROUP * 1000  # a pass's wait for sessions between two of their passes
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
