@@ -489,7 +489,7 @@ class Sequence:
 
     def _alone_most(self, left: int) -> int:
         """The longest run of steps on the target alone this step may start (`_decode`), where each
-        call is a round trip: one per token cost the target alone over gRPC 4-6% of its speed in one
+        call is a round trip: one per token cost the target alone over gRPC 5-7% of its speed in one
         process (docs/benchmarks.md). Bounded by RUN_MAX and by a quarter of the call's deadline at
         the pace last measured, so a slow target's run does not time out; one step after a run
         failed, and until a pace is known."""

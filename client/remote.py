@@ -223,7 +223,8 @@ class RemoteTarget(_RemoteNode):
     ) -> Iterator[VerifyResult]:
         """Each token of a run of `steps` on the target alone as it is committed; the call is
         cancelled when the caller stops reading. Its deadline is one step's: `Sequence` sizes runs
-        to fit it."""
+        to fit it. A node from before Decode is sent the run's first step as a Verify, and the run
+        ends there."""
         request = pb.DecodeRequest(
             session_id=session_id,
             step_id=self._next_step(session_id),
@@ -241,16 +242,10 @@ class RemoteTarget(_RemoteNode):
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise _fault(self.role, self.address, exc, self.security) from exc
-            # A node older than Decode: it saw no step, and every run from now on goes a step a call.
+            # A node older than Decode saw no step: this run is its first step alone, as a Verify,
+            # and every step from now on goes a call each.
             self.runs_apart, self._steps[session_id] = False, request.step_id - 1
-            root = last_token
-            for i in range(steps):
-                result = self.verify(session_id, TokenTree.root_only(root), params, max_tokens,
-                                     append if i == 0 else None, truncate_to if i == 0 else None)  # fmt: skip
-                yield result
-                if result.finish_reason or not result.tokens:
-                    return
-                root, max_tokens = result.tokens[-1], max_tokens - len(result.tokens)
+            yield self.verify(session_id, TokenTree.root_only(last_token), params, max_tokens, append, truncate_to)
         finally:
             call.cancel()
 
