@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from transformers import AutoModelForCausalLM
 
 from common.decoding.tree import TreeStructure
-from common.model.transformer import attention_bias
+from common.model.loading import load_model
+from common.model.transformer import attention_bias, attention_in_float32
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 
@@ -41,6 +43,54 @@ def test_tree_pass_equals_per_path_passes(model_dirs, loaded):
         with torch.no_grad():
             ref = hf(seq[None]).logits[0, -1]
         torch.testing.assert_close(ours[node], ref, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "rows", "keys"), [(12, 2, 1, 300), (12, 2, 7, 40), (4, 4, 16, 16)]
+)
+def test_low_precision_attention_is_as_exact_as_sdpa(heads, kv_heads, rows, keys):
+    """The CPU's bfloat16 attention (float32 matmuls) against SDPA in float64: within bfloat16's own
+    rounding of the output, with grouped heads and a tree mask."""
+    g = torch.Generator().manual_seed(rows)
+    q = (3 * torch.randn(heads, rows, 64, generator=g)).bfloat16()
+    k = (3 * torch.randn(kv_heads, keys, 64, generator=g)).bfloat16()
+    v = torch.randn(kv_heads, keys, 64, generator=g).bfloat16()
+    visible = torch.ones(rows, keys, dtype=torch.bool)
+    visible[:, keys - rows :] = torch.rand(rows, rows, generator=g).tril() > 0.5
+    visible[:, keys - rows :].fill_diagonal_(True)
+    bias = attention_bias(visible[:, keys - rows :], keys - rows)
+    ref = F.scaled_dot_product_attention(
+        q.double()[None],
+        k.double()[None],
+        v.double()[None],
+        attn_mask=bias.double()[None, None],
+        enable_gqa=True,
+    )[0]
+    out = attention_in_float32(q, k, v, bias)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=1e-2)
+
+
+def test_bfloat16_tree_pass_is_as_close_to_float32_as_with_sdpa(model_dirs, monkeypatch):
+    """A bfloat16 model's tree pass, its attention in float32 matmuls on the CPU, is no farther from
+    its float32 twin's logits than the same pass through SDPA: the weights' rounding is all it adds."""
+    import common.model.transformer as transformer
+
+    prefix, tree = torch.tensor([5, 17, 99, 3]), SAMPLE_TREE
+    wide, narrow = (load_model(model_dirs["qwen2"], dtype=d).model for d in ("float32", "bfloat16"))
+    assert narrow.cfg.num_kv_heads < narrow.cfg.num_heads
+    ref = wide.logits(prefix_then_tree(wide, prefix, tree)[1])
+    ours = narrow.logits(prefix_then_tree(narrow, prefix, tree)[1])
+
+    def sdpa(q, k, v, bias):
+        mask = bias.to(q.dtype)[None, None]
+        return F.scaled_dot_product_attention(q[None], k[None], v[None], attn_mask=mask, enable_gqa=True)[0]
+
+    monkeypatch.setattr(transformer, "attention_in_float32", sdpa)
+    theirs = narrow.logits(prefix_then_tree(narrow, prefix, tree)[1])
+    assert not torch.equal(ours, theirs)  # the patch took: two kernels, two roundings
+    assert (ours - ref).abs().max() <= 1.5 * (theirs - ref).abs().max()
+    assert (ours.argmax(-1) == ref.argmax(-1)).sum() >= (theirs.argmax(-1) == ref.argmax(-1)).sum() - 1
 
 
 def test_unsupported_architecture_is_refused():

@@ -219,14 +219,34 @@ class Attention(nn.Module):
         k_cache[:, slots] = k.to(k_cache.dtype)  # index_put_: compiled graphs write it in place
         v_cache[:, slots] = v.to(v_cache.dtype)
         kv_len = bias.shape[-1]
-        out = F.scaled_dot_product_attention(
-            q.unsqueeze(0),
-            k_cache[:, :kv_len].unsqueeze(0),
-            v_cache[:, :kv_len].unsqueeze(0),
-            attn_mask=bias.to(q.dtype)[None, None],
-            enable_gqa=cfg.num_heads != cfg.num_kv_heads,
-        )
-        return out[0].transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
+        keys, values = k_cache[:, :kv_len], v_cache[:, :kv_len]
+        if q.device.type == "cpu" and q.dtype != torch.float32:
+            out = attention_in_float32(q, keys, values, bias)
+        else:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(0),
+                keys.unsqueeze(0),
+                values.unsqueeze(0),
+                attn_mask=bias.to(q.dtype)[None, None],
+                enable_gqa=cfg.num_heads != cfg.num_kv_heads,
+            )[0]
+        return out.transpose(0, 1).reshape(q.shape[1], cfg.num_heads * cfg.head_dim)
+
+
+def attention_in_float32(q: Tensor, k: Tensor, v: Tensor, bias: Tensor) -> Tensor:
+    """Attention of low-precision rows on the CPU, computed in float32 matmuls.
+
+    torch's CPU SDPA in bfloat16 takes a slow path for few query rows, and those are every decode
+    step and most trees: 2.0 ms for 1 row over 1000 keys against 0.20 ms here, 6.2 against 0.48 over
+    3000 (EPYC, one thread), as accurate as SDPA against a float64 reference. Scores stay in
+    float32: rounded to bfloat16 they erred 8-20x more."""
+    h, t, d = q.shape  # q [heads, t, d]; k, v [kv_heads, kv_len, d]; bias [t, kv_len]
+    kv = k.shape[0]
+    grouped = (q.float() * d**-0.5).reshape(kv, h // kv * t, d)  # [kv_heads, group * t, d]
+    scores = grouped @ k.float().transpose(1, 2)  # [kv_heads, group * t, kv_len]
+    weights = torch.softmax(scores.view(h, t, -1) + bias, dim=-1)  # [heads, t, kv_len]
+    out = weights.view(kv, h // kv * t, -1) @ v.float()  # [kv_heads, group * t, d]
+    return out.view(h, t, d).to(q.dtype)
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
