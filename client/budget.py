@@ -20,6 +20,9 @@ A target serving several sessions runs their trees in one pass (common.runtime.b
 sessions sharing each pass, a tree token costs the pass k times its own slope, since each of the
 others' trees grows alike: the target's cost per tree token is read at k times the tree's size, so
 trees shrink under load where the pass is flat (a GPU) and keep their size where it is linear.
+Whether to draft at all is then judged by what the pass commits for all its sessions: a tree's
+nodes lengthen the pass for every other session in it, each committing about as many tokens a pass
+as this one, so a drafted step counts their time at that rate as its own (`RegimeStats.imposed`).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class RegimeStats:
     children: float = 2.0  # nodes proposed per node expanded
     size: float = 8.0  # nodes proposed
     reused: float = 0.0  # share of trees the draft grew from its lookahead search (re-rooted)
+    imposed: float = 0.0  # seconds a step's tree cost the other sessions of its pass, at this step's tokens each
     alone: float = 0.0  # seconds per token of steps run on the target alone; 0: not measured yet
     alone_steps: int = 0
     skipped: int = 0  # steps in a row the draft was left out of (a regime's: while trials are skipped)
@@ -83,10 +87,17 @@ class RegimeStats:
         return self.tokens / self.seconds
 
     @property
+    def shared_rate(self) -> float:
+        """Tokens per second of the step's own time and of what its tree cost the pass's other sessions:
+        against the target alone's rate, a tree pays where its accepted nodes outweigh what its rows
+        cost every token the pass commits."""
+        return self.tokens / (self.seconds + self.imposed)
+
+    @property
     def calibration(self) -> float:
         return self.accepted / self.predicted
 
-    def learn(self, tokens: int, seconds: float, shape: StepShape | None) -> None:
+    def learn(self, tokens: int, seconds: float, shape: StepShape | None, imposed: float = 0.0) -> None:
         """A running mean over the first steps, then an exponential one: a request's means move to
         its own text within a few steps, then follow it over about 20. The tree's means count only
         steps that proposed a tree, so empty steps on text the draft cannot guess do not hold the
@@ -97,6 +108,7 @@ class RegimeStats:
         self.steps += 1
         self.tokens += w * (tokens - self.tokens)
         self.seconds += w * (seconds - self.seconds)
+        self.imposed += w * (imposed - self.imposed)
         if shape is None:
             return
         w = max(EMA, 1.0 / (PRIOR_STEPS + self.trees))
@@ -291,14 +303,16 @@ class BudgetPlanner:
         a request about a sixth of its speed in one process. Their requests then explore on one
         count of the regime's steps, first after twice the usual gap, the gap doubling up to
         EXPLORE_DECLINED_MAX: two exploring drafts in each 64-token request, each mostly the
-        draft's first pass over its prompt, still cost it about 5% there."""
+        draft's first pass over its prompt, still cost it about 5% there. Where k sessions share the
+        target's passes, each explores k times as rarely: an exploring tree's rows delay every session
+        of its pass, and the pass then carries one about as often as with one session."""
         with self._lock:
             shared = self._stats(regime)
             s = request if request is not None else shared
             if s.trial and s.steps < PRIOR_STEPS:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
-            pays = s.rate >= 1.0 / alone
+            pays = s.shared_rate >= 1.0 / alone
             if pays or not s.judged:
                 s.judged = True
                 shared.declined = 0 if pays else shared.declined + 1
@@ -309,7 +323,7 @@ class BudgetPlanner:
                 return True
             gap, most = (s, EXPLORE_MAX) if s.trial or not self.explore_across else (shared, EXPLORE_DECLINED_MAX)
             gap.skipped += 1
-            if gap.skipped >= gap.explore:
+            if gap.skipped >= self._explore_after(gap):
                 gap.skipped = 0
                 if self.explore_backoff:
                     gap.explore = min(2 * gap.explore, most)
@@ -324,17 +338,27 @@ class BudgetPlanner:
             shared = self._stats(regime)
             s = request if request is not None else shared
             gap = s if s.trial or not self.explore_across else shared
-            run = max(1, min(most, gap.explore - gap.skipped))
+            run = max(1, min(most, self._explore_after(gap) - gap.skipped))
             gap.skipped += run - 1
             return run
 
+    def _explore_after(self, gap: RegimeStats) -> int:
+        return gap.explore * max(1, round(self.sharing))
+
     def observe_alone(
-        self, tokens: int, seconds: float, regime: str = GREEDY, request: RegimeStats | None = None
+        self,
+        tokens: int,
+        seconds: float,
+        regime: str = GREEDY,
+        request: RegimeStats | None = None,
+        pass_sessions: int = 1,
     ) -> None:
-        """Learn the target alone's seconds per token from a step the draft was left out of."""
+        """Learn the target alone's seconds per token from a step the draft was left out of, and the
+        sessions its pass served: under load most steps may run alone."""
         if tokens < 1:
             return
         with self._lock:
+            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
             for s in (self._stats(regime), request):
                 if s is not None:
                     w = max(EMA, 1.0 / (1 + s.alone_steps))
@@ -357,7 +381,9 @@ class BudgetPlanner:
         step is not one to learn from: both models' pass over the prompt is in its times. A step that
         proposed nothing still counts towards the rate: were it left out, a rate learned on easier
         text would hold the floors up and keep the trees empty. `pass_sessions` and `pass_tokens`
-        describe the target pass the tree shared with other sessions' (0 tokens: not reported)."""
+        describe the target pass the tree shared with other sessions' (0 tokens: not reported): its
+        nodes made that pass longer by what the curve says they cost it, for each of the others and
+        each token they committed in it, taken to be as many as this step's."""
         tree, forwards = drafted.tree, drafted.draft_forwards
         n = tree.size - 1
         shape = None
@@ -372,9 +398,13 @@ class BudgetPlanner:
                 reused=drafted.reused,
             )
         with self._lock:
+            imposed = 0.0
+            if pass_sessions > 1 and pass_tokens > n >= 1:
+                longer = interpolate(self.target_curve, pass_tokens) - interpolate(self.target_curve, pass_tokens - n)
+                imposed = (pass_sessions - 1) * len(tokens) * self.target_scale * max(longer, 0.0)
             for s in (self._stats(regime), request):
                 if s is not None:
-                    s.learn(len(tokens), draft_seconds + target_seconds, shape)
+                    s.learn(len(tokens), draft_seconds + target_seconds, shape, imposed)
             self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
             if shape is None:
                 return

@@ -278,9 +278,9 @@ class StepBudget:
             return 1
         return self._planner.alone_run(self.kind, self._request, most)
 
-    def observe_alone(self, tokens: int, target_s: float) -> None:
+    def observe_alone(self, result: VerifyResult, target_s: float) -> None:
         if self._planner is not None:
-            self._planner.observe_alone(tokens, target_s, self.kind, self._request)
+            self._planner.observe_alone(len(result.tokens), target_s, self.kind, self._request, result.pass_sessions)
 
     def observe(self, drafted: DraftedTree, result: VerifyResult, draft_s: float, target_s: float) -> None:
         if self._planner is not None:
@@ -580,7 +580,7 @@ class Sequence:
                         if drafted is not None:
                             budget.observe(drafted, result, draft_s, target_s)
                         else:
-                            budget.observe_alone(len(result.tokens), draft_s + target_s)
+                            budget.observe_alone(result, draft_s + target_s)
                     if drafted is None and result.tokens:
                         self._pace = target_s / len(result.tokens)
                     self.tokens += result.tokens

@@ -28,6 +28,7 @@ from client.budget import (
     free_batch,
 )
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
+from common.model.profiling import interpolate
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
@@ -553,6 +554,38 @@ def test_expansion_batch_comes_from_the_draft_curve():
 
 
 GPU = [(1, 0.050), (64, 0.052), (128, 0.100), (512, 0.400), (1025, 0.800)]  # flat up to a knee
+
+
+@pytest.mark.parametrize(("curve", "sessions", "pays"), [(CPU, 1, True), (CPU, 8, False), (OFFLOADED, 8, True)])
+def test_a_tree_that_lengthens_the_others_passes_pays_for_their_time(curve, sessions, pays):
+    """Drafted steps that beat the target alone for their own session (2 tokens per 0.15 s against 1
+    per 0.1 s) can still cost the pass more than they bring: where a pass grows with its rows (a
+    CPU), eight nodes in a pass of eight sessions delay the seven others' 2 tokens each by 0.036 s,
+    and the step runs on the target alone; where the pass is flat (an offloaded target) the nodes
+    cost them nothing."""
+    plan = BudgetPlanner(curve, DRAFT, base=BASE)
+    tree = chain_tree(8, 0.8)
+    for _ in range(200):
+        plan.observe(DraftedTree(tree, 7), [1, 2], 0.05, 0.1, pass_sessions=sessions, pass_tokens=9 * sessions)
+        plan.observe_alone(1, 0.1, pass_sessions=sessions)
+    longer = interpolate(curve, 9 * sessions) - interpolate(curve, 9 * sessions - 8)
+    assert plan.stats().rate == pytest.approx(2 / 0.15, rel=1e-3)
+    assert plan.stats().imposed == pytest.approx((sessions - 1) * 2 * plan.target_scale * longer, rel=0.01)
+    assert plan.draft_pays() is pays
+
+
+@pytest.mark.parametrize("sessions", [1, 4])
+def test_sessions_that_share_passes_explore_as_many_times_more_rarely(sessions):
+    """An exploring tree's rows delay every session of its pass: with k sessions a pass, each drafts
+    to explore once in k times EXPLORE_EVERY steps, so the pass carries one as often as alone."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE, explore_backoff=False)
+    observe(plan, accepted=0, seconds=0.4)
+    for _ in range(60):
+        plan.observe_alone(1, 0.08, pass_sessions=sessions)
+    assert round(plan.sharing) == sessions
+    choices = [plan.draft_pays() for _ in range(8 * EXPLORE_EVERY)]
+    assert [i for i, c in enumerate(choices) if c] == list(range(sessions * EXPLORE_EVERY - 1, len(choices), sessions * EXPLORE_EVERY))
+    assert plan.alone_run(most=1000) == sessions * EXPLORE_EVERY
 
 
 def test_trees_shrink_when_sessions_share_the_targets_passes():
