@@ -342,6 +342,12 @@ class BudgetPlanner:
             gap.skipped += run - 1
             return run
 
+    def observe_sharing(self, pass_sessions: int) -> None:
+        """Learn only the sessions a pass served, from a step whose times teach nothing (a request's
+        first, over its prompt): a burst of requests then sizes its first trees for the load."""
+        with self._lock:
+            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
+
     def _explore_after(self, gap: RegimeStats) -> int:
         return gap.explore * max(1, round(self.sharing))
 

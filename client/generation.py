@@ -282,6 +282,10 @@ class StepBudget:
         if self._planner is not None:
             self._planner.observe_alone(len(result.tokens), target_s, self.kind, self._request, result.pass_sessions)
 
+    def observe_sharing(self, pass_sessions: int) -> None:
+        if self._planner is not None:
+            self._planner.observe_sharing(pass_sessions)
+
     def observe(self, drafted: DraftedTree, result: VerifyResult, draft_s: float, target_s: float) -> None:
         if self._planner is not None:
             self._planner.observe(drafted, result.tokens, draft_s, target_s, self.kind, self._request,
@@ -581,6 +585,8 @@ class Sequence:
                             budget.observe(drafted, result, draft_s, target_s)
                         else:
                             budget.observe_alone(result, draft_s + target_s)
+                    else:
+                        budget.observe_sharing(result.pass_sessions)
                     if drafted is None and result.tokens:
                         self._pace = target_s / len(result.tokens)
                     self.tokens += result.tokens

@@ -588,6 +588,28 @@ def test_sessions_that_share_passes_explore_as_many_times_more_rarely(sessions):
     assert plan.alone_run(most=1000) == sessions * EXPLORE_EVERY
 
 
+def test_a_curve_that_dips_at_its_end_still_grows_past_it():
+    """Passes past the measured sizes (trees read at k times their size under load) grow at the
+    curve's upper-half slope, not at its last, noisy, difference."""
+    dipping = [(1, 0.088), (16, 0.174), (32, 0.26), (48, 0.362), (64, 0.504), (65, 0.456)]
+    assert interpolate(dipping, 81) == pytest.approx(0.456 + (0.456 - 0.26) / 33 * 16)
+    assert interpolate(CPU, 128) == pytest.approx(0.32 + (0.32 - 0.107) / 48 * 64)  # as before
+    plan = BudgetPlanner(dipping, DRAFT, base=replace(BASE, budget=64))
+    for _ in range(8):
+        plan.observe_sharing(5)
+    assert plan.thresholds().slope_seconds > 0.02 and plan.choose().min_node_prob > 0
+
+
+def test_a_burst_of_requests_sizes_its_first_trees_for_the_load():
+    """Eight requests that start together learn from their first steps' passes (over their prompts,
+    which teach no times) that eight sessions share each pass, before any of them drafts."""
+    fresh, burst = BudgetPlanner(CPU, DRAFT, base=BASE), BudgetPlanner(CPU, DRAFT, base=BASE)
+    for _ in range(8):
+        burst.observe_sharing(8)
+    assert burst.sharing > 6 and burst.stats() == fresh.stats()
+    assert burst.choose().min_node_prob > 2 * fresh.choose().min_node_prob
+
+
 def test_trees_shrink_when_sessions_share_the_targets_passes():
     """Eight sessions' trees in each pass: a tree token then costs the pass eight times its own
     slope (the others' trees grow alike), so a curve flat up to its knee stops being free sooner."""

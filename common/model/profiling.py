@@ -92,7 +92,10 @@ def forward_curve(
 
 
 def interpolate(curve: list[tuple[int, float]], n: float) -> float:
-    """Piecewise-linear in n, extended linearly past the last point."""
+    """Piecewise-linear in n; past the last point, growing at the curve's mean slope from the last
+    point at or below half its size. The last two points alone are one noisy difference: a bfloat16
+    curve that ended at 0.504 s for 64 rows and 0.456 s for 65 put a pass of 75 rows at nothing, and
+    trees shared by five sessions (read at five times their size) grew to the cap."""
     if not curve:
         raise ValueError("empty forward-time curve")
     if len(curve) == 1 or n <= curve[0][0]:
@@ -100,8 +103,9 @@ def interpolate(curve: list[tuple[int, float]], n: float) -> float:
     for (n0, t0), (n1, t1) in itertools.pairwise(curve):
         if n <= n1:
             return t0 + (t1 - t0) * (n - n0) / (n1 - n0)
-    (n0, t0), (n1, t1) = curve[-2], curve[-1]
-    return t1 + (t1 - t0) * (n - n1) / (n1 - n0)
+    n1, t1 = curve[-1]
+    n0, t0 = max((p for p in curve[:-1] if p[0] <= n1 / 2), default=curve[0])
+    return t1 + max(t1 - t0, 0.0) * (n - n1) / (n1 - n0)
 
 
 # ------------------------------------------------------------------------------------------------
