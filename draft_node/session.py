@@ -55,7 +55,7 @@ class DraftSession:
         self._start(prompt, max_context, max_tree, lookahead, MAX_LOOKAHEAD_NODES)
         self.model = model
         # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
-        self.cache = model.new_cache(max_context + 2 * self.tree_nodes + 1)
+        self.cache = model.lend_cache(self, max_context + 2 * self.tree_nodes + 1)
         self._forward = forward or (lambda segment, rows, stop: forward_logprobs(model, [(segment, rows)], stop)[0])
 
     def _start(self, prompt: list[int], max_context: int, max_tree: int, lookahead: bool, max_search: int) -> None:

@@ -36,7 +36,7 @@ class TorchTargetSession(TargetSession):
                          eos_token_ids=eos_token_ids)  # fmt: skip
         self.model: Transformer = model
         self.all_logits_max_nodes = all_logits_max_nodes  # 0: inner nodes in one call, each leaf apart
-        self.cache = model.new_cache(max_context + max_tree)
+        self.cache = model.lend_cache(self, max_context + max_tree)
 
     @property
     def cached_length(self) -> int:

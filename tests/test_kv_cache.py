@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 
+from client.api import SpecExec
 from common.decoding.sampling import SamplingParams
+from common.model.kv_cache import KVCache, KVCachePool
 from common.model.transformer import attention_bias
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
 from target_node.engine import TargetEngine
+from tests.helpers import reference_decode
 from tests.test_exactness import PROMPT
 
 
@@ -71,3 +76,47 @@ def test_truncate_rolls_back_both_nodes(loaded):
     target.verify(tid, TokenTree.root_only(r1.tokens[-1]), greedy, 1)
     again = target.verify(tid, TokenTree.root_only(PROMPT[-1]), greedy, 1, truncate_to=len(PROMPT))
     assert again.tokens == r1.tokens
+
+
+class _Owner:
+    """A stand-in session: the pool takes a cache back once its owner is garbage."""
+
+
+def test_the_pool_lends_a_cache_again_only_once_its_session_is_gone():
+    made = []
+    pool = KVCachePool(lambda n: made.append(KVCache(1, 1, 2, n, torch.float32, "cpu")) or made[-1], keep=2)
+    owners = [_Owner() for _ in range(4)]
+    caches = [pool.lend(o, 8) for o in owners]
+    assert len({id(c) for c in caches}) == 4 and len(made) == 4
+    caches[0].length = 5
+    del owners[:3], caches
+    gc.collect()
+    assert pool.free(8) == 2  # the third goes back to the allocator
+    later = _Owner()
+    again = pool.lend(later, 8)
+    assert any(again is m for m in made[:3]) and again.length == 0 and len(made) == 4
+    assert pool.lend(_Owner(), 16) is made[-1] and len(made) == 5  # another capacity: a new one
+
+
+def test_sessions_on_caches_that_others_left_decode_exactly(loaded, model_dirs, monkeypatch):
+    """Sessions take the caches of sessions that ended, old slots and all: the output is the
+    target alone's, and the second request allocates no cache on either node."""
+    import common.model.transformer as transformer
+
+    made = []
+
+    class Counted(KVCache):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(transformer, "KVCache", Counted)
+    target, draft = TargetEngine(loaded["target"], max_context=512, max_tree=64), None
+    draft = DraftEngine(loaded["truncated"], max_context=512, max_tree=64)
+    spec = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=16, max_depth=8, max_branch=4))
+    spec.generate(list(reversed(PROMPT)) * 3, max_new_tokens=24, ignore_eos=True)
+    gc.collect()
+    before = len(made)
+    got = spec.generate(PROMPT, max_new_tokens=24, ignore_eos=True)
+    assert len(made) == before
+    assert got.token_ids == reference_decode(model_dirs["target"], PROMPT, SamplingParams(max_new_tokens=24))

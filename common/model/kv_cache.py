@@ -9,8 +9,14 @@ no attention ever reads it.
 
 from __future__ import annotations
 
+import threading
+import weakref
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
+
+POOL_KEEP = 2  # free caches kept per capacity: a burst's others go back to the allocator
 
 
 class KVCache:
@@ -48,3 +54,37 @@ class KVCache:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"cache length {length} outside [0, {self.capacity}]")
         self.length = min(self.length, length)
+
+
+class KVCachePool:
+    """Caches of sessions that ended, lent to the next. A new cache is zeroed memory: a 1.5B bf16
+    model's 58 MiB at 2048 tokens took 20-140 ms to allocate on the EPYC's huge pages, on the core
+    that runs every session's passes, at every chat turn. A cache comes back once its session is
+    garbage, never while a pass may still hold that session; its old slots need no clearing, since
+    a session attends only to the slots it wrote. At most `keep` wait per capacity."""
+
+    def __init__(self, make: Callable[[int], KVCache], keep: int = POOL_KEEP) -> None:
+        self._make = make
+        self._keep = keep
+        self._free: dict[int, list[KVCache]] = {}
+        self._lock = threading.Lock()
+
+    def lend(self, owner: object, capacity: int) -> KVCache:
+        with self._lock:
+            free = self._free.get(capacity)
+            cache = free.pop() if free else None
+        if cache is None:
+            cache = self._make(capacity)
+        cache.length = 0
+        weakref.finalize(owner, self._give_back, cache)
+        return cache
+
+    def free(self, capacity: int) -> int:
+        with self._lock:
+            return len(self._free.get(capacity, ()))
+
+    def _give_back(self, cache: KVCache) -> None:
+        with self._lock:
+            free = self._free.setdefault(cache.capacity, [])
+            if len(free) < self._keep:
+                free.append(cache)

@@ -16,10 +16,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from common.model.kv_cache import KVCache
+from common.model.kv_cache import KVCache, KVCachePool
 from common.model.loaded import ForwardInterrupted
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+_POOL_LOCK = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -333,6 +334,14 @@ class Transformer(nn.Module):
     def new_cache(self, capacity: int) -> KVCache:
         cfg = self.cfg
         return KVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, capacity, self.dtype, self.device)
+
+    def lend_cache(self, owner: object, capacity: int) -> KVCache:
+        """A session's cache, from those of sessions that ended (`KVCachePool`) where one is free."""
+        with _POOL_LOCK:
+            pool = self.__dict__.get("_cache_pool")
+            if pool is None:
+                pool = self.__dict__["_cache_pool"] = KVCachePool(self.new_cache)
+        return pool.lend(owner, capacity)
 
     @torch.inference_mode()
     def forward(
