@@ -67,7 +67,9 @@ class KVCachePool:
         self._make = make
         self._keep = keep
         self._free: dict[int, list[KVCache]] = {}
-        self._lock = threading.Lock()
+        # Re-entrant: a collection that an allocation under the lock sets off may end a session,
+        # whose cache then comes back on this thread.
+        self._lock = threading.RLock()
 
     def lend(self, owner: object, capacity: int) -> KVCache:
         with self._lock:
