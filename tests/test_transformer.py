@@ -93,6 +93,22 @@ def test_bfloat16_tree_pass_is_as_close_to_float32_as_with_sdpa(model_dirs, monk
     assert (ours.argmax(-1) == ref.argmax(-1)).sum() >= (theirs.argmax(-1) == ref.argmax(-1)).sum() - 1
 
 
+def test_long_low_precision_passes_keep_sdpa(model_dirs, monkeypatch):
+    """A prompt's pass past FLOAT32_ATTENTION_MAX_ROWS rows keeps SDPA, whose scores are never whole
+    in memory; a tree's pass up to it runs in float32 matmuls."""
+    import common.model.transformer as transformer
+
+    model = load_model(model_dirs["qwen2"], dtype="bfloat16").model
+    calls = []
+    real = transformer.attention_in_float32
+    monkeypatch.setattr(transformer, "attention_in_float32", lambda *a: calls.append(a[0].shape[1]) or real(*a))
+    for rows in (transformer.FLOAT32_ATTENTION_MAX_ROWS, transformer.FLOAT32_ATTENTION_MAX_ROWS + 1):
+        causal = torch.ones(rows, rows, dtype=torch.bool).tril()
+        ids = torch.arange(rows) % model.cfg.vocab_size
+        model(ids, torch.arange(rows), torch.arange(rows), attention_bias(causal, 0), model.new_cache(rows))
+    assert set(calls) == {transformer.FLOAT32_ATTENTION_MAX_ROWS}
+
+
 def test_unsupported_architecture_is_refused():
     from transformers import GPT2Config
 
