@@ -346,7 +346,11 @@ class BudgetPlanner:
         """Learn only the sessions a pass served, from a step whose times teach nothing (a request's
         first, over its prompt): a burst of requests then sizes its first trees for the load."""
         with self._lock:
-            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
+            self._learn_sharing(pass_sessions)
+
+    def _learn_sharing(self, pass_sessions: int) -> None:
+        """Called under the planner's lock."""
+        self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
 
     def _explore_after(self, gap: RegimeStats) -> int:
         return gap.explore * max(1, round(self.sharing))
@@ -364,7 +368,7 @@ class BudgetPlanner:
         if tokens < 1:
             return
         with self._lock:
-            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
+            self._learn_sharing(pass_sessions)
             for s in (self._stats(regime), request):
                 if s is not None:
                     w = max(EMA, 1.0 / (1 + s.alone_steps))
@@ -411,7 +415,7 @@ class BudgetPlanner:
             for s in (self._stats(regime), request):
                 if s is not None:
                     s.learn(len(tokens), draft_seconds + target_seconds, shape, imposed)
-            self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
+            self._learn_sharing(pass_sessions)
             if shape is None:
                 return
             if not shape.reused:  # a re-rooted tree's draft time is only what the search had left to do
