@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 
@@ -49,12 +50,8 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             tree,
             sampling,
             request.max_tokens,
-            owner=client_key(context),
-            append=list(request.append),
-            truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
-            step_id=request.step_id or None,
             timing=timing,
-            cancelled=lambda: not context.is_active(),
+            **_step_args(request, context),
         )
         self._observe(request.session_id, request.step_id, timing, tree.size, result)
         return _response(result, timing)
@@ -68,12 +65,8 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
                 sampling_from_proto(request.sampling),
                 request.max_tokens,
                 request.steps,
-                owner=client_key(context),
-                append=list(request.append),
-                truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
-                step_id=request.step_id or None,
                 timing=timing,
-                cancelled=lambda: not context.is_active(),
+                **_step_args(request, context),
             )
             for result in results:
                 self._observe(request.session_id, request.step_id, timing, 1, result)
@@ -85,6 +78,17 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
         e = self._engine()
         observe_step("verify", session_id, step_id, timing, size, model_name=e.loaded.name,
                      accepted=result.accepted, tokens=len(result.tokens))  # fmt: skip
+
+
+def _step_args(request: pb.VerifyRequest | pb.DecodeRequest, context: grpc.ServicerContext) -> dict[str, Any]:
+    """What Verify and Decode pass alike: the caller, the sequence's changes, the step, cancellation."""
+    return {
+        "owner": client_key(context),
+        "append": list(request.append),
+        "truncate_to": request.truncate_to if request.HasField("truncate_to") else None,
+        "step_id": request.step_id or None,
+        "cancelled": lambda: not context.is_active(),
+    }
 
 
 def _response(result: VerifyResult, timing: StepTiming) -> pb.VerifyResponse:
