@@ -156,6 +156,19 @@ def add_kv_cache_arg(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def add_prefill_chunk_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="while other sessions are open, a pass runs at most N tokens of one session's prompt, so a long "
+        "prompt takes several passes, each shared with the others' trees, instead of stalling them all "
+        "(default: the rows whose pass costs about 8 one-token passes on the measured curve, at least 64; "
+        "a session alone takes --max-batch-tokens a pass)",
+    )
+
+
 def add_regroup_arg(parser: argparse.ArgumentParser, waits_for: str) -> None:
     parser.add_argument(
         "--batch-regroup-ms",
@@ -289,6 +302,9 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
     regroup_ms = getattr(args, "batch_regroup_ms", DEFAULT_REGROUP * 1000)
     if regroup_ms < 0:
         raise ValueError(f"--batch-regroup-ms must be >= 0, got {regroup_ms:g}")
+    prefill_chunk = getattr(args, "prefill_chunk", None)
+    if prefill_chunk is not None and prefill_chunk < 1:
+        raise ValueError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")
     return NodeConfig(
         model=args.model,
         listen=args.listen,
@@ -309,6 +325,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         max_batch_tokens=args.max_batch_tokens,
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         batch_regroup_ms=regroup_ms,
+        prefill_chunk=prefill_chunk,
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

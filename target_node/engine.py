@@ -13,13 +13,20 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loaded import LoadedModel
-from common.ops.metrics import observe_preemptions, observe_verify_pass
+from common.ops.metrics import observe_preemptions, observe_prefill_chunk, observe_verify_pass
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
-from common.runtime.sessions import StepTiming, check_step
+from common.runtime.sessions import StepCancelled, StepTiming, check_step
 from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
+
+# A long prompt's chunks while other sessions are open (`TargetEngine.chain_limit`): rows whose
+# pass costs this many one-token passes, at least MIN_PREFILL_CHUNK; DEFAULT_PREFILL_CHUNK without
+# a forward-time curve.
+PREFILL_PASSES = 8
+MIN_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_CHUNK = 256
 
 
 @dataclass(eq=False)
@@ -35,22 +42,35 @@ class VerifyJob:
     truncate_to: int | None
     step_id: int | None
     timing: StepTiming | None = None
-    cancelled: Callable[[], bool] = lambda: False  # the caller went away or its deadline passed
+    stopped: Callable[[], bool] = lambda: False  # the caller went away or its deadline passed
     continues: bool = False  # a later pass of a Decode call: the call's step, checked at its first
+    max_chain: int = MAX_BATCH_TOKENS  # pending committed tokens a pass runs for it, at most
     arrived: float = field(default_factory=time.perf_counter)
+    ticket: TreeTicket | None = None  # prepared, its pending chain in chunks over several passes
     result: VerifyResult | None = None
     error: BaseException | None = None
     done: bool = False
 
     @property
     def tokens(self) -> int:
-        """Rows it adds to a pass, about: its tree and the tokens it appends."""
-        return self.tree.size + len(self.append)
+        """Rows it adds to a pass, about: its tree, or as much of its pending chain as a pass runs."""
+        pending = len(self.session.committed) - 1 - self.session.cached_length + len(self.append)
+        return self.tree.size + min(pending, self.max_chain)
+
+    def cancelled(self) -> bool:
+        """For the batcher, before a pass: a prepared job is cancelled by the engine instead, under
+        the model lock, which undoes its chunks."""
+        return self.ticket is None and self.stopped()
 
     def succeed(self, result: VerifyResult) -> None:
+        self.ticket = None
         self.result, self.done = result, True
 
     def fail(self, error: BaseException) -> None:
+        """The step fails, and its session is as it was before it (under the model lock)."""
+        if self.ticket is not None:
+            ticket, self.ticket = self.ticket, None
+            self.session.abort(ticket)
         self.error, self.done = error, True
 
 
@@ -66,15 +86,21 @@ class TargetEngine(NodeEngine[TargetSession]):
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         regroup: float = DEFAULT_REGROUP,
+        prefill_chunk: int | None = None,
         kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
         call (see target_node.torch_session); `batch_window` (seconds), `max_batch_tokens` and
         `regroup` (seconds: a pass's wait for sessions between two passes of a Decode run) shape the
-        passes shared by sessions (common.runtime.batching); `kv_cache_tokens`: the KV cells a
-        llama.cpp target's sessions share; `limits` are NodeEngine's."""
+        passes shared by sessions (common.runtime.batching); `prefill_chunk`: the pending committed
+        tokens (a prompt) a pass runs for one session while others are open (`chain_limit`; None:
+        from the forward-time curve); `kv_cache_tokens`: the KV cells a llama.cpp target's sessions
+        share; `limits` are NodeEngine's."""
         super().__init__(loaded, **limits)
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.prefill_chunk = prefill_chunk
         self.all_logits_max_nodes = all_logits_max_nodes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
@@ -156,8 +182,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
         job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
-                        continues=continues)  # fmt: skip
-        job.cancelled = cancelled or job.cancelled
+                        continues=continues, max_chain=self.chain_limit())  # fmt: skip
+        job.stopped = cancelled or job.stopped
         result = self.batcher.submit(job).result
         assert result is not None
         return result
@@ -195,22 +221,47 @@ class TargetEngine(NodeEngine[TargetSession]):
                     return
                 root, left, first = result.tokens[-1], left - len(result.tokens), False
 
+    def chain_limit(self, alone: bool = False) -> int:
+        """Pending committed tokens one pass runs for a session: `max_batch_tokens` when it is the
+        only session open; else `prefill_chunk`, by default the rows whose pass costs about 8 of a
+        one-token pass, so another session's step waits for at most about 8 passes' time behind a
+        long prompt, and the prompt's extra passes cost it about 1/8 more (a flat curve, a GPU's:
+        `max_batch_tokens`)."""
+        most = self.batcher.max_tokens
+        if alone:
+            return most
+        if self.prefill_chunk is not None:
+            return min(self.prefill_chunk, most)
+        if not self.forward_curve:
+            return min(DEFAULT_PREFILL_CHUNK, most)
+        one = self.forward_curve[0][1]
+        rows = next((n for n, t in self.forward_curve if t >= PREFILL_PASSES * one), most)
+        return min(max(rows, MIN_PREFILL_CHUNK), most)
+
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
-        """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails alone."""
+        """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails
+        alone. A job whose long pending chain takes this pass stays undone, for the next one."""
+        limit = self.chain_limit(alone=len(jobs) == 1 and len(self.sessions) <= 1)
         steps: list[tuple[VerifyJob, TreeTicket]] = []
         for job in jobs:
             try:
-                # A Decode call's later passes keep its step: a request that came between ends the call.
-                check_step(job.session.step - job.continues, job.step_id)
-                ticket = job.session.prepare(
-                    job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to, append=job.append
-                )
+                if job.ticket is None:
+                    # A Decode call's later passes keep its step: a request that came between ends the call.
+                    check_step(job.session.step - job.continues, job.step_id)
+                    ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
+                                                 append=job.append, max_chain=limit)  # fmt: skip
+                else:
+                    if job.stopped():
+                        raise StepCancelled("the step was cancelled between the passes of its prompt")
+                    ticket = job.ticket
+                    job.session.lay_out(ticket, limit)
             except Exception as exc:
                 job.fail(exc)
                 continue
             if isinstance(ticket, VerifyResult):
                 self._complete(job, ticket)
             else:
+                job.ticket = ticket
                 steps.append((job, ticket))
         for group in self._passes(steps):
             self._run_group(group)
@@ -222,7 +273,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         """One pass for the group's trees, each walked right after; if the shared pass fails, each
         tree runs (and is walked) alone, so a failure stays with the tree that caused it. A tree is
         walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree."""
-        draws: list[Callable[[int], int]] | None = None
+        draws: list[Callable[[int], int] | None] | None = None
         if len(group) > 1:
             try:
                 draws = type(group[0][0].session).run_together([(j.session, t) for j, t in group])
@@ -230,22 +281,29 @@ class TargetEngine(NodeEngine[TargetSession]):
                 log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
         if draws is None:
             for job, ticket in group:
-                self._walk(job, ticket, None, {"pass_sessions": 1, "pass_tokens": ticket.tree.size})
-                observe_verify_pass(1, ticket.tree.size)
+                try:
+                    draw = job.session.run_alone(ticket)
+                except Exception as exc:
+                    job.fail(exc)
+                    continue
+                self._walk(job, ticket, draw, {"pass_sessions": 1, "pass_tokens": _rows(ticket)})
+                observe_verify_pass(1, _rows(ticket))
             return
-        shared = {"pass_sessions": len(group), "pass_tokens": sum(t.tree.size for _, t in group)}
+        shared = {"pass_sessions": len(group), "pass_tokens": sum(_rows(t) for _, t in group)}
         for (job, ticket), draw in zip(group, draws, strict=True):
             self._walk(job, ticket, draw, shared)
         observe_verify_pass(**shared)
 
     def _walk(self, job: VerifyJob, ticket: TreeTicket, draw: Callable[[int], int] | None,
               shared: dict[str, int]) -> None:  # fmt: skip
-        """The acceptance walk over one tree's draws; `draw` None: its pass runs alone first."""
+        """The acceptance walk over one tree's draws; `draw` None: the pass ran a chunk of the
+        job's pending chain, and its next pass goes on."""
+        if draw is None:
+            observe_prefill_chunk(ticket.chunk)
+            return
         try:
-            draw = draw or job.session.run_alone(ticket)
             self._complete(job, replace(job.session.finish(ticket, draw), **shared))
         except Exception as exc:
-            job.session.abort(ticket)
             job.fail(exc)
 
     @staticmethod
@@ -264,3 +322,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         if not job.continues:
             job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
         job.succeed(result)
+
+
+def _rows(ticket: TreeTicket) -> int:
+    """A ticket's rows in its pass, as the metrics and the planner count them: its tree, or its chunk."""
+    return ticket.chunk or ticket.tree.size

@@ -46,19 +46,35 @@ class LlamaTargetSession(TargetSession):
     def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, None, int]:
         return None, None, self.ctx.length  # llama.cpp lays out its own pass
 
-    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
+    def _chain_layout(self, rows: int) -> None:
+        return None  # `run_together` runs it
+
+    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int] | None:
         return self.run_together([(self, ticket)])[0]
 
     @staticmethod
-    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
+    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int] | None]:
         """Sessions on one shared context: their trees in one `llama_decode`, each session's pending
         chain (a prompt, the tokens accepted last step) ahead of its tree in the same pass as far as
-        the batch has room, the rest in passes of its own first; returns each tree's draw."""
+        the batch has room, the rest in passes of its own first; returns each tree's draw (None for
+        a ticket's `chunk`, run first, in passes of its own)."""
+        sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
+        # Room for the whole pass first: a chain run ahead of it must not take a neighbour's cells.
+        sessions[0].ctx.ctx.make_room(
+            sum(s._cells_needed(t) - s.ctx.length for s, (_, t) in zip(sessions, steps, strict=True)),
+            [s.ctx for s in sessions],
+        )
+        for session, (_, ticket) in zip(sessions, steps, strict=True):
+            if ticket.chunk:
+                session.ctx.extend(session.committed[session.ctx.length : session.ctx.length + ticket.chunk])
+        trees = [(s, t) for s, t in steps if not t.chunk]
+        draws = iter(LlamaTargetSession._run_trees(trees) if trees else [])
+        return [None if t.chunk else next(draws) for _, t in steps]
+
+    @staticmethod
+    def _run_trees(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
         sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
         ctx = sessions[0].ctx.ctx
-        # Room for the whole pass first: a chain run ahead of it must not take a neighbour's cells.
-        ctx.make_room(sum(s._cells_needed(t) - s.ctx.length for s, (_, t) in zip(sessions, steps, strict=True)),
-                      [s.ctx for s in sessions])  # fmt: skip
         room = ctx.n_batch - sum(t.tree.size for _, t in steps)
         chains = []
         for session in sessions:
@@ -100,13 +116,16 @@ class LlamaTargetSession(TargetSession):
         ctx = self.ctx.ctx
         if ctx.lanes == 1 or any(s.ctx.ctx is not ctx for s, _ in steps):  # type: ignore[attr-defined]
             return not steps
-        trees = [t.tree for _, t in steps] + [ticket.tree]
+        trees = [t.tree for _, t in [*steps, (self, ticket)] if not t.chunk]
         leaves = sum(tree_leaves(t.parents).size for t in trees)
         cells = sum(s._cells_needed(t) for s, t in steps) + self._cells_needed(ticket)  # type: ignore[attr-defined]
         return sum(t.size for t in trees) <= ctx.n_batch and leaves <= ctx.leaf_ids and cells <= ctx.n_ctx
 
     def _cells_needed(self, ticket: TreeTicket) -> int:
-        """KV cells this session holds during its pass: its committed tokens but the root, and the tree."""
+        """KV cells this session holds during its pass: its committed tokens but the root, and the
+        tree; or those it has and a chunk's."""
+        if ticket.chunk:
+            return self.ctx.length + ticket.chunk
         return len(self.committed) - 1 + ticket.tree.size
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:

@@ -77,7 +77,9 @@ class TargetSession:
         if isinstance(ticket, VerifyResult):
             return ticket
         try:
-            return self.finish(ticket, self.run_alone(ticket))
+            draw = self.run_alone(ticket)
+            assert draw is not None  # no max_chain: the whole chain runs with the tree
+            return self.finish(ticket, draw)
         except Exception:
             self.abort(ticket)
             raise
@@ -90,10 +92,11 @@ class TargetSession:
         *,
         truncate_to: int | None = None,
         append: list[int] | None = None,
+        max_chain: int | None = None,
     ) -> TreeTicket | VerifyResult:
-        """Roll back and/or extend, check the tree, and lay out its pass; a step with no room left
-        is answered at once. On any error the session is left as it was; after it, `finish` or
-        `abort` must follow before this session is prepared again."""
+        """Roll back and/or extend, check the tree, and lay out its first pass (`lay_out`); a step
+        with no room left is answered at once. On any error the session is left as it was; after
+        it, `finish` or `abort` must follow before this session is prepared again."""
         committed, length = list(self.committed), self.cached_length
         try:
             if truncate_to is not None:
@@ -111,14 +114,26 @@ class TargetSession:
             max_tokens = min(max_tokens, self.max_context - len(self.committed))
             if max_tokens < 1:
                 return VerifyResult([], 0, "length")
-            segment, logit_nodes, tree_start = self._layout(tree, structure)
+            ticket = TreeTicket(tree, structure, params, max_tokens, committed, length)
+            self.lay_out(ticket, max_chain)
         except Exception:
             self.committed = committed
             self._restore(length)
             raise
-        return TreeTicket(
-            tree, structure, params, max_tokens, committed, length, tree_start, segment, logit_nodes
-        )
+        return ticket
+
+    def lay_out(self, ticket: TreeTicket, max_chain: int | None = None) -> None:
+        """The step's next pass: the rest of the pending chain and the tree, or, while more than
+        `max_chain` committed tokens wait for their KV (a long prompt), the next `max_chain` of them
+        alone. A long prompt then takes several passes, each shared with other sessions' trees,
+        instead of one that stalls them all for its length."""
+        pending = len(self.committed) - 1 - self.cached_length
+        if max_chain is not None and pending > max_chain:
+            ticket.chunk = max_chain
+            ticket.segment, ticket.logit_nodes, ticket.tree_start = self._chain_layout(max_chain), None, -1
+        else:
+            ticket.chunk = 0
+            ticket.segment, ticket.logit_nodes, ticket.tree_start = self._layout(ticket.tree, ticket.structure)
 
     def abort(self, ticket: TreeTicket) -> None:
         """Undo `prepare`: the step failed, and the session is as it was before it."""
@@ -171,13 +186,14 @@ class TargetSession:
         self.committed.extend(tokens)
         return VerifyResult(tokens, accepted, finish)
 
-    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int]:
+    def run_alone(self, ticket: TreeTicket) -> Callable[[int], int] | None:
         """This session's pass alone; `run_together` serves several sessions in one."""
         return self.run_together([(self, ticket)])[0]
 
     @staticmethod
-    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
-        """One pass for several sessions' trees (the same subclass); each tree's draw."""
+    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int] | None]:
+        """One pass for several sessions' trees (the same subclass); each tree's draw, or None for a
+        ticket whose pass ran a `chunk` of its pending chain (its cache holds it now)."""
         raise NotImplementedError
 
     def fits_with(self, steps: list[tuple[TargetSession, TreeTicket]], ticket: TreeTicket) -> bool:
@@ -194,6 +210,10 @@ class TargetSession:
         in one batch, and the tree root's slot."""
         raise NotImplementedError
 
+    def _chain_layout(self, rows: int) -> Any:
+        """What the pass runs for the next `rows` pending committed tokens alone (the backend's own)."""
+        raise NotImplementedError
+
 
 @dataclass
 class TreeTicket:
@@ -206,6 +226,7 @@ class TreeTicket:
     max_tokens: int
     committed_before: list[int]
     cached_before: int
-    tree_start: int  # the tree root's slot
-    segment: Any  # the backend's pass for it (torch: a `Segment`); None on llama.cpp, which lays out its own
-    logit_nodes: Any  # torch: int64 [k], the nodes whose logits the batched LM-head call computes
+    tree_start: int = -1  # the tree root's slot
+    segment: Any = None  # the backend's pass for it (torch: a `Segment`); None on llama.cpp, which lays out its own
+    logit_nodes: Any = None  # torch: int64 [k], the nodes whose logits the batched LM-head call computes
+    chunk: int = 0  # >0: this pass runs only that many pending committed tokens, and the tree a later one

@@ -49,8 +49,8 @@ class TorchTargetSession(TargetSession):
         self.cache.truncate(length)
 
     @staticmethod
-    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
-        """One pass for several sessions' trees (`run_trees`); each tree's draw."""
+    def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int] | None]:
+        """One pass for several sessions' trees and chunks (`run_trees`); each tree's draw."""
         return run_trees(steps[0][0].model, steps)  # type: ignore[arg-type]
 
     def _keep(self, ticket: TreeTicket, path: list[int]) -> None:
@@ -79,6 +79,13 @@ class TorchTargetSession(TargetSession):
         batched[torch.from_numpy(tree.parents[1:])] = True
         return segment, batched.nonzero().squeeze(1), root_pos
 
+    def _chain_layout(self, rows: int) -> Segment:
+        start = self.cache.length
+        chain = torch.tensor(self.committed[start : start + rows], dtype=torch.long)
+        positions = torch.arange(start, start + rows)
+        bias = attention_bias(torch.ones(rows, rows, dtype=torch.bool).tril(), start)
+        return Segment(chain, positions, positions, bias, self.cache)
+
     def _drawer(self, ticket: TreeTicket, hidden: Tensor, logits: Tensor | None) -> Callable[[int], int]:
         """`hidden` [n, h]: the tree's rows; `logits` [len(logit_nodes), vocab]: theirs, batched."""
         tree, structure, params = ticket.tree, ticket.structure, ticket.params
@@ -100,16 +107,22 @@ class TorchTargetSession(TargetSession):
 
 def run_trees(
     model: Transformer, steps: list[tuple[TorchTargetSession, TreeTicket]]
-) -> list[Callable[[int], int]]:
-    """One forward pass and one LM-head call for several sessions' trees; returns each tree's draw.
+) -> list[Callable[[int], int] | None]:
+    """One forward pass and one LM-head call for several sessions' trees; returns each tree's draw
+    (None for a ticket's `chunk`, which its cache holds after the pass).
 
     The pass costs about what the largest of them would alone where weight reads dominate (a GPU,
     an offloaded target), and the LM head, the largest single weight, is read once for all."""
     hidden = model.forward_segments([t.segment for _, t in steps])  # [sum of segment sizes, h]
     trees = []
-    for (_, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
-        trees.append(rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: the chain's rows dropped
-    wanted = [h[t.logit_nodes] for h, (_, t) in zip(trees, steps, strict=True)]
+    for (session, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
+        if ticket.chunk:
+            session.cache.length += ticket.chunk
+            trees.append(None)
+        else:
+            trees.append(rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: the chain's rows dropped
+    verified = [(s, t, h) for (s, t), h in zip(steps, trees, strict=True) if h is not None]
+    wanted = [h[t.logit_nodes] for _, t, h in verified]
     logits = model.logits(torch.cat(wanted)) if sum(w.shape[0] for w in wanted) else None
-    parts = logits.split([w.shape[0] for w in wanted]) if logits is not None else [None] * len(steps)
-    return [s._drawer(t, h, part) for (s, t), h, part in zip(steps, trees, parts, strict=True)]
+    parts = iter(logits.split([w.shape[0] for w in wanted]) if logits is not None else [None] * len(wanted))
+    return [None if h is None else s._drawer(t, h, next(parts)) for (s, t), h in zip(steps, trees, strict=True)]

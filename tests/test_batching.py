@@ -7,6 +7,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -156,7 +157,8 @@ def test_a_failed_shared_pass_runs_each_tree_alone(loaded, monkeypatch):
 
 def job(session_id: str, size: int = 1, **kwargs: Any) -> VerifyJob:
     tree = TokenTree(torch.zeros(size, dtype=torch.long), torch.tensor([-1, *([0] * (size - 1))]))
-    return VerifyJob(session_id, None, tree, GREEDY, 8, [], None, None, **kwargs)  # type: ignore[arg-type]
+    session = SimpleNamespace(committed=[0], cached_length=0)  # nothing pending: a pass takes its tree
+    return VerifyJob(session_id, session, tree, GREEDY, 8, [], None, None, **kwargs)  # type: ignore[arg-type]
 
 
 def test_a_pass_takes_one_step_per_session_and_about_max_tokens():
@@ -179,7 +181,7 @@ def test_a_cancelled_step_is_answered_without_a_pass():
 
     batcher = PassBatcher(run_pass, threading.Lock())
     with pytest.raises(StepCancelled):
-        batcher.submit(job("gone", cancelled=lambda: True))
+        batcher.submit(job("gone", stopped=lambda: True))
     assert ran == []
 
 

@@ -485,6 +485,35 @@ def replace_root(tree: Any, root: int) -> Any:
     return TokenTree(tokens, tree.parents)
 
 
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_long_prompt_in_chunks_beside_another_session_equals_it_alone(ggufs, setting):
+    """Chunked prefill on a shared context: the long prompt's chunks run while the other session
+    verifies its trees, and both get what they get with contexts and passes of their own."""
+    from tests.test_batching import at_once, random_tree
+    from tests.test_chunked_prefill import chunks
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
+    vocab = loaded.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(13)
+    long, short = torch.randint(0, vocab, (41,), generator=gen).tolist(), [9, 8, 7]
+    trees = [random_tree(0, 5, vocab, gen) for _ in range(4)]
+    alone = llama_engine(loaded, max_batch_tokens=1)
+    together = llama_engine(loaded, prefill_chunk=8)
+    assert together.shared is not None
+
+    def steps(engine: Any, sid: str) -> list[list[int]]:
+        return [engine.verify(sid, replace_root(t, engine.sessions.get(sid).committed[-1]), sampling, 4).tokens
+                for t in trees]  # fmt: skip
+
+    expected = [steps(alone, alone.open_session(p)) for p in (long, short)]
+    sids = [together.open_session(p) for p in (long, short)]
+    before = chunks()
+    got = at_once([lambda s=s: steps(together, s) for s in sids])
+    assert got == expected
+    assert chunks()[0] - before[0] == 4  # 40 pending rows: 4 chunks of 8, then 8 with the tree
+
+
 def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
     from target_node.engine import TargetEngine

@@ -93,9 +93,14 @@ VERIFY_PASS_SESSIONS = Histogram(
 )
 VERIFY_PASS_TOKENS = Histogram(
     "specexec:verify_pass_tree_tokens",
-    "target: tree tokens of all sessions in one forward pass",
+    "target: tree tokens (and prompt chunks') of all sessions in one forward pass",
     buckets=SIZE_BUCKETS,
 )
+PREFILL_CHUNKS = Counter(
+    "specexec:prefill_chunks",
+    "target: passes that ran part of a session's long prompt, its tree left to a later pass (chunked prefill)",
+)
+PREFILL_CHUNK_TOKENS = Counter("specexec:prefill_chunk_tokens", "target: prompt tokens run in such chunks")
 DRAFT_PASS_SESSIONS = Histogram(
     "specexec:draft_pass_sessions",
     "draft: sessions whose forwards (catch-up chains, expansion batches) shared one pass",
@@ -228,6 +233,11 @@ def observe_verify_pass(pass_sessions: int, pass_tokens: int) -> None:
     """One target pass: how many sessions shared it. Each step's wait for it is step_queue_seconds."""
     VERIFY_PASS_SESSIONS.observe(pass_sessions)
     VERIFY_PASS_TOKENS.observe(pass_tokens)
+
+
+def observe_prefill_chunk(tokens: int) -> None:
+    PREFILL_CHUNKS.inc()
+    PREFILL_CHUNK_TOKENS.inc(tokens)
 
 
 def observe_preemptions(count: int) -> None:

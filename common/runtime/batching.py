@@ -5,7 +5,8 @@ pass together: the target's Verify steps, the draft's expansions. No thread of i
 waiting caller that finds no pass running leads the next one, for everything queued by then, and
 the others wait for their results. A pass takes at most one job per session (a session's next job
 needs this one's cache) and about `max_tokens` rows, but never fewer than one job, so an oversized
-job still runs, alone.
+job still runs, alone. A job that a pass leaves undone (a long prompt's chunk ran, its tree has
+yet to) goes back to the head of the queue, for the next pass.
 
 A pass does not wait for sessions that are elsewhere (a Verify step's client drafting its next
 tree): sessions out of phase keep the draft's and the target's machines busy at once, and with
@@ -83,6 +84,7 @@ class PassBatcher(Generic[J]):
         self._queue: list[J] = []
         self._leading = False
         self._working: dict[str, int] = {}  # session id -> its callers inside working()
+        self._spent: dict[J, float] = {}  # a job left undone -> seconds of the passes it had
 
     @contextmanager
     def working(self, session_id: str) -> Iterator[None]:
@@ -144,9 +146,14 @@ class PassBatcher(Generic[J]):
             finally:
                 finished = time.perf_counter()
                 for j in batch:
+                    spent = self._spent.pop(j, 0.0) + finished - acquired
+                    if not j.done:
+                        self._spent[j] = spent
                     if j.timing is not None:
-                        j.timing.queue_seconds = acquired - j.arrived
-                        j.timing.compute_seconds = finished - acquired
+                        j.timing.queue_seconds = finished - j.arrived - spent
+                        j.timing.compute_seconds = spent
+        with self._cv:
+            self._queue[:0] = [j for j in batch if not j.done]
 
     def _missing(self) -> bool:
         """Whether a working session has no job queued yet."""

@@ -1,0 +1,156 @@
+"""Chunked prefill on the target: while other sessions are open, a long prompt runs a chunk per pass,
+each pass shared with the other sessions' trees, and its step's output is what it gets unchunked."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeError
+from common.runtime.batching import PassBatcher
+from common.runtime.sessions import StepCancelled, StepTiming
+from target_node.engine import MIN_PREFILL_CHUNK, TargetEngine
+from tests.test_batching import at_once, engine_for, job, random_tree
+
+GREEDY = SamplingParams(max_new_tokens=8)
+SEEDED = SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11)
+LONG = 100  # prompt tokens: 99 pending rows ahead of the root, 6 chunks of 16 and 3 rows with the tree
+
+
+def chunks() -> tuple[float, float]:
+    """specexec:prefill_chunks and _tokens so far (this process's registry)."""
+    return (REGISTRY.get_sample_value("specexec:prefill_chunks_total") or 0.0,
+            REGISTRY.get_sample_value("specexec:prefill_chunk_tokens_total") or 0.0)  # fmt: skip
+
+
+def long_and_short(vocab: int, seed: int) -> tuple[list[int], list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab, (LONG,), generator=gen).tolist(), torch.randint(0, vocab, (5,), generator=gen).tolist()
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_long_prompt_runs_in_chunks_beside_another_sessions_steps(loaded, sampling):
+    """The long prompt's step takes 7 passes; the short session's target-alone steps share them, and
+    both sessions' tokens equal what each gets with the target to itself."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    long, short = long_and_short(vocab, 5)
+    tree = random_tree(long[-1], 6, vocab, torch.Generator().manual_seed(6))
+    alone = engine_for(loaded)
+    expected_long = alone.verify(alone.open_session(long), tree, sampling, 8)
+    alone_short = engine_for(loaded)
+    expected_short = list(alone_short.decode(alone_short.open_session(short), short[-1], sampling, 64, steps=6))
+
+    engine = engine_for(loaded, prefill_chunk=16)
+    long_sid, short_sid = engine.open_session(long), engine.open_session(short)
+    before = chunks()
+    got_long, got_short = at_once([lambda: engine.verify(long_sid, tree, sampling, 8),
+                                   lambda: list(engine.decode(short_sid, short[-1], sampling, 64, steps=6))])  # fmt: skip
+    after = chunks()
+    assert (got_long.tokens, got_long.accepted) == (expected_long.tokens, expected_long.accepted)
+    assert [r.tokens for r in got_short] == [r.tokens for r in expected_short]
+    assert (after[0] - before[0], after[1] - before[1]) == (6, 96)
+    assert any(r.pass_sessions == 2 for r in got_short)  # a short step shared a pass with a chunk
+    assert engine.sessions.get(long_sid).cached_length == LONG - 1 + len(got_long.tokens)
+
+
+def test_a_prompt_alone_takes_max_batch_tokens_a_pass(loaded):
+    """No other session open: no chunks unless the prompt is over --max-batch-tokens."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    long, _ = long_and_short(vocab, 7)
+    tree = random_tree(long[-1], 4, vocab, torch.Generator().manual_seed(8))
+    reference = engine_for(loaded)
+    expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
+    for max_batch_tokens, count in ((2048, 0), (40, 2)):  # 99 pending rows: 40 + 40, then 19 with the tree
+        engine = engine_for(loaded, prefill_chunk=16, max_batch_tokens=max_batch_tokens)
+        before = chunks()
+        got = engine.verify(engine.open_session(long), tree, GREEDY, 8)
+        assert chunks()[0] - before[0] == count
+        assert got.tokens == expected.tokens
+
+
+def test_a_step_cancelled_between_chunks_leaves_its_session_as_it_was(loaded):
+    vocab = loaded["target"].model.cfg.vocab_size
+    long, short = long_and_short(vocab, 9)
+    tree = random_tree(long[-1], 5, vocab, torch.Generator().manual_seed(10))
+    reference = engine_for(loaded)
+    expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
+    engine = engine_for(loaded, prefill_chunk=16)
+    engine.open_session(short)  # another session open: the long prompt goes in chunks
+    sid = engine.open_session(long)
+    asked = []
+
+    def cancelled() -> bool:  # the caller goes away after the second chunk
+        asked.append(1)
+        return len(asked) >= 3
+
+    before = chunks()
+    with pytest.raises(StepCancelled, match="between the passes of its prompt"):
+        engine.verify(sid, tree, GREEDY, 8, cancelled=cancelled)
+    assert chunks()[0] - before[0] == 2
+    session = engine.sessions.get(sid)
+    assert session.committed == long and session.cached_length == 0 and session.step == 0
+    assert engine.verify(sid, tree, GREEDY, 8).tokens == expected.tokens
+
+
+def test_a_bad_tree_on_a_long_prompt_fails_before_any_chunk(loaded):
+    vocab = loaded["target"].model.cfg.vocab_size
+    long, short = long_and_short(vocab, 11)
+    bad = random_tree((long[-1] + 1) % vocab, 5, vocab, torch.Generator().manual_seed(12))
+    engine = engine_for(loaded, prefill_chunk=16)
+    engine.open_session(short)
+    sid = engine.open_session(long)
+    before = chunks()
+    with pytest.raises(TreeError, match="root token"):
+        engine.verify(sid, bad, GREEDY, 8)
+    assert chunks() == before and engine.sessions.get(sid).cached_length == 0
+
+
+def test_the_chunk_follows_the_forward_time_curve(loaded):
+    engine = engine_for(loaded, max_batch_tokens=1000)
+    assert engine.chain_limit(alone=True) == 1000
+    assert engine.chain_limit() == 256  # no curve measured
+    engine.forward_curve = ((1, 0.1), (64, 0.5), (128, 0.82), (256, 1.6))  # a CPU's: 8 passes' time at 128 rows
+    assert engine.chain_limit() == 128
+    engine.forward_curve = ((1, 0.1), (16, 0.9))  # steep: never under the floor
+    assert engine.chain_limit() == MIN_PREFILL_CHUNK
+    engine.forward_curve = ((1, 0.1), (256, 0.12))  # a GPU's, flat: whole prompts
+    assert engine.chain_limit() == 1000
+    assert engine_for(loaded, prefill_chunk=48).chain_limit() == 48
+    with pytest.raises(ValueError, match="prefill chunk must be >= 1"):
+        TargetEngine(loaded["target"], max_context=64, max_tree=8, prefill_chunk=0)
+
+
+def test_a_job_left_undone_runs_again_first_and_its_times_add_up():
+    passes: list[list[str]] = []
+    left = {"long": 2}
+
+    def run_pass(jobs: list[Any]) -> None:
+        time.sleep(0.02)
+        passes.append([j.session_id for j in jobs])
+        for j in jobs:
+            if left.get(j.session_id):
+                left[j.session_id] -= 1  # a chunk ran: not done
+            else:
+                j.result, j.done = j.session_id, True
+
+    batcher = PassBatcher(run_pass, threading.Lock())
+    timing = StepTiming()
+    batcher._queue = [job("other")]
+    assert batcher.submit(job("long", timing=timing)).result == "long"
+    assert passes == [["other", "long"], ["long"], ["long"]]
+    assert timing.compute_seconds >= 0.06 and timing.queue_seconds < timing.compute_seconds
+
+
+def test_a_bad_prefill_chunk_is_refused_before_loading():
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-m", "target_node", "--model", "no-such-model", "--prefill-chunk", "0"],
+                         capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert run.returncode == 2 and "--prefill-chunk must be >= 1, got 0" in run.stderr, run.stderr[-2000:]
