@@ -57,6 +57,16 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         f"1 gives each session's work a pass of its own (default {MAX_BATCH_TOKENS})",
     )
     parser.add_argument(
+        "--prefill-chunk",
+        type=int,
+        default=None,
+        metavar="N",
+        help="while other sessions are open, a pass runs at most N tokens of one session's prompt, so a long "
+        "prompt takes several passes, each shared with the others' work, instead of stalling them all "
+        "(default: the rows whose pass costs about 8 one-token passes on the node's measured curve, at "
+        "least 64; a session alone takes --max-batch-tokens a pass; a llama.cpp draft runs prompts whole)",
+    )
+    parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
     )
     add_insecure_arg(parser)
@@ -153,19 +163,6 @@ def add_kv_cache_arg(parser: argparse.ArgumentParser, default: str) -> None:
         metavar="N",
         help="llama.cpp backend: KV cells the sessions share; when they are full, the least recently used "
         f"session not at work gives its cells up and recomputes them at its next step (default: {default})",
-    )
-
-
-def add_prefill_chunk_arg(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--prefill-chunk",
-        type=int,
-        default=None,
-        metavar="N",
-        help="while other sessions are open, a pass runs at most N tokens of one session's prompt, so a long "
-        "prompt takes several passes, each shared with the others' trees, instead of stalling them all "
-        "(default: the rows whose pass costs about 8 one-token passes on the measured curve, at least 64; "
-        "a session alone takes --max-batch-tokens a pass)",
     )
 
 

@@ -89,14 +89,16 @@ class DraftEngine(NodeEngine[DraftSession]):
         batch_window: float = 0.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         regroup: float = DEFAULT_REGROUP,
+        prefill_chunk: int | None = None,
         kv_cache_tokens: int | None = None,
         **limits: Any,
     ) -> None:
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
         with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
         (seconds), `max_batch_tokens` and `regroup` (seconds) shape the passes sessions share;
-        `kv_cache_tokens`: the KV cells a llama.cpp draft's sessions share."""
-        super().__init__(loaded, **limits)
+        `prefill_chunk`: a torch session's catch-up forwards while others are open
+        (`NodeEngine.chain_limit`); `kv_cache_tokens`: the KV cells a llama.cpp draft's sessions share."""
+        super().__init__(loaded, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, **limits)
         self.llama = not isinstance(loaded.model, torch.nn.Module)  # the GGUF as it is, on llama.cpp
         if self.llama and self.max_tree > MAX_TREE_LEAVES:
             raise ValueError(
@@ -149,9 +151,8 @@ class DraftEngine(NodeEngine[DraftSession]):
             if self.llama:
                 return LlamaDraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead,
                                          self._submit_search(sid), self.pool)  # fmt: skip
-            return DraftSession(
-                self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward
-            )
+            return DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward,
+                                lambda: self.chain_limit(alone=len(self.sessions) <= 1))  # fmt: skip
 
         return self.sessions.add(make, owner, sid)
 

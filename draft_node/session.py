@@ -51,9 +51,13 @@ class DraftSession:
         max_tree: int,
         lookahead: bool = False,
         forward: Forward | None = None,
+        chain_limit: Callable[[], int] | None = None,
     ) -> None:
+        """`forward` runs a segment (the engine's: in a pass shared with other sessions);
+        `chain_limit()`: the pending committed tokens one forward may run (a long prompt's chunk)."""
         self._start(prompt, max_context, max_tree, lookahead, MAX_LOOKAHEAD_NODES)
         self.model = model
+        self._chain_limit = chain_limit or (lambda: max_context)
         # Tree KV sits after the prefix: a builder's capacity is at most 1 + 2 * its budget.
         self.cache = model.lend_cache(self, max_context + 2 * self.tree_nodes + 1)
         self._forward = forward or (lambda segment, rows, stop: forward_logprobs(model, [(segment, rows)], stop)[0])
@@ -165,19 +169,24 @@ class DraftSession:
         return builder
 
     def _catch_up(self) -> Tensor:
-        """Run the pending chain (ending with the root) and return the root's next-token log-probs."""
+        """Run the pending chain (ending with the root) and return the root's next-token log-probs;
+        a long chain (a prompt) in chunks of `chain_limit()`, each a forward of its own, so other
+        sessions' expansions share its passes instead of waiting for the whole."""
         if self.cache.length == len(self.committed):
             # Every token's KV is cached (all salvaged): run the root again for its log-probs.
             self.cache.length -= 1
-        start = self.cache.length
-        pending = torch.tensor(self.committed[start:], dtype=torch.long)
-        t = pending.numel()
-        positions = torch.arange(start, start + t)
-        causal = torch.ones(t, t, dtype=torch.bool).tril()
-        segment = Segment(pending, positions, positions, attention_bias(causal, start), self.cache)
-        logprobs = self._forward(segment, torch.tensor([t - 1]), None)
-        self.cache.length = start + t
-        return logprobs[0]
+        while True:
+            start = self.cache.length
+            t = min(len(self.committed) - start, max(self._chain_limit(), 1))
+            last = start + t == len(self.committed)
+            pending = torch.tensor(self.committed[start : start + t], dtype=torch.long)
+            positions = torch.arange(start, start + t)
+            causal = torch.ones(t, t, dtype=torch.bool).tril()
+            segment = Segment(pending, positions, positions, attention_bias(causal, start), self.cache)
+            logprobs = self._forward(segment, torch.tensor([t - 1] if last else [], dtype=torch.long), None)
+            self.cache.length = start + t
+            if last:
+                return logprobs[0]
 
     def _advance(self, count: int) -> None:
         """Tree slots 0..count-1 were moved onto the committed tokens' cache positions: keep them."""
@@ -222,6 +231,8 @@ def forward_logprobs(
     """One pass and one LM-head call for several sessions' draft forwards; each gets the next-token
     log-probs of its wanted rows, [len(rows), vocab] on the CPU. `stop`: see `Transformer.forward`."""
     hidden = model.forward_segments([segment for segment, _ in requests], stop)  # [sum of sizes, h]
+    if not sum(rows.numel() for _, rows in requests):  # chunks of long prompts: no log-probs wanted
+        return [hidden.new_empty(0, model.cfg.vocab_size).cpu() for _ in requests]
     parts = hidden.split([segment.size for segment, _ in requests])
     wanted = torch.cat([h[rows.to(h.device)] for h, (_, rows) in zip(parts, requests, strict=True)])
     logprobs = torch.log_softmax(model.logits(wanted), -1).cpu()

@@ -21,13 +21,6 @@ from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
 
-# A long prompt's chunks while other sessions are open (`TargetEngine.chain_limit`): rows whose
-# pass costs this many one-token passes, at least MIN_PREFILL_CHUNK; DEFAULT_PREFILL_CHUNK without
-# a forward-time curve.
-PREFILL_PASSES = 8
-MIN_PREFILL_CHUNK = 64
-DEFAULT_PREFILL_CHUNK = 256
-
 
 @dataclass(eq=False)
 class VerifyJob:
@@ -97,10 +90,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         tokens (a prompt) a pass runs for one session while others are open (`chain_limit`; None:
         from the forward-time curve); `kv_cache_tokens`: the KV cells a llama.cpp target's sessions
         share; `limits` are NodeEngine's."""
-        super().__init__(loaded, **limits)
-        if prefill_chunk is not None and prefill_chunk < 1:
-            raise ValueError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
-        self.prefill_chunk = prefill_chunk
+        super().__init__(loaded, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
@@ -220,23 +210,6 @@ class TargetEngine(NodeEngine[TargetSession]):
                 if result.finish_reason or not result.tokens:
                     return
                 root, left, first = result.tokens[-1], left - len(result.tokens), False
-
-    def chain_limit(self, alone: bool = False) -> int:
-        """Pending committed tokens one pass runs for a session: `max_batch_tokens` when it is the
-        only session open; else `prefill_chunk`, by default the rows whose pass costs about 8 of a
-        one-token pass, so another session's step waits for at most about 8 passes' time behind a
-        long prompt, and the prompt's extra passes cost it about 1/8 more (a flat curve, a GPU's:
-        `max_batch_tokens`)."""
-        most = self.batcher.max_tokens
-        if alone:
-            return most
-        if self.prefill_chunk is not None:
-            return min(self.prefill_chunk, most)
-        if not self.forward_curve:
-            return min(DEFAULT_PREFILL_CHUNK, most)
-        one = self.forward_curve[0][1]
-        rows = next((n for n, t in self.forward_curve if t >= PREFILL_PASSES * one), most)
-        return min(max(rows, MIN_PREFILL_CHUNK), most)
 
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails

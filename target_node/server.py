@@ -4,14 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import (
-    add_kv_cache_arg,
-    add_node_args,
-    add_offload_args,
-    add_prefill_chunk_arg,
-    add_regroup_arg,
-    node_main,
-)
+from common.options import add_kv_cache_arg, add_node_args, add_offload_args, add_regroup_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
 from target_node.engine import TargetEngine
@@ -26,7 +19,6 @@ ROLE = NodeRole(
     engine_options=lambda config: {
         "kv_cache_tokens": config.kv_cache_tokens,
         "regroup": config.batch_regroup_ms / 1000,
-        "prefill_chunk": config.prefill_chunk,
         **config.batching(),
     },
 )
@@ -38,7 +30,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_offload_args(parser)
     add_kv_cache_arg(parser, "two sessions' worth, 2 x (--max-context + --max-tree + 1)")
     add_regroup_arg(parser, "for the other sessions running on the target alone (a Decode call) to queue their next pass")
-    add_prefill_chunk_arg(parser)
     return parser
 
 

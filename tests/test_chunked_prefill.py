@@ -14,8 +14,9 @@ from prometheus_client import REGISTRY
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeError
 from common.runtime.batching import PassBatcher
+from common.runtime.engine import MIN_PREFILL_CHUNK
 from common.runtime.sessions import StepCancelled, StepTiming
-from target_node.engine import MIN_PREFILL_CHUNK, TargetEngine
+from target_node.engine import TargetEngine
 from tests.test_batching import at_once, engine_for, job, random_tree
 
 GREEDY = SamplingParams(max_new_tokens=8)
@@ -154,3 +155,33 @@ def test_a_bad_prefill_chunk_is_refused_before_loading():
     run = subprocess.run([sys.executable, "-m", "target_node", "--model", "no-such-model", "--prefill-chunk", "0"],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
     assert run.returncode == 2 and "--prefill-chunk must be >= 1, got 0" in run.stderr, run.stderr[-2000:]
+
+
+def test_a_draft_catches_up_a_long_prompt_in_chunks_beside_another_sessions_trees(loaded, monkeypatch):
+    """The torch draft: the long prompt's catch-up runs in forwards of 16 rows, which the other
+    session's expansions share; both sessions' trees equal what each builds on a draft of its own."""
+    from draft_node import engine as draft_engine_module
+    from draft_node.engine import DraftEngine
+    from tests.test_batching import trees_of
+
+    vocab = loaded["truncated"].model.cfg.vocab_size
+    long, short = long_and_short(vocab, 13)
+    rounds = [[[], []], [[5, 6], [7]]]
+    expected = []
+    for prompt, tokens in ((long, [r[0] for r in rounds]), (short, [r[1] for r in rounds])):
+        alone = DraftEngine(loaded["truncated"], max_context=128, max_tree=64)
+        expected.append(trees_of(alone, [alone.open_session(prompt)], [[t] for t in tokens], together=False))
+    passes: list[list[tuple[int, int]]] = []  # each pass: (segment rows, log-prob rows) per forward
+    real = draft_engine_module.forward_logprobs
+
+    def recording(model, requests, stop=None):
+        passes.append([(segment.size, rows.numel()) for segment, rows in requests])
+        return real(model, requests, stop)
+
+    monkeypatch.setattr(draft_engine_module, "forward_logprobs", recording)
+    engine = DraftEngine(loaded["truncated"], max_context=128, max_tree=64, prefill_chunk=16)
+    got = trees_of(engine, [engine.open_session(long), engine.open_session(short)], rounds, together=True)
+    assert [[r[i] for r in got] for i in range(2)] == [[r[0] for r in e] for e in expected]
+    chunks_run = [f for p in passes for f in p if f == (16, 0)]
+    assert len(chunks_run) == 6  # 100 tokens to catch up: 6 chunks, then 4 rows and the root's log-probs
+    assert any(len(p) == 2 and (16, 0) in p for p in passes)  # the other session shared a chunk's pass

@@ -58,7 +58,7 @@ class NodeConfig:
     max_batch_tokens: int = MAX_BATCH_TOKENS  # rows one shared pass takes at most
     kv_cache_tokens: int | None = None  # llama.cpp: the KV cells a node's sessions share
     batch_regroup_ms: float = DEFAULT_REGROUP * 1000  # a pass's wait for sessions between two of their passes
-    prefill_chunk: int | None = None  # target: a long prompt's tokens per pass while others are open
+    prefill_chunk: int | None = None  # a long prompt's tokens per pass while other sessions are open
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None
@@ -66,7 +66,8 @@ class NodeConfig:
 
     def batching(self) -> dict[str, Any]:
         """The engine's continuous-batching options (common.runtime.batching)."""
-        return {"batch_window": self.batch_window_ms / 1000, "max_batch_tokens": self.max_batch_tokens}
+        return {"batch_window": self.batch_window_ms / 1000, "max_batch_tokens": self.max_batch_tokens,
+                "prefill_chunk": self.prefill_chunk}  # fmt: skip
 
 
 @dataclass(frozen=True)

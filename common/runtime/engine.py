@@ -9,10 +9,18 @@ from typing import Generic, TypeVar
 from common.decoding.tree import MAX_TREE_DEPTH, check_token_ids
 from common.decoding.types import NodeInfo
 from common.model.loaded import LoadedModel
-from common.model.profiling import cached_forward_curve
+from common.model.profiling import cached_forward_curve, interpolate
+from common.runtime.batching import MAX_BATCH_TOKENS
 from common.runtime.sessions import DEFAULT_MAX_SESSIONS, SessionTable
 
 S = TypeVar("S")
+
+# A long prompt's chunks while other sessions are open (`NodeEngine.chain_limit`): rows whose pass
+# costs this many one-token passes, at least MIN_PREFILL_CHUNK; DEFAULT_PREFILL_CHUNK without a
+# forward-time curve.
+PREFILL_PASSES = 8
+MIN_PREFILL_CHUNK = 64
+DEFAULT_PREFILL_CHUNK = 256
 
 
 class NodeEngine(Generic[S]):
@@ -27,13 +35,38 @@ class NodeEngine(Generic[S]):
         max_tree: int = 1024,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         idle_timeout: float = 300.0,
+        max_batch_tokens: int = MAX_BATCH_TOKENS,
+        prefill_chunk: int | None = None,
     ) -> None:
+        """`max_batch_tokens`: rows a pass shared by sessions takes; `prefill_chunk`: see `chain_limit`."""
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise ValueError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
+        self.max_batch_tokens = max_batch_tokens
+        self.prefill_chunk = prefill_chunk
         self.loaded = loaded
         self.max_context = min(max_context, loaded.max_context)
         self.max_tree = max_tree
         self.sessions: SessionTable[S] = SessionTable(max_sessions, idle_timeout)
         self._lock = threading.Lock()
         self.forward_curve: tuple[tuple[int, float], ...] = ()
+
+    def chain_limit(self, alone: bool = False) -> int:
+        """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session:
+        `max_batch_tokens` when it is the only session open; else `prefill_chunk`, by default the
+        rows (a power of two) whose pass costs about 8 one-token passes, so another session's step
+        waits for at most about 8 passes' time behind a long prompt, and the prompt's extra passes
+        cost it about 1/8 more (on a flat curve, a GPU's: `max_batch_tokens`)."""
+        most = self.max_batch_tokens
+        if alone:
+            return most
+        if self.prefill_chunk is not None:
+            return min(self.prefill_chunk, most)
+        if not self.forward_curve:
+            return min(DEFAULT_PREFILL_CHUNK, most)
+        curve, rows = list(self.forward_curve), MIN_PREFILL_CHUNK
+        while rows < most and interpolate(curve, rows) < PREFILL_PASSES * curve[0][1]:
+            rows *= 2
+        return min(rows, most)
 
     def profile_limit(self) -> int:
         return self.max_tree + 1
