@@ -1,10 +1,11 @@
 """How long a long prompt stalls the other sessions on one target: chunked prefill against none.
 
 In process on one pinned core with one thread (the target node's engine and pass loop, no gRPC):
-`--others` sessions run the target alone, a pass a token, as decoding clients do; once they run, a
-session opens with a `--prompt-tokens` prompt and verifies its first step. Per contestant: the long
-prompt's time to its first token, the other sessions' longest wait between two of their tokens
-while it prefilled, and their tokens per second in that time. Contestants: the node's default chunk
+`--others` sessions run the target alone, a pass a token (a Decode call each, as clients stream
+such steps); once they run, a session opens with a `--prompt-tokens` prompt and verifies its first
+step. Per contestant: the long prompt's time to its first token, alone and beside the others; the
+other sessions' longest wait between two of their tokens while it prefilled, and their tokens per
+second in that time. Contestants: the node's default chunk
 (from its measured forward-time curve) and `--prefill-chunk` at the prompt's length (its whole
 prefill in one pass, as before chunking), interleaved over `--rounds`; medians over rounds.
 
@@ -30,6 +31,7 @@ from common.decoding.tree import TokenTree
 from common.model.loading import load_model
 from common.model.store import resolve_model
 from common.ops.hugepages import reexec_with_huge_pages
+from common.runtime.sessions import StepCancelled
 from target_node.engine import TargetEngine
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,13 +39,14 @@ PARAMS = SamplingParams(max_new_tokens=1 << 20, ignore_eos=True)
 
 
 def decode_until(engine: TargetEngine, prompt: list[int], stop: threading.Event, stamps: list[float]) -> None:
-    """A client running the target alone: a pass a token, each token's time in `stamps`."""
+    """A client running the target alone (one Decode call, as the client streams such steps): a
+    pass a token, each token's time in `stamps`."""
     sid = engine.open_session(prompt)
-    last = prompt[-1]
     try:
-        while not stop.is_set():
-            last = engine.verify(sid, TokenTree.root_only(last), PARAMS, 8).tokens[-1]
+        for _ in engine.decode(sid, prompt[-1], PARAMS, 1 << 20, steps=1 << 20, cancelled=stop.is_set):
             stamps.append(time.perf_counter())
+    except StepCancelled:
+        pass  # stopped while its next pass waited
     finally:
         engine.close_session(sid)
 
@@ -103,16 +106,19 @@ def main() -> None:
     for r in range(args.rounds):
         for name, setting in (contestants.items() if r % 2 == 0 else reversed(contestants.items())):
             engine.prefill_chunk = setting
-            results[name].append(one_round(engine, prompt, others, args.warm_s))
-            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in results[name][-1].items() if k != "timeline"), flush=True)
-    rows = []
-    for name, runs in results.items():
-        rows.append({"contestant": name, **{k: statistics.median(run[k] for run in runs) for k in ("ttft_s", "stall_s", "others_tok_s")}})
-    table = [f"{args.target} {args.dtype}, one thread on core {args.core}; a {args.prompt_tokens}-token prompt arrives while "
-             f"{args.others} sessions decode (the target alone); default chunk here: {chunk} tokens. Medians of {args.rounds} rounds.",
-             "", "| contestant | long prompt's first token (s) | others' longest wait for a token (s) | others' tok/s meanwhile |",
-             "|---|---:|---:|---:|"]  # fmt: skip
-    table += [f"| {r['contestant']} | {r['ttft_s']:.2f} | {r['stall_s']:.2f} | {r['others_tok_s']:.2f} |" for r in rows]
+            run = one_round(engine, prompt, others, args.warm_s)
+            run["alone_ttft_s"] = one_round(engine, prompt, [], 0.0)["ttft_s"]
+            results[name].append(run)
+            print(f"round {r + 1} {name}: " + ", ".join(f"{k} {v:.2f}" for k, v in run.items() if k != "timeline"), flush=True)
+    keys = ("alone_ttft_s", "ttft_s", "stall_s", "others_tok_s")
+    rows = [{"contestant": name, **{k: statistics.median(run[k] for run in runs) for k in keys}} for name, runs in results.items()]
+    table = [f"{args.target} {args.dtype}, one thread on core {args.core}: a {args.prompt_tokens}-token prompt alone, and "
+             f"arriving while {args.others} sessions decode (the target alone). Default chunk here: {chunk} tokens beside "
+             f"others, {engine.chain_limit(alone=True)} alone. Medians of {args.rounds} rounds.",
+             "", "| contestant | prompt alone: first token (s) | beside the others: first token (s) | others' longest wait "
+             "for a token (s) | others' tok/s meanwhile |", "|---|---:|---:|---:|---:|"]  # fmt: skip
+    table += [f"| {r['contestant']} | {r['alone_ttft_s']:.2f} | {r['ttft_s']:.2f} | {r['stall_s']:.2f} | {r['others_tok_s']:.2f} |"
+              for r in rows]  # fmt: skip
     print("\n".join(table))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)

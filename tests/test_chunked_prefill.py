@@ -60,15 +60,16 @@ def test_a_long_prompt_runs_in_chunks_beside_another_sessions_steps(loaded, samp
     assert engine.sessions.get(long_sid).cached_length == LONG - 1 + len(got_long.tokens)
 
 
-def test_a_prompt_alone_takes_max_batch_tokens_a_pass(loaded):
-    """No other session open: no chunks unless the prompt is over --max-batch-tokens."""
+def test_a_prompt_alone_takes_four_chunks_a_pass(loaded):
+    """No other session open: a pass takes 4 chunks' tokens, at most --max-batch-tokens."""
     vocab = loaded["target"].model.cfg.vocab_size
     long, _ = long_and_short(vocab, 7)
     tree = random_tree(long[-1], 4, vocab, torch.Generator().manual_seed(8))
     reference = engine_for(loaded)
     expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
-    for max_batch_tokens, count in ((2048, 0), (40, 2)):  # 99 pending rows: 40 + 40, then 19 with the tree
-        engine = engine_for(loaded, prefill_chunk=16, max_batch_tokens=max_batch_tokens)
+    # 99 pending rows: all with the tree; 64, then 35 with it; 40 + 40, then 19 with it
+    for chunk, max_batch_tokens, count in ((32, 2048, 0), (16, 2048, 1), (32, 40, 2)):
+        engine = engine_for(loaded, prefill_chunk=chunk, max_batch_tokens=max_batch_tokens)
         before = chunks()
         got = engine.verify(engine.open_session(long), tree, GREEDY, 8)
         assert chunks()[0] - before[0] == count
@@ -114,10 +115,10 @@ def test_a_bad_tree_on_a_long_prompt_fails_before_any_chunk(loaded):
 
 def test_the_chunk_follows_the_forward_time_curve(loaded):
     engine = engine_for(loaded, max_batch_tokens=1000)
-    assert engine.chain_limit(alone=True) == 1000
     assert engine.chain_limit() == 256  # no curve measured
+    assert engine.chain_limit(alone=True) == 1000  # 4 chunks, at most max_batch_tokens
     engine.forward_curve = ((1, 0.1), (64, 0.5), (128, 0.82), (256, 1.6))  # a CPU's: 8 passes' time at 128 rows
-    assert engine.chain_limit() == 128
+    assert (engine.chain_limit(), engine.chain_limit(alone=True)) == (128, 512)
     engine.forward_curve = ((1, 0.1), (16, 0.9))  # steep: never under the floor
     assert engine.chain_limit() == MIN_PREFILL_CHUNK
     engine.forward_curve = ((1, 0.1), (256, 0.12))  # a GPU's, flat: whole prompts

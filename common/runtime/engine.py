@@ -17,10 +17,11 @@ S = TypeVar("S")
 
 # A long prompt's chunks while other sessions are open (`NodeEngine.chain_limit`): rows whose pass
 # costs this many one-token passes, at least MIN_PREFILL_CHUNK; DEFAULT_PREFILL_CHUNK without a
-# forward-time curve.
+# forward-time curve. A session alone takes ALONE_CHUNKS chunks a pass.
 PREFILL_PASSES = 8
 MIN_PREFILL_CHUNK = 64
 DEFAULT_PREFILL_CHUNK = 256
+ALONE_CHUNKS = 4
 
 
 class NodeEngine(Generic[S]):
@@ -51,22 +52,23 @@ class NodeEngine(Generic[S]):
         self.forward_curve: tuple[tuple[int, float], ...] = ()
 
     def chain_limit(self, alone: bool = False) -> int:
-        """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session:
-        `max_batch_tokens` when it is the only session open; else `prefill_chunk`, by default the
+        """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session, at
+        most `max_batch_tokens`: while other sessions are open, `prefill_chunk`, by default the
         rows (a power of two) whose pass costs about 8 one-token passes, so another session's step
-        waits for at most about 8 passes' time behind a long prompt, and the prompt's extra passes
-        cost it about 1/8 more (on a flat curve, a GPU's: `max_batch_tokens`)."""
+        waits for about 8 passes' time behind a long prompt, and the prompt's extra passes cost it
+        about 1/8 more (on a flat curve, a GPU's: `max_batch_tokens`); a session `alone` takes 4
+        chunks a pass. Whole prompts are no faster on a CPU: 2000 tokens of the 1.5B bf16 target in
+        one pass took 19.6 s, in passes of 256 or 512 16.2-16.8 s (docs/benchmarks.md)."""
         most = self.max_batch_tokens
-        if alone:
-            return most
         if self.prefill_chunk is not None:
-            return min(self.prefill_chunk, most)
-        if not self.forward_curve:
-            return min(DEFAULT_PREFILL_CHUNK, most)
-        curve, rows = list(self.forward_curve), MIN_PREFILL_CHUNK
-        while rows < most and interpolate(curve, rows) < PREFILL_PASSES * curve[0][1]:
-            rows *= 2
-        return min(rows, most)
+            chunk = self.prefill_chunk
+        elif not self.forward_curve:
+            chunk = DEFAULT_PREFILL_CHUNK
+        else:
+            curve, chunk = list(self.forward_curve), MIN_PREFILL_CHUNK
+            while chunk < most and interpolate(curve, chunk) < PREFILL_PASSES * curve[0][1]:
+                chunk *= 2
+        return min(ALONE_CHUNKS * chunk if alone else chunk, most)
 
     def profile_limit(self) -> int:
         return self.max_tree + 1
