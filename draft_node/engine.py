@@ -96,7 +96,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         """`lookahead`: grow each tree's search further while the target verifies it, for a draft
         with a machine of its own (on a shared CPU it would slow the target down). `batch_window`
         (seconds), `max_batch_tokens` and `regroup` (seconds) shape the passes sessions share;
-        `prefill_chunk`: a torch session's catch-up forwards while others are open
+        `prefill_chunk`: a session's catch-up forwards while others are open
         (`NodeEngine.chain_limit`); `kv_cache_tokens`: the KV cells a llama.cpp draft's sessions share."""
         super().__init__(loaded, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, **limits)
         self.llama = not isinstance(loaded.model, torch.nn.Module)  # the GGUF as it is, on llama.cpp
@@ -146,13 +146,15 @@ class DraftEngine(NodeEngine[DraftSession]):
             assert result is not None
             return result
 
+        def limit() -> int:
+            return self.chain_limit(alone=len(self.sessions) <= 1)
+
         def make() -> DraftSession:
             lookahead = self.lookahead is not None
             if self.llama:
                 return LlamaDraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead,
-                                         self._submit_search(sid), self.pool)  # fmt: skip
-            return DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward,
-                                lambda: self.chain_limit(alone=len(self.sessions) <= 1))  # fmt: skip
+                                         self._submit_search(sid), self.pool, limit)  # fmt: skip
+            return DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward, limit)
 
         return self.sessions.add(make, owner, sid)
 

@@ -37,8 +37,10 @@ class LlamaDraftSession(DraftSession):
         lookahead: bool = False,
         submit: Submit = run_alone,
         pool: SearchPool | None = None,
+        chain_limit: Callable[[], int] | None = None,
     ) -> None:
-        """`pool`: the context this session's search shares with others'; without it, one of its own."""
+        """`pool`: the context this session's search shares with others'; without it, one of its own.
+        `chain_limit`: as DraftSession's."""
         if max_tree > MAX_TREE_LEAVES:
             raise ValueError(f"max_tree {max_tree} is over the llama.cpp backend's limit of {MAX_TREE_LEAVES}")
         ids = pool.leaf_ids if pool is not None else MAX_TREE_LEAVES
@@ -51,6 +53,7 @@ class LlamaDraftSession(DraftSession):
         assert search is not None
         self.cache: SearchContext = search  # type: ignore[assignment]
         self._submit = submit
+        self._chain_limit = chain_limit or (lambda: max_context)
 
     @contextmanager
     def working(self) -> Iterator[None]:
@@ -92,12 +95,17 @@ class LlamaDraftSession(DraftSession):
 
     def _catch_up(self) -> Tensor:
         """A new search: the last one's nodes are dropped, the pending chain (ending with the root)
-        runs onto the committed tokens, and the root's next-token log-probs come back."""
+        runs onto the committed tokens, a long one in chunks of `chain_limit()`, each a pass that
+        other sessions' work shares, and the root's next-token log-probs come back."""
         cache = self.cache
         cache.reset()
         if cache.length == len(self.committed):
             cache.truncate(cache.length - 1)  # every token's KV is cached: run the root again
-        return torch.log_softmax(self._submit(Chain(cache, self.committed, len(self.committed))), -1)
+        while True:
+            end = min(len(self.committed), cache.length + max(self._chain_limit(), 1))
+            logits = self._submit(Chain(cache, self.committed, end))
+            if end == len(self.committed):
+                return torch.log_softmax(logits, -1)
 
     def expand(self, nodes: Tensor, tokens: Tensor, depths: Tensor, visible: Tensor, parents: Tensor) -> Tensor:
         cache = self.cache

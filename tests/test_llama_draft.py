@@ -283,6 +283,49 @@ def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs, monkeypa
     assert len(engine.pool.ctx._leaf_free) == engine.pool.leaf_ids  # every id back
 
 
+def test_a_long_prompt_catches_up_in_chunks_beside_another_sessions_build(ggufs, monkeypatch):
+    """A llama.cpp draft session catching up on a long prompt runs it in chunks of --prefill-chunk
+    rows, which the other session's expansions share; both get the trees each gets alone."""
+    from common.model.llama_cpp import load_gguf
+    from draft_node import engine as engine_module
+    from draft_node.engine import DraftEngine
+    from tests.test_batching import at_once
+
+    passes: list[list[tuple[str, int]]] = []
+    real = engine_module.run_batch
+
+    def recording(works):
+        passes.append([(type(w).__name__, w.rows) for w in works])
+        return real(works)
+
+    monkeypatch.setattr(engine_module, "run_batch", recording)
+    loaded = load_gguf(ggufs["draft"], kv_type="f32")
+    params = TreeParams(budget=12, max_branch=3, expand_batch=4)
+    long = [(7 * i + 3) % 200 + 20 for i in range(41)]
+    prompts_ = [long, [5, 9, 13, 17, 21]]
+
+    def run(engine: DraftEngine, sid: str, prompt: list[int]) -> list[tuple[list[int], list[int]]]:
+        trees = []
+        for step in range(3):
+            tree = engine.build_tree(sid, [] if step == 0 else [prompt[step]], params).tree
+            trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+        return trees
+
+    alone = []
+    for prompt in prompts_:
+        engine = DraftEngine(loaded, max_context=64, max_tree=12, max_sessions=1)
+        sid = engine.open_session(prompt)
+        alone.append(run(engine, sid, prompt))
+        engine.close_session(sid)
+    passes.clear()
+    engine = DraftEngine(loaded, max_context=64, max_tree=12, prefill_chunk=8)
+    sids = [engine.open_session(p) for p in prompts_]
+    assert at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)]) == alone
+    chunks = [w for p in passes for w in p if w == ("Chain", 8)]
+    assert len(chunks) == 5  # 41 tokens to catch up: 5 chunks of 8, then the root
+    assert any(("Chain", 8) in p and len(p) > 1 for p in passes)  # the other session's work shared one
+
+
 def shared_pool(model: LlamaCppModel, lanes: int, ids: int, cells: int) -> SearchPool:
     """A pool with few ids, so that small trees press on it."""
     return SearchPool(LlamaContext(model, cells, lanes=lanes, max_rows=ids + 1, ubatch=SEARCH_UBATCH))
