@@ -47,7 +47,8 @@ class VerifyJob:
     @property
     def tokens(self) -> int:
         """Rows it adds to a pass, about: its tree, or as much of its pending chain as a pass runs."""
-        pending = len(self.session.committed) - 1 - self.session.cached_length + len(self.append)
+        appended = len(self.append) if self.ticket is None else 0  # a prepared job's are committed
+        pending = len(self.session.committed) - 1 - self.session.cached_length + appended
         return self.tree.size + min(pending, self.max_chain)
 
     def cancelled(self) -> bool:
@@ -237,15 +238,17 @@ class TargetEngine(NodeEngine[TargetSession]):
                 job.ticket = ticket
                 steps.append((job, ticket))
         for group in self._passes(steps):
-            self._run_group(group)
+            self._run_group(group, limit)
         if self.shared is not None and self.shared.evictions > self._evictions:
             observe_preemptions(self.shared.evictions - self._evictions)
             self._evictions = self.shared.evictions
 
-    def _run_group(self, group: list[tuple[VerifyJob, TreeTicket]]) -> None:
+    def _run_group(self, group: list[tuple[VerifyJob, TreeTicket]], limit: int) -> None:
         """One pass for the group's trees, each walked right after; if the shared pass fails, each
         tree runs (and is walked) alone, so a failure stays with the tree that caused it. A tree is
-        walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree."""
+        walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree.
+        Each is laid out again first: the failed pass may have run chunks (llama.cpp runs them
+        before its trees)."""
         draws: list[Callable[[int], int] | None] | None = None
         if len(group) > 1:
             try:
@@ -255,6 +258,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         if draws is None:
             for job, ticket in group:
                 try:
+                    if len(group) > 1:
+                        job.session.lay_out(ticket, limit)
                     draw = job.session.run_alone(ticket)
                 except Exception as exc:
                     job.fail(exc)

@@ -37,6 +37,7 @@ class LlamaTargetSession(TargetSession):
         return self.ctx.length
 
     def _restore(self, length: int) -> None:
+        self.ctx.held = False
         self.ctx.drop_tree()
         self.ctx.truncate(length)
 
@@ -44,10 +45,14 @@ class LlamaTargetSession(TargetSession):
         self.ctx.truncate(length)
 
     def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, None, int]:
+        self.ctx.held = False  # its pass runs it as one of its members
         return None, None, self.ctx.length  # llama.cpp lays out its own pass
 
     def _chain_layout(self, rows: int) -> None:
-        return None  # `run_together` runs it
+        """`run_together` runs it. Until the step's tree runs, other passes take this lane's KV last:
+        a prompt's chunks taken between two of them would start over, and under a full KV cache
+        could starve."""
+        self.ctx.held = True
 
     def run_alone(self, ticket: TreeTicket) -> Callable[[int], int] | None:
         return self.run_together([(self, ticket)])[0]
@@ -66,7 +71,8 @@ class LlamaTargetSession(TargetSession):
         )
         for session, (_, ticket) in zip(sessions, steps, strict=True):
             if ticket.chunk:
-                session.ctx.extend(session.committed[session.ctx.length : session.ctx.length + ticket.chunk])
+                start = session.ctx.length
+                session.ctx.extend(session.committed[start : min(start + ticket.chunk, len(session.committed) - 1)])
         trees = [(s, t) for s, t in steps if not t.chunk]
         draws = iter(LlamaTargetSession._run_trees(trees) if trees else [])
         return [None if t.chunk else next(draws) for _, t in steps]

@@ -114,7 +114,7 @@ class TargetSession:
             max_tokens = min(max_tokens, self.max_context - len(self.committed))
             if max_tokens < 1:
                 return VerifyResult([], 0, "length")
-            ticket = TreeTicket(tree, structure, params, max_tokens, committed, length)
+            ticket = TreeTicket(tree, structure, params, max_tokens, committed, length, self.cached_length)
             self.lay_out(ticket, max_chain)
         except Exception:
             self.committed = committed
@@ -136,9 +136,11 @@ class TargetSession:
             ticket.segment, ticket.logit_nodes, ticket.tree_start = self._layout(ticket.tree, ticket.structure)
 
     def abort(self, ticket: TreeTicket) -> None:
-        """Undo `prepare`: the step failed, and the session is as it was before it."""
+        """Undo `prepare`: the step failed, and the session is as it was before it. Its passes (a
+        prompt's chunks) may have written the cache past what a `truncate_to` kept: the KV from there
+        on runs again, as a pending chain, at the next step."""
         self.committed = ticket.committed_before
-        self._restore(ticket.cached_before)
+        self._restore(min(ticket.cached_before, ticket.cached_kept))
 
     @property
     def cached_length(self) -> int:
@@ -226,6 +228,7 @@ class TreeTicket:
     max_tokens: int
     committed_before: list[int]
     cached_before: int
+    cached_kept: int  # the cached tokens a `truncate_to` left, which no pass of this step overwrites
     tree_start: int = -1  # the tree root's slot
     segment: Any = None  # the backend's pass for it (torch: a `Segment`); None on llama.cpp, which lays out its own
     logit_nodes: Any = None  # torch: int64 [k], the nodes whose logits the batched LM-head call computes

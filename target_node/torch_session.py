@@ -115,14 +115,12 @@ def run_trees(
     an offloaded target), and the LM head, the largest single weight, is read once for all."""
     hidden = model.forward_segments([t.segment for _, t in steps])  # [sum of segment sizes, h]
     trees = []
-    for (session, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
-        if ticket.chunk:
-            session.cache.length += ticket.chunk
-            trees.append(None)
-        else:
-            trees.append(rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: the chain's rows dropped
+    for (_, ticket), rows in zip(steps, hidden.split([t.segment.size for _, t in steps]), strict=True):
+        trees.append(None if ticket.chunk else rows[rows.shape[0] - ticket.tree.size :])  # [n, h]: no chain rows
     verified = [(s, t, h) for (s, t), h in zip(steps, trees, strict=True) if h is not None]
     wanted = [h[t.logit_nodes] for _, t, h in verified]
     logits = model.logits(torch.cat(wanted)) if sum(w.shape[0] for w in wanted) else None
     parts = iter(logits.split([w.shape[0] for w in wanted]) if logits is not None else [None] * len(wanted))
+    for session, ticket in steps:  # a failed pass leaves every cache as it was, for each tree's pass alone
+        session.cache.length += ticket.chunk
     return [None if h is None else s._drawer(t, h, next(parts)) for (s, t), h in zip(steps, trees, strict=True)]

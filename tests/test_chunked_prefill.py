@@ -186,3 +186,70 @@ def test_a_draft_catches_up_a_long_prompt_in_chunks_beside_another_sessions_tree
     chunks_run = [f for p in passes for f in p if f == (16, 0)]
     assert len(chunks_run) == 6  # 100 tokens to catch up: 6 chunks, then 4 rows and the root's log-probs
     assert any(len(p) == 2 and (16, 0) in p for p in passes)  # the other session shared a chunk's pass
+
+
+def test_a_regenerate_cancelled_between_chunks_runs_again_what_its_chunks_overwrote(loaded):
+    """A step that rolled the session back (`truncate_to`) and appended a new turn, cancelled after two
+    chunks: those overwrote the KV past the truncation, so the session keeps only what is still its
+    own, and its next step equals the target alone's."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(3)
+    prompt, turn = (torch.randint(0, vocab, (60,), generator=gen).tolist() for _ in range(2))
+    tree = random_tree(prompt[-1], 5, vocab, gen)
+    reference = engine_for(loaded)
+    rsid = reference.open_session(prompt)
+    expected = reference.verify(rsid, tree, GREEDY, 4)
+    engine = engine_for(loaded, prefill_chunk=16)
+    engine.open_session([1, 2, 3])  # another session open: the turn goes in chunks
+    sid = engine.open_session(prompt)
+    assert engine.verify(sid, tree, GREEDY, 4).tokens == expected.tokens
+    asked: list[int] = []
+    with pytest.raises(StepCancelled):
+        engine.verify(sid, random_tree(turn[-1], 3, vocab, gen), GREEDY, 4, truncate_to=10, append=turn,
+                      cancelled=lambda: asked.append(1) or len(asked) >= 3)  # fmt: skip
+    session = engine.sessions.get(sid)
+    assert session.cached_length == 9 and len(session.committed) == 60 + len(expected.tokens)
+    again = random_tree(session.committed[-1], 5, vocab, gen)
+    assert engine.verify(sid, again, GREEDY, 4).tokens == reference.verify(rsid, again, GREEDY, 4).tokens
+
+
+def test_a_failed_shared_pass_with_a_chunk_in_it_runs_each_alone_exactly(loaded, monkeypatch):
+    """The LM-head call of a pass carrying a chunk fails once: the chunk is not counted as run, the
+    fallback runs it again alone, and the long prompt's step equals the target alone's."""
+    from target_node.engine import VerifyJob
+
+    model = loaded["target"].model
+    vocab = model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(13)
+    long = torch.randint(0, vocab, (45,), generator=gen).tolist()
+    tree = random_tree(long[-1], 5, vocab, gen)
+    reference = engine_for(loaded)
+    expected = reference.verify(reference.open_session(long), tree, GREEDY, 4)
+    engine = engine_for(loaded, prefill_chunk=8)
+    long_sid, short_sid = engine.open_session(long), engine.open_session([9, 8, 7])
+    session, other = engine.sessions.get(long_sid), engine.sessions.get(short_sid)
+    real, failed = model.logits, []
+
+    def fails_once(hidden):
+        if session.cache.length == 16 and not failed:
+            failed.append(1)
+            raise RuntimeError("out of memory (injected)")
+        return real(hidden)
+
+    monkeypatch.setattr(model, "logits", fails_once)
+    job, beside = VerifyJob(long_sid, session, tree, GREEDY, 4, [], None, None), None
+    with engine._lock:
+        while not job.done:
+            if beside is None or beside.done:
+                beside = VerifyJob(short_sid, other, random_tree(other.committed[-1], 3, vocab, gen), GREEDY, 4,
+                                   [], None, None)  # fmt: skip
+            engine._run_pass([job, beside])
+    assert failed and job.error is None and job.result.tokens == expected.tokens
+
+
+def test_a_held_back_job_keeps_its_sessions_later_jobs_behind_it():
+    batcher = PassBatcher(lambda jobs: None, threading.Lock(), max_tokens=10)
+    batcher._queue = [job("a", 8), job("b", 4), job("a", 1)]
+    assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("a", 8)]
+    batcher._queue = [job("x", 8), job("b", 4), job("b", 1), job("c", 2)]
+    assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("x", 8), ("c", 2)]

@@ -21,6 +21,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeParams
 from common.model.profiling import synthetic_parents
 from common.ops import hugepages
+from common.runtime.sessions import StepCancelled
 from tests.helpers import Proc, free_port, node_pair
 from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
@@ -512,6 +513,80 @@ def test_a_long_prompt_in_chunks_beside_another_session_equals_it_alone(ggufs, s
     got = at_once([lambda s=s: steps(together, s) for s in sids])
     assert got == expected
     assert chunks()[0] - before[0] == 4  # 40 pending rows: 4 chunks of 8, then 8 with the tree
+
+
+def test_a_failed_shared_pass_after_its_chunks_ran_keeps_the_prompt_exact(ggufs, monkeypatch):
+    """llama.cpp runs a pass's chunks before its trees: when the trees' decode then fails, each step
+    is laid out again and runs alone, and the chunk never runs past the prompt's last token."""
+    from target_node.engine import VerifyJob
+    from target_node.llama_session import LlamaTargetSession
+    from tests.test_batching import random_tree
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    vocab, greedy = loaded.model.cfg.vocab_size, SamplingParams(max_new_tokens=8)
+    gen = torch.Generator().manual_seed(13)
+    long = torch.randint(0, vocab, (45,), generator=gen).tolist()
+    tree = random_tree(long[-1], 5, vocab, gen)
+    alone = llama_engine(loaded, max_batch_tokens=1)
+    expected = alone.verify(alone.open_session(long), tree, greedy, 4)
+    engine = llama_engine(loaded, prefill_chunk=8)
+    long_sid, short_sid = engine.open_session(long), engine.open_session([9, 8, 7])
+    session, other = engine.sessions.get(long_sid), engine.sessions.get(short_sid)
+    real, failed = LlamaTargetSession._run_trees, []
+
+    def fails_once(steps):
+        if session.ctx.length == 40 and not failed:  # the last chunk ran, ahead of the other's tree
+            failed.append(1)
+            raise RuntimeError("llama_decode failed (injected)")
+        return real(steps)
+
+    monkeypatch.setattr(LlamaTargetSession, "_run_trees", staticmethod(fails_once))
+    job, beside = VerifyJob(long_sid, session, tree, greedy, 4, [], None, None), None
+    with engine._lock:
+        while not job.done:
+            if beside is None or beside.done:
+                tree_b = replace_root(random_tree(0, 3, vocab, gen), other.committed[-1])
+                beside = VerifyJob(short_sid, other, tree_b, greedy, 4, [], None, None)
+            engine._run_pass([job, beside])
+    assert failed and job.error is None and job.result.tokens == expected.tokens
+
+
+def test_a_regenerate_cancelled_between_chunks_keeps_only_its_own_kv(ggufs):
+    from tests.test_batching import random_tree
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    vocab, greedy = loaded.model.cfg.vocab_size, SamplingParams(max_new_tokens=8)
+    gen = torch.Generator().manual_seed(3)
+    prompt, turn = (torch.randint(0, vocab, (30,), generator=gen).tolist() for _ in range(2))
+    tree = random_tree(prompt[-1], 5, vocab, gen)
+    reference = llama_engine(loaded, max_batch_tokens=1)
+    rsid = reference.open_session(prompt)
+    expected = reference.verify(rsid, tree, greedy, 4)
+    engine = llama_engine(loaded, prefill_chunk=8)
+    engine.open_session([1, 2, 3])
+    sid = engine.open_session(prompt)
+    assert engine.verify(sid, tree, greedy, 4).tokens == expected.tokens
+    asked: list[int] = []
+    with pytest.raises(StepCancelled):
+        engine.verify(sid, random_tree(turn[-1], 3, vocab, gen), greedy, 4, truncate_to=5, append=turn,
+                      cancelled=lambda: asked.append(1) or len(asked) >= 3)  # fmt: skip
+    session = engine.sessions.get(sid)
+    assert session.cached_length == 4 and not session.ctx.held
+    again = replace_root(random_tree(0, 5, vocab, gen), session.committed[-1])
+    assert engine.verify(sid, again, greedy, 4).tokens == reference.verify(rsid, again, greedy, 4).tokens
+
+
+def test_a_prompt_half_run_in_chunks_loses_its_kv_last(ggufs):
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    shared = loaded.model.shared_context(3, 64, 8, 64, cells=100)
+    lanes = [shared.lane(64, 8) for _ in range(3)]
+    for lane, n in zip(lanes, (40, 20, 20), strict=True):
+        lane.extend(list(range(1, n + 1)))
+    lanes[0].held = True  # the oldest, but half its prompt's chunks have run
+    shared.make_room(30, [lanes[2]])
+    assert [lane.length for lane in lanes] == [40, 0, 20]
+    shared.make_room(70, [lanes[2]])  # nothing else left to take
+    assert [lane.length for lane in lanes] == [0, 0, 20]
 
 
 def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):

@@ -395,7 +395,7 @@ class LlamaContext:
             lanes = list(self._open)
             free = self.n_ctx - sum(lane.length for lane in lanes)
             idle = sorted((lane for lane in lanes if lane.length and all(lane is not m for m in members)),
-                          key=lambda lane: lane.used_at)  # fmt: skip
+                          key=lambda lane: (lane.held, lane.used_at))  # fmt: skip
             for lane in idle:
                 if free >= need:
                     break
@@ -479,6 +479,7 @@ class TreeContext:
         self.leaves_max = ctx.leaf_ids
         self.length = 0
         self.used_at = 0
+        self.held = False  # a prompt half run in chunks: its KV is taken last
         self._leaves = np.zeros(0, dtype=np.int32)  # the last tree's leaf ids
         self._first = np.zeros(0, dtype=np.int32)  # [n]: each node's first leaf id
 

@@ -98,7 +98,7 @@ VERIFY_PASS_TOKENS = Histogram(
 )
 PREFILL_CHUNKS = Counter(
     "specexec:prefill_chunks",
-    "target: passes that ran part of a session's long prompt, its tree left to a later pass (chunked prefill)",
+    "target: chunks of sessions' long prompts run ahead of their trees (chunked prefill; a pass may run several)",
 )
 PREFILL_CHUNK_TOKENS = Counter("specexec:prefill_chunk_tokens", "target: prompt tokens run in such chunks")
 DRAFT_PASS_SESSIONS = Histogram(

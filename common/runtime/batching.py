@@ -174,6 +174,7 @@ class PassBatcher(Generic[J]):
                 j.fail(StepCancelled("the step was cancelled before its pass ran"))
             elif j.session_id in sessions or (batch and tokens + j.tokens > self.max_tokens):
                 rest.append(j)
+                sessions.add(j.session_id)  # its session's later jobs wait behind it
             else:
                 batch.append(j)
                 sessions.add(j.session_id)
