@@ -23,6 +23,9 @@ trees shrink under load where the pass is flat (a GPU) and keep their size where
 Whether to draft at all is then judged by what the pass commits for all its sessions: a tree's
 nodes lengthen the pass for every other session in it, each committing about as many tokens a pass
 as this one, so a drafted step counts their time at that rate as its own (`RegimeStats.imposed`).
+What a regime's means say holds at the load they were learned at: each load class (about 1, 2, 4
+or 8 sessions a pass) keeps its own, and a request whose load changes class takes up the new
+class's means (`LOAD_CLASSES`).
 """
 
 from __future__ import annotations
@@ -52,6 +55,13 @@ EXPLORE_MAX = 32  # the gap doubles after each such step that did not pay, up to
 TRIALS_DECLINED = 3  # after this many requests in a row whose trees did not pay, a request skips its trial
 EXPLORE_DECLINED_MAX = 128  # then the exploring gap counts the regime's steps across requests, up to this
 GREEDY, SAMPLED = "greedy", "sampled"
+# Sessions a target pass serves, in classes whose running means are kept apart: a drafted step's rate
+# learned with one session a pass says little of it with eight (a CPU's pass of eight trees costs
+# about twice one's), and eight requests that began a burst with the means of single requests drafted
+# for about 30 steps each before their own steps outweighed them. The load moves to the nearest
+# class once it is LOAD_HYSTERESIS times away from its own, so it does not flap at a border.
+LOAD_CLASSES = (1, 2, 4, 8)
+LOAD_HYSTERESIS = 1.68
 
 
 def regime(sampling: SamplingParams) -> str:
@@ -81,6 +91,7 @@ class RegimeStats:
     declined: int = 0  # the regime's requests in a row whose trees did not pay
     steps: int = 0  # learned from
     trees: int = 0  # learned from that proposed nodes
+    load: int = 1  # the load class (LOAD_CLASSES) whose means these are
 
     @property
     def rate(self) -> float:
@@ -154,6 +165,7 @@ class BudgetPlanner:
     draft_scale: float = 1.0  # observed / modelled draft time (Python overhead, network, contention)
     target_scale: float = 1.0
     sharing: float = 1.0  # sessions per target pass, as the target reports them (continuous batching)
+    load: int = 1  # `sharing`'s class (LOAD_CLASSES): the regime means that steps now learn and read
     k_level: float = K_LEVEL  # per planner, so benchmarks/auto_constants.py can race variants side by side
     k_node: float = K_NODE
     fit_trees: bool = True  # cut trees to measured pass sizes (`fit`); off: benchmarks race the two
@@ -180,10 +192,25 @@ class BudgetPlanner:
         found they did not pay: then the pair, not the text, is why, and it starts on the target
         alone, drafting only to explore (`draft_pays`)."""
         with self._lock:
-            shared = self._stats(regime)
-            trial = shared.declined < self.trials_declined
-            return replace(shared, steps=0, trees=0, skipped=0, judged=False, trial=trial,
-                           explore=EXPLORE_EVERY if trial else 2 * EXPLORE_EVERY)  # fmt: skip
+            return self._start(self._stats(regime))
+
+    def _start(self, shared: RegimeStats) -> RegimeStats:
+        trial = shared.declined < self.trials_declined
+        return replace(shared, steps=0, trees=0, skipped=0, judged=False, trial=trial,
+                       explore=EXPLORE_EVERY if trial else 2 * EXPLORE_EVERY)  # fmt: skip
+
+    def _request(self, regime: str, request: RegimeStats | None) -> tuple[RegimeStats, RegimeStats]:
+        """The regime's means at the present load, and the request's own (the regime's if None): a
+        request whose load changed class starts again from the new class's means, as a new request
+        would (its trial too, unless that class declined trees). Called under the planner's lock."""
+        shared = self._stats(regime)
+        if request is None:
+            return shared, shared
+        if request.load != shared.load:
+            fresh = self._start(shared)
+            for f in fields(RegimeStats):
+                setattr(request, f.name, getattr(fresh, f.name))
+        return shared, request
 
     def snapshot(self) -> dict[str, Any]:
         """What this planner learned about the pair, as plain data (client.planner_state). The
@@ -199,10 +226,13 @@ class BudgetPlanner:
         if not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in scales):
             raise ValueError(f"scales must be positive numbers, got {scales}")
         regimes = {}
+        names = {(r if c == 1 else f"{r}@{c}"): c for r in (GREEDY, SAMPLED) for c in LOAD_CLASSES}
         for name, values in dict(state["regimes"]).items():
-            if name not in (GREEDY, SAMPLED) or set(values) != {f.name for f in fields(RegimeStats)}:
+            if name not in names or set(values) != {f.name for f in fields(RegimeStats)}:
                 raise ValueError(f"regime {name!r} is not one this planner keeps")
             stats = RegimeStats(**values)
+            if stats.load != names[name]:
+                raise ValueError(f"regime {name!r} holds the means of load class {stats.load}")
             numbers = [getattr(stats, f.name) for f in fields(RegimeStats)]
             if not all(isinstance(x, int | float) and math.isfinite(x) and x >= 0 for x in numbers):
                 raise ValueError(f"regime {name!r} holds a value that is not a count or a mean")
@@ -214,15 +244,18 @@ class BudgetPlanner:
             self._regimes = regimes
 
     def _stats(self, regime: str) -> RegimeStats:
-        """A regime starts at the target alone's rate: a pessimistic rate grows large first trees,
-        which teach the calibration most, until its first few steps replace it."""
-        if regime not in self._regimes:
-            self._regimes[regime] = RegimeStats(tokens=1.0, seconds=interpolate(self.target_curve, 1))
-        return self._regimes[regime]
+        """The regime's means at the present load class. A regime starts at the target alone's rate
+        there: a pessimistic rate grows large first trees, which teach the calibration most, until its
+        first few steps replace it."""
+        key = regime if self.load == 1 else f"{regime}@{self.load}"
+        if key not in self._regimes:
+            seconds = interpolate(self.target_curve, self.load)
+            self._regimes[key] = RegimeStats(tokens=1.0, seconds=seconds, load=self.load)
+        return self._regimes[key]
 
     def thresholds(self, regime: str = GREEDY, request: RegimeStats | None = None) -> Thresholds:
         with self._lock:
-            return self._thresholds(request if request is not None else self._stats(regime))
+            return self._thresholds(self._request(regime, request)[1])
 
     def _thresholds(self, s: RegimeStats) -> Thresholds:
         """The target's cost per tree token is its curve's mean slope over at least SLOPE_SPAN tokens
@@ -262,7 +295,7 @@ class BudgetPlanner:
         if not self._fits() or tree.logprobs is None or tree.size <= 1:
             return tree
         with self._lock:
-            s = request if request is not None else self._stats(regime)
+            s = self._request(regime, request)[1]
             value = self.k_node * self.target_scale * s.rate / max(s.calibration, 1e-3)
         sizes = np.array([n for n, _ in self.target_curve], dtype=np.int64)
         costs = np.array([t for _, t in self.target_curve], dtype=np.float64)
@@ -307,8 +340,7 @@ class BudgetPlanner:
         target's passes, each explores k times as rarely: an exploring tree's rows delay every session
         of its pass, and the pass then carries one about as often as with one session."""
         with self._lock:
-            shared = self._stats(regime)
-            s = request if request is not None else shared
+            shared, s = self._request(regime, request)
             if s.trial and s.steps < PRIOR_STEPS:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
@@ -335,8 +367,7 @@ class BudgetPlanner:
         before its next exploring draft if nothing new is learned meanwhile, up to `most`: the client
         runs them as one call to the target, and they count as skipped now."""
         with self._lock:
-            shared = self._stats(regime)
-            s = request if request is not None else shared
+            shared, s = self._request(regime, request)
             gap = s if s.trial or not self.explore_across else shared
             run = max(1, min(most, self._explore_after(gap) - gap.skipped))
             gap.skipped += run - 1
@@ -351,6 +382,8 @@ class BudgetPlanner:
     def _learn_sharing(self, pass_sessions: int) -> None:
         """Called under the planner's lock."""
         self.sharing += SCALE_EMA * (max(pass_sessions, 1) - self.sharing)
+        if abs(math.log(self.sharing / self.load)) > math.log(LOAD_HYSTERESIS):
+            self.load = min(LOAD_CLASSES, key=lambda c: abs(math.log(self.sharing / c)))
 
     def _explore_after(self, gap: RegimeStats) -> int:
         return gap.explore * max(1, round(self.sharing))
@@ -369,11 +402,10 @@ class BudgetPlanner:
             return
         with self._lock:
             self._learn_sharing(pass_sessions)
-            for s in (self._stats(regime), request):
-                if s is not None:
-                    w = max(EMA, 1.0 / (1 + s.alone_steps))
-                    s.alone += w * (seconds / tokens - s.alone)
-                    s.alone_steps += 1
+            for s in _both(*self._request(regime, request)):
+                w = max(EMA, 1.0 / (1 + s.alone_steps))
+                s.alone += w * (seconds / tokens - s.alone)
+                s.alone_steps += 1
 
     def observe(
         self,
@@ -412,9 +444,8 @@ class BudgetPlanner:
             if pass_sessions > 1 and pass_tokens > n >= 1:
                 longer = interpolate(self.target_curve, pass_tokens) - interpolate(self.target_curve, pass_tokens - n)
                 imposed = (pass_sessions - 1) * len(tokens) * self.target_scale * max(longer, 0.0)
-            for s in (self._stats(regime), request):
-                if s is not None:
-                    s.learn(len(tokens), draft_seconds + target_seconds, shape, imposed)
+            for s in _both(*self._request(regime, request)):
+                s.learn(len(tokens), draft_seconds + target_seconds, shape, imposed)
             self._learn_sharing(pass_sessions)
             if shape is None:
                 return
@@ -424,6 +455,10 @@ class BudgetPlanner:
                 self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
             modelled = interpolate(self.target_curve, pass_tokens or n + 1)
             self.target_scale *= _ema_ratio(target_seconds, self.target_scale * modelled)
+
+
+def _both(shared: RegimeStats, own: RegimeStats) -> tuple[RegimeStats, ...]:
+    return (shared,) if own is shared else (shared, own)
 
 
 def free_batch(draft_curve: list[tuple[int, float]], slack: float = 1.25) -> int:

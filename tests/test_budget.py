@@ -579,8 +579,9 @@ def test_sessions_that_share_passes_explore_as_many_times_more_rarely(sessions):
     """An exploring tree's rows delay every session of its pass: with k sessions a pass, each drafts
     to explore once in k times EXPLORE_EVERY steps, so the pass carries one as often as alone."""
     plan = BudgetPlanner(CPU, DRAFT, base=BASE, explore_backoff=False)
-    observe(plan, accepted=0, seconds=0.4)
+    tree, draft_s = chain_tree(8, 0.8), 8 * DRAFT[0][1]
     for _ in range(60):
+        plan.observe(DraftedTree(tree, 7), [1], draft_s, 0.4 - draft_s, pass_sessions=sessions, pass_tokens=9 * sessions)
         plan.observe_alone(1, 0.08, pass_sessions=sessions)
     assert round(plan.sharing) == sessions
     choices = [plan.draft_pays() for _ in range(8 * EXPLORE_EVERY)]
@@ -606,8 +607,49 @@ def test_a_burst_of_requests_sizes_its_first_trees_for_the_load():
     fresh, burst = BudgetPlanner(CPU, DRAFT, base=BASE), BudgetPlanner(CPU, DRAFT, base=BASE)
     for _ in range(8):
         burst.observe_sharing(8)
-    assert burst.sharing > 6 and burst.stats() == fresh.stats()
+    assert burst.sharing > 6 and burst.load == 8
+    assert burst.stats() == replace(fresh.stats(), seconds=interpolate(CPU, 8), load=8)  # nothing learned there yet
     assert burst.choose().min_node_prob > 2 * fresh.choose().min_node_prob
+
+
+def test_a_request_whose_load_changes_class_takes_up_that_classs_means():
+    """Trees pay for a session alone and not in passes of eight: a request that began alone goes on
+    from the eight-session means once a burst arrives (no trial: that class declined trees three
+    times), and back from the single-session ones after it; each class learns apart."""
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    observe(plan, accepted=5, seconds=0.2)  # alone, trees pay: 6 tokens per 0.2 s against 12.8 tok/s alone
+    tree, draft_s = chain_tree(8, 0.8), 8 * DRAFT[0][1]
+    for _ in range(3):  # three loaded requests whose trees did not pay
+        for _ in range(8):
+            plan.observe_sharing(8)
+        loaded = plan.start()
+        for _ in range(PRIOR_STEPS + 4):
+            plan.draft_pays(request=loaded)
+            plan.observe(DraftedTree(tree, 7), [1, 2], draft_s, 0.4, request=loaded, pass_sessions=8, pass_tokens=72)
+            plan.observe_alone(1, 0.15, request=loaded, pass_sessions=8)
+    assert plan.stats().declined >= TRIALS_DECLINED and plan.stats().load == 8
+    for _ in range(20):
+        plan.observe_sharing(1)
+    request = plan.start()
+    assert request.load == 1 and request.rate == pytest.approx(30.0, rel=0.05) and plan.draft_pays(request=request)
+    for _ in range(8):
+        plan.observe_sharing(8)
+    assert not plan.draft_pays(request=request)  # the burst's means, no trial
+    assert request.load == 8 and request.rate < 10
+    for _ in range(20):
+        plan.observe_sharing(1)
+    assert plan.draft_pays(request=request) and request.load == 1  # a trial again, on its own means
+
+
+def test_the_load_class_holds_at_a_border():
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    for _ in range(12):
+        plan.observe_sharing(4)
+    changes, load = 0, plan.load
+    for i in range(200):  # passes of 2 and 4 sessions in turn: about 3, between the classes
+        plan.observe_sharing(2 if i % 2 else 4)
+        changes, load = changes + (plan.load != load), plan.load
+    assert load == 4 and changes == 0
 
 
 def test_trees_shrink_when_sessions_share_the_targets_passes():

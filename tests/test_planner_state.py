@@ -109,6 +109,24 @@ def test_a_regime_holding_nonsense_is_refused(tmp_path):
             BudgetPlanner(CPU, DRAFT, base=BASE).restore(bad)
 
 
+def test_each_load_classs_means_are_kept_and_checked(tmp_path):
+    plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+    run_request(plan, 8, accepted=3, seconds=0.2)
+    for _ in range(8):
+        plan.observe_sharing(8)
+    run_request(plan, 8, accepted=0, seconds=0.4)
+    state = plan.snapshot()
+    assert {"greedy", "greedy@8"} <= set(state["regimes"]) and state["regimes"]["greedy@8"]["load"] == 8
+    planner_state.save(plan, tmp_path / "state.json")
+    restored = BudgetPlanner(CPU, DRAFT, base=BASE)
+    assert planner_state.load(restored, tmp_path / "state.json") and restored.snapshot() == state
+    for name, load in (("greedy@8", 4), ("greedy@3", 3)):
+        bad = json.loads(json.dumps(state))
+        bad["regimes"][name] = {**state["regimes"]["greedy@8"], "load": load}
+        with pytest.raises(ValueError):
+            BudgetPlanner(CPU, DRAFT, base=BASE).restore(bad)
+
+
 def generator(loaded, directory: Path | None) -> SpecExec:
     target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
     draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
