@@ -383,7 +383,7 @@ def nodes(model_dirs, tmp_path_factory) -> Iterator[dict[str, str]]:
     model = {"target": model_dirs["target"], "draft": model_dirs["truncated"]}
     procs = {
         role: Proc(role, ["-m", f"{role}_node", "--model", str(model[role]), "--listen", addresses[role],
-                          "--no-profile", "--max-sessions", "10",
+                          "--no-profile", "--max-sessions", "10", "--prefill-chunk", "4",  # prompts in chunks
                           *(["--batch-window-ms", "20"] if role == "target" else ["--no-lookahead"])], env, logs)
         for role in ("target", "draft")
     }  # fmt: skip
