@@ -64,7 +64,7 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         help="while other sessions are open, a pass runs at most N tokens of one session's prompt, so a long "
         "prompt takes several passes, each shared with the others' work, instead of stalling them all "
         "(default: the rows whose pass costs about 8 one-token passes on the node's measured curve, at "
-        "least 64; a session alone takes 4 chunks a pass, at most --max-batch-tokens)",
+        "least 64; a session alone takes 4 chunks a pass; never over --max-batch-tokens nor under 64)",
     )
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"

@@ -67,8 +67,8 @@ def test_a_prompt_alone_takes_four_chunks_a_pass(loaded):
     tree = random_tree(long[-1], 4, vocab, torch.Generator().manual_seed(8))
     reference = engine_for(loaded)
     expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
-    # 99 pending rows: all with the tree; 64, then 35 with it; 40 + 40, then 19 with it
-    for chunk, max_batch_tokens, count in ((32, 2048, 0), (16, 2048, 1), (32, 40, 2)):
+    # 99 pending rows: all with the tree; 64, then 35 with it; 80, then 19 with it
+    for chunk, max_batch_tokens, count in ((32, 2048, 0), (16, 2048, 1), (32, 80, 1)):
         engine = engine_for(loaded, prefill_chunk=chunk, max_batch_tokens=max_batch_tokens)
         before = chunks()
         got = engine.verify(engine.open_session(long), tree, GREEDY, 8)
@@ -124,6 +124,8 @@ def test_the_chunk_follows_the_forward_time_curve(loaded):
     engine.forward_curve = ((1, 0.1), (256, 0.12))  # a GPU's, flat: whole prompts
     assert engine.chain_limit() == 1000
     assert engine_for(loaded, prefill_chunk=48).chain_limit() == 48
+    one = engine_for(loaded, max_batch_tokens=1)  # a pass per session: prompts still in passes of 64
+    assert one.chain_limit() == one.chain_limit(alone=True) == MIN_PREFILL_CHUNK
     with pytest.raises(ValueError, match="prefill chunk must be >= 1"):
         TargetEngine(loaded["target"], max_context=64, max_tree=8, prefill_chunk=0)
 

@@ -53,13 +53,14 @@ class NodeEngine(Generic[S]):
 
     def chain_limit(self, alone: bool = False) -> int:
         """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session, at
-        most `max_batch_tokens`: while other sessions are open, `prefill_chunk`, by default the
+        most `max_batch_tokens` (or 64): while other sessions are open, `prefill_chunk`, by default the
         rows (a power of two) whose pass costs about 8 one-token passes, so another session's step
         waits for about 8 passes' time behind a long prompt, and the prompt's extra passes cost it
         about 1/8 more (on a flat curve, a GPU's: `max_batch_tokens`); a session `alone` takes 4
         chunks a pass. Whole prompts are no faster on a CPU: 2000 tokens of the 1.5B bf16 target in
-        one pass took 19.6 s, in passes of 256 or 512 16.2-16.8 s (docs/benchmarks.md)."""
-        most = self.max_batch_tokens
+        one pass took 19.6 s, in passes of 256 or 512 16.2-16.8 s (docs/benchmarks.md). Never under
+        64: `--max-batch-tokens 1` (a pass per session) must not run a prompt a token a pass."""
+        most = max(self.max_batch_tokens, MIN_PREFILL_CHUNK)
         if self.prefill_chunk is not None:
             chunk = self.prefill_chunk
         elif not self.forward_curve:
