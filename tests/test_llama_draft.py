@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -231,6 +232,16 @@ def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
     assert len(session.cache.ctx._leaf_free) == free and (session.cache._seq_of < 0).all()
 
 
+def three_trees(engine: Any, sid: str, prompt: list[int]) -> list[tuple[list[int], list[int]]]:
+    """Three trees of one session: over its prompt, then after each of its next two tokens."""
+    params = TreeParams(budget=12, max_branch=3, expand_batch=4)
+    trees = []
+    for step in range(3):
+        tree = engine.build_tree(sid, [] if step == 0 else [prompt[step]], params).tree
+        trees.append((tree.tokens.tolist(), tree.parents.tolist()))
+    return trees
+
+
 @pytest.mark.parametrize(("lookahead", "shared_fails"), [(True, False), (False, False), (False, True)],
                          ids=["lookahead", "plain", "shared-pass-fails"])  # fmt: skip
 def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs, monkeypatch, lookahead, shared_fails):
@@ -254,28 +265,20 @@ def test_sessions_drafting_at_once_get_the_trees_each_gets_alone(ggufs, monkeypa
 
     monkeypatch.setattr(engine_module, "run_batch", counting)
     loaded = load_gguf(ggufs["draft"], kv_type="f32")
-    params = TreeParams(budget=12, max_branch=3, expand_batch=4)
     prompts_ = [PROMPT, PROMPT[::-1], [5, 9, 13, 17, 21]]
-
-    def run(engine: DraftEngine, sid: str, prompt: list[int]) -> list[tuple[list[int], list[int]]]:
-        trees = []
-        for step in range(3):
-            tree = engine.build_tree(sid, [] if step == 0 else [prompt[step]], params).tree
-            trees.append((tree.tokens.tolist(), tree.parents.tolist()))
-        return trees
 
     alone = []
     for prompt in prompts_:
         engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead, max_sessions=1)
         assert engine.pool is None
         sid = engine.open_session(prompt)
-        alone.append(run(engine, sid, prompt))
+        alone.append(three_trees(engine, sid, prompt))
         engine.close_session(sid)  # the lookahead thread lets go of it, and of its context
     sizes.clear()
     engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead)
     assert engine.pool is not None
     sids = [engine.open_session(p) for p in prompts_]
-    together = at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)])
+    together = at_once([lambda s=s, p=p: three_trees(engine, s, p) for s, p in zip(sids, prompts_, strict=True)])
     for sid in sids:
         engine.close_session(sid)
     assert together == alone
@@ -300,27 +303,19 @@ def test_a_long_prompt_catches_up_in_chunks_beside_another_sessions_build(ggufs,
 
     monkeypatch.setattr(engine_module, "run_batch", recording)
     loaded = load_gguf(ggufs["draft"], kv_type="f32")
-    params = TreeParams(budget=12, max_branch=3, expand_batch=4)
     long = [(7 * i + 3) % 200 + 20 for i in range(41)]
     prompts_ = [long, [5, 9, 13, 17, 21]]
-
-    def run(engine: DraftEngine, sid: str, prompt: list[int]) -> list[tuple[list[int], list[int]]]:
-        trees = []
-        for step in range(3):
-            tree = engine.build_tree(sid, [] if step == 0 else [prompt[step]], params).tree
-            trees.append((tree.tokens.tolist(), tree.parents.tolist()))
-        return trees
 
     alone = []
     for prompt in prompts_:
         engine = DraftEngine(loaded, max_context=64, max_tree=12, max_sessions=1)
         sid = engine.open_session(prompt)
-        alone.append(run(engine, sid, prompt))
+        alone.append(three_trees(engine, sid, prompt))
         engine.close_session(sid)
     passes.clear()
     engine = DraftEngine(loaded, max_context=64, max_tree=12, prefill_chunk=8)
     sids = [engine.open_session(p) for p in prompts_]
-    assert at_once([lambda s=s, p=p: run(engine, s, p) for s, p in zip(sids, prompts_, strict=True)]) == alone
+    assert at_once([lambda s=s, p=p: three_trees(engine, s, p) for s, p in zip(sids, prompts_, strict=True)]) == alone
     chunks = [w for p in passes for w in p if w == ("Chain", 8)]
     assert len(chunks) == 5  # 41 tokens to catch up: 5 chunks of 8, then the root
     assert any(("Chain", 8) in p and len(p) > 1 for p in passes)  # the other session's work shared one
