@@ -9,6 +9,7 @@ import urllib.request
 import grpc
 import openai
 import pytest
+from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
 from client.remote import open_channel
@@ -197,3 +198,52 @@ def test_status_command(stack, generated, capsys):
     assert report["acceptance"]["drafts"] >= 1 and report["tokenizer_match"] is True
     assert main(["status", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1", "--pings", "1"]) == 1
     assert "UNREACHABLE" in capsys.readouterr().out
+
+
+class _Context:
+    """What RpcMetrics reads of a call's context: no status set, and whether the client is still there."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+
+    def code(self) -> None:
+        return None
+
+    def details(self) -> str:
+        return ""
+
+    def is_active(self) -> bool:
+        return self.active
+
+
+def test_a_stream_the_client_stops_reading_is_cancelled_not_failed(caplog):
+    """A client that has its tokens (a stop string, a length limit) cancels the rest of a Decode run:
+    gRPC closes the response generator mid-stream. That is a cancellation, logged at INFO, not a
+    failure with status UNKNOWN."""
+    import logging
+    from types import SimpleNamespace
+
+    import grpc
+
+    from common.ops.metrics import RpcMetrics
+
+    def decode(request, context):
+        yield from range(5)
+
+    handler = grpc.unary_stream_rpc_method_handler(decode)
+    details = SimpleNamespace(method="/specexec.v1.TargetService/Decode")
+    wrapped = RpcMetrics().intercept_service(lambda _: handler, details).unary_stream
+    before = {code: REGISTRY.get_sample_value("specexec:rpc_requests_total",
+                                              {"method": "TargetService/Decode", "code": code}) or 0.0
+              for code in ("CANCELLED", "UNKNOWN", "OK")}  # fmt: skip
+    with caplog.at_level(logging.INFO, logger="specexec"):
+        stream = wrapped(SimpleNamespace(session_id="s1"), _Context(active=False))
+        assert next(stream) == 0
+        stream.close()  # what gRPC does when the client cancels
+        assert list(wrapped(SimpleNamespace(session_id="s2"), _Context(active=True))) == [0, 1, 2, 3, 4]
+    after = {code: REGISTRY.get_sample_value("specexec:rpc_requests_total",
+                                             {"method": "TargetService/Decode", "code": code}) or 0.0
+             for code in before}  # fmt: skip
+    assert {code: after[code] - before[code] for code in before} == {"CANCELLED": 1, "UNKNOWN": 0, "OK": 1}
+    records = [r for r in caplog.records if r.getMessage() in ("rpc_cancelled", "rpc_failed")]
+    assert [(r.getMessage(), r.levelno) for r in records] == [("rpc_cancelled", logging.INFO)]

@@ -271,21 +271,24 @@ class RpcMetrics(grpc.ServerInterceptor):
         streams_out = kind.endswith("stream")
 
         def finish(request: Any, context: grpc.ServicerContext, start: float, failed: bool) -> None:
+            """A call the client ended (a stream it stopped reading: its generator closed) counts as
+            CANCELLED, logged at INFO: clients stop runs at stop strings and limits as a matter of course."""
             code = context.code()
             if code is None:
                 code = grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
-            if not failed and code == grpc.StatusCode.OK and not context.is_active():
+            if code in (grpc.StatusCode.OK, grpc.StatusCode.UNKNOWN) and not context.is_active():
                 code = grpc.StatusCode.CANCELLED
             seconds = time.perf_counter() - start
             RPC_REQUESTS.labels(method, code.name).inc()
             RPC_SECONDS.labels(method).observe(seconds)
             if code != grpc.StatusCode.OK:
                 session = getattr(request, "session_id", None) or None
-                message = (context.details() or "")[:300] if code != grpc.StatusCode.CANCELLED else ""
+                cancelled = code == grpc.StatusCode.CANCELLED
+                message = "" if cancelled else (context.details() or "")[:300]
                 if isinstance(message, bytes):
                     message = message.decode(errors="replace")
-                event(log, "rpc_failed", logging.WARNING, method=method, code=code.name,
-                      session=session, seconds=seconds, message=message)  # fmt: skip
+                event(log, "rpc_cancelled" if cancelled else "rpc_failed", logging.INFO if cancelled else logging.WARNING,
+                      method=method, code=code.name, session=session, seconds=seconds, message=message)  # fmt: skip
 
         if streams_out:
 
