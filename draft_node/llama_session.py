@@ -102,7 +102,7 @@ class LlamaDraftSession(DraftSession):
         if cache.length == len(self.committed):
             cache.truncate(cache.length - 1)  # every token's KV is cached: run the root again
         while True:
-            end = min(len(self.committed), cache.length + max(self._chain_limit(), 1))
+            end = min(len(self.committed), cache.length + self._chain_limit())
             logits = self._submit(Chain(cache, self.committed, end))
             if end == len(self.committed):
                 return torch.log_softmax(logits, -1)

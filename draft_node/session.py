@@ -177,7 +177,7 @@ class DraftSession:
             self.cache.length -= 1
         while True:
             start = self.cache.length
-            t = min(len(self.committed) - start, max(self._chain_limit(), 1))
+            t = min(len(self.committed) - start, self._chain_limit())
             last = start + t == len(self.committed)
             pending = torch.tensor(self.committed[start : start + t], dtype=torch.long)
             positions = torch.arange(start, start + t)

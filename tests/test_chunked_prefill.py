@@ -12,7 +12,7 @@ import torch
 from prometheus_client import REGISTRY
 
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import TreeError
+from common.decoding.tree import TokenTree, TreeError
 from common.runtime.batching import PassBatcher
 from common.runtime.engine import MIN_PREFILL_CHUNK
 from common.runtime.sessions import StepCancelled, StepTiming
@@ -33,6 +33,16 @@ def chunks() -> tuple[float, float]:
 def long_and_short(vocab: int, seed: int) -> tuple[list[int], list[int]]:
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab, (LONG,), generator=gen).tolist(), torch.randint(0, vocab, (5,), generator=gen).tolist()
+
+
+def long_step(loaded: Any, seed: int, nodes: int) -> tuple[list[int], list[int], TokenTree, list[int]]:
+    """A long and a short prompt, a tree on the long one, and the tokens its step gets with the
+    target to itself (one session: no chunks)."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    long, short = long_and_short(vocab, seed)
+    tree = random_tree(long[-1], nodes, vocab, torch.Generator().manual_seed(seed + 1))
+    reference = engine_for(loaded)
+    return long, short, tree, reference.verify(reference.open_session(long), tree, GREEDY, 8).tokens
 
 
 @pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -62,26 +72,18 @@ def test_a_long_prompt_runs_in_chunks_beside_another_sessions_steps(loaded, samp
 
 def test_a_prompt_alone_takes_four_chunks_a_pass(loaded):
     """No other session open: a pass takes 4 chunks' tokens, at most --max-batch-tokens."""
-    vocab = loaded["target"].model.cfg.vocab_size
-    long, _ = long_and_short(vocab, 7)
-    tree = random_tree(long[-1], 4, vocab, torch.Generator().manual_seed(8))
-    reference = engine_for(loaded)
-    expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
+    long, _, tree, expected = long_step(loaded, 7, 4)
     # 99 pending rows: all with the tree; 64, then 35 with it; 80, then 19 with it
     for chunk, max_batch_tokens, count in ((32, 2048, 0), (16, 2048, 1), (32, 80, 1)):
         engine = engine_for(loaded, prefill_chunk=chunk, max_batch_tokens=max_batch_tokens)
         before = chunks()
         got = engine.verify(engine.open_session(long), tree, GREEDY, 8)
         assert chunks()[0] - before[0] == count
-        assert got.tokens == expected.tokens
+        assert got.tokens == expected
 
 
 def test_a_step_cancelled_between_chunks_leaves_its_session_as_it_was(loaded):
-    vocab = loaded["target"].model.cfg.vocab_size
-    long, short = long_and_short(vocab, 9)
-    tree = random_tree(long[-1], 5, vocab, torch.Generator().manual_seed(10))
-    reference = engine_for(loaded)
-    expected = reference.verify(reference.open_session(long), tree, GREEDY, 8)
+    long, short, tree, expected = long_step(loaded, 9, 5)
     engine = engine_for(loaded, prefill_chunk=16)
     engine.open_session(short)  # another session open: the long prompt goes in chunks
     sid = engine.open_session(long)
@@ -97,7 +99,7 @@ def test_a_step_cancelled_between_chunks_leaves_its_session_as_it_was(loaded):
     assert chunks()[0] - before[0] == 2
     session = engine.sessions.get(sid)
     assert session.committed == long and session.cached_length == 0 and session.step == 0
-    assert engine.verify(sid, tree, GREEDY, 8).tokens == expected.tokens
+    assert engine.verify(sid, tree, GREEDY, 8).tokens == expected
 
 
 def test_a_bad_tree_on_a_long_prompt_fails_before_any_chunk(loaded):

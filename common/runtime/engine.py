@@ -52,8 +52,8 @@ class NodeEngine(Generic[S]):
         self.forward_curve: tuple[tuple[int, float], ...] = ()
 
     def chain_limit(self, alone: bool = False) -> int:
-        """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session, at
-        most `max_batch_tokens` (or 64): while other sessions are open, `prefill_chunk`, by default the
+        """Pending committed tokens (a prompt, a new chat turn) one pass runs for a session, at most
+        `max_batch_tokens` (or 64): while other sessions are open, `prefill_chunk`, by default the
         rows (a power of two) whose pass costs about 8 one-token passes, so another session's step
         waits for about 8 passes' time behind a long prompt, and the prompt's extra passes cost it
         about 1/8 more (on a flat curve, a GPU's: `max_batch_tokens`); a session `alone` takes 4
