@@ -34,3 +34,29 @@ def model_dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def loaded(model_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
     return {name: load_model(path) for name, path in model_dirs.items()}
+
+
+@pytest.fixture
+def padded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every llama.cpp pass padded with scratch rows to a multiple of 8 where it has room, whatever
+    its model's curve says; returns the scratch rows of each padded pass."""
+    import numpy as np
+
+    from common.model.llama_cpp import LlamaContext
+
+    made: list[int] = []
+    real = LlamaContext._scratch
+    table = -(-np.arange(1024) // 8) * 8
+
+    def scratch(self: LlamaContext, n: int, room: int) -> tuple[int, int, int]:
+        saved, self.model.pad_rows = self.model.pad_rows, table
+        try:
+            out = real(self, n, room)
+        finally:
+            self.model.pad_rows = saved
+        if out[0]:
+            made.append(out[0])
+        return out
+
+    monkeypatch.setattr(LlamaContext, "_scratch", scratch)
+    return made

@@ -105,6 +105,36 @@ def test_keep_leaves_the_accepted_path_as_committed_kv(ggufs):
     assert np.allclose(again[0], chain_logits(model, PROMPT, [10, 21])[-1], atol=1e-2)
 
 
+def test_a_padded_pass_gives_the_same_logits_and_keeps_no_scratch_cells(ggufs, padded):
+    """Scratch rows that buy a cheaper pass size (`LlamaCppModel.pad_passes`) sit in a sequence of
+    their own: the tree's logits are as unpadded, nothing of them stays, and the next step sees only
+    the kept path. Without the KV cells to spare a pass runs as it is."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    parents = synthetic_parents(5, seed=1)
+    tokens = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(2))
+    ctx = model.new_context(64, 16)
+    ctx.extend(PROMPT)
+    got = ctx.tree(tokens, parents)
+    assert padded == [3] and ctx.ctx._batch.n_tokens == 8
+    ctx.drop_tree()
+    ctx.ctx.padding = False
+    torch.testing.assert_close(got, ctx.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+    ctx.drop_tree()
+    ctx.ctx.padding = True
+    ctx.tree(tokens, parents)
+    ctx.keep([0, 1])
+    lib, mem = model.lib, ctx.ctx._mem
+    assert all(lib.llama_memory_seq_pos_max(mem, seq) == -1 for seq in ctx.ctx._leaf_free)
+    after = ctx.tree(torch.tensor([50, 60]), torch.tensor([-1, 0]))
+    path = [int(tokens[0]), int(tokens[1])]
+    assert np.allclose(after, chain_logits(model, PROMPT, [*path, 50, 60])[-2:], atol=1e-2)
+    made = len(padded)
+    tight = model.new_context(len(PROMPT) + 5, 8)
+    tight.extend(PROMPT)
+    torch.testing.assert_close(tight.tree(tokens, parents), got, rtol=1e-4, atol=1e-4)
+    assert tight.ctx._batch.n_tokens == 5 and len(padded) == made
+
+
 def test_pending_tokens_in_the_tree_pass_are_as_if_run_first(ggufs):
     """Committed tokens without KV ride in the tree's own llama_decode (their lane's id and every
     leaf's): the nodes see them, and they become committed cells, as if extended first."""
@@ -614,6 +644,24 @@ def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], in
     got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)])
     assert [(r.tokens, r.accepted) for r in got] == [(r.tokens, r.accepted) for r in expected]
     return got
+
+
+def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cost(ggufs, loaded):
+    from target_node.engine import TargetEngine
+
+    curve = [(1, 0.04), (8, 0.26), (15, 0.35), (16, 0.26)]
+    engine = llama_engine(load_gguf(ggufs["F32"], kv_type="f32"))
+    engine.use_curve(curve)
+    assert engine.forward_curve == ((1, 0.04), (8, 0.26), (15, 0.26), (16, 0.26))
+    assert engine.loaded.model.pad_rows[15] == 16 and engine.loaded.model.pad_rows[8] == 8
+    ours = TargetEngine(loaded["target"], max_tree=8)  # our transformer's passes are never padded
+    ours.use_curve(curve)
+    assert ours.forward_curve == tuple(curve)
+
+
+def test_shared_passes_padded_to_cheaper_sizes_equal_each_alone(ggufs, padded):
+    got = together_equals_alone(ggufs, 4, seed=5, size=lambda i: 2 + 3 * i)
+    assert max(r.pass_sessions for r in got) > 1 and len(padded) >= 2
 
 
 def test_a_failed_shared_llama_pass_runs_each_tree_alone(ggufs, monkeypatch):

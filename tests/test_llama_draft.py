@@ -113,8 +113,11 @@ def deepest_expanded_path(built) -> list[int]:
     return path[::-1]
 
 
+@pytest.mark.parametrize("padding", [False, True], ids=["", "padded"])
 @pytest.mark.parametrize("lookahead", [True, False], ids=["lookahead", "plain"])
-def test_every_expansion_sees_exactly_its_path(ggufs, lookahead):
+def test_every_expansion_sees_exactly_its_path(ggufs, lookahead, padding, request):
+    """Also with every pass padded with scratch rows (`LlamaCppModel.pad_passes`)."""
+    padded = request.getfixturevalue("padded") if padding else None
     model = LlamaCppModel(ggufs["draft"] / "model.gguf", kv_type="f32", threads=1)
     session = CheckedSession(model, PROMPT, max_context=128, max_tree=12, lookahead=lookahead)
     params = TreeParams(budget=12, max_depth=6, max_branch=3, expand_batch=4)
@@ -136,6 +139,7 @@ def test_every_expansion_sees_exactly_its_path(ggufs, lookahead):
     session.truncate(len(PROMPT) + 2)  # a chat turn rewrites history: every node goes, KV too
     assert session.ids_in_use() == 0 and session.cache.length <= len(PROMPT) + 2
     session.build_tree(params)
+    assert padded is None or len(padded) > 10
 
 
 def test_a_search_holds_at_most_255_nodes(ggufs):
@@ -222,7 +226,7 @@ def test_ids_go_back_when_an_expansion_fails(ggufs, monkeypatch):
     free = len(session.cache.ctx._leaf_free)
     from common.model import llama_cpp as lc
 
-    def refuse(self, n, at, interruptible=False):
+    def refuse(self, n, at, interruptible=False, room=0):
         raise lc.LlamaCppError("llama_decode failed (1)")
 
     session.cache.extend(PROMPT)  # the prompt's KV, before decoding starts failing
@@ -426,10 +430,11 @@ def test_concurrent_generations_with_a_llama_cpp_draft_equal_the_target_alone(gg
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-def test_random_work_of_many_sessions_on_a_small_pool_keeps_every_path_exact(ggufs, seed):
+def test_random_work_of_many_sessions_on_a_small_pool_keeps_every_path_exact(ggufs, seed, padded):
     """Four sessions, lookahead and plain, on a pool with ids for one tree and cells for about two,
     in a random order of builds, idle steps, hits, misses and rewrites of history: every expansion
-    sees exactly its path, and after every operation the ids and cells add up."""
+    sees exactly its path, and after every operation the ids and cells add up. Passes are padded
+    with scratch rows where the pool has the cells."""
     import random
 
     rng = random.Random(seed)
@@ -458,7 +463,7 @@ def test_random_work_of_many_sessions_on_a_small_pool_keeps_every_path_exact(ggu
         assert sum(x.cache.cells for x in sessions) <= pool.ctx.n_ctx
         assert all(x.cache.length <= len(x.committed) for x in sessions)
     assert sum(x.checked for x in sessions) > 40 and max(x.worst for x in sessions) < 1e-3
-    assert pool.evictions > 0
+    assert pool.evictions > 0 and len(padded) > 5
 
 
 def test_sessions_building_at_once_on_a_tiny_pool_keep_every_path_exact(ggufs):

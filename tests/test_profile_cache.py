@@ -119,3 +119,16 @@ def test_a_restarted_node_reads_its_curve_from_the_cache(home, model_dirs):
 def test_profile_sizes_are_dense_where_trees_are_small():
     assert profiling.profile_sizes(64) == [*range(1, 17), 20, 24, 28, 32, 40, 48, 56, 64]
     assert profiling.profile_sizes(65)[-2:] == [64, 65] and profiling.profile_sizes(5) == [1, 2, 3, 4, 5]
+
+
+def test_a_pass_is_padded_only_to_a_measured_size_clearly_cheaper():
+    """A CPU llama.cpp curve (15 rows dearer than 16): passes of 10-15 rows run as 16; a size whose
+    cheaper neighbour saves under PAD_MARGIN, or past the dip, runs as it is."""
+    curve = [(1, 0.04), (2, 0.08), (4, 0.13), (8, 0.26), (15, 0.35), (16, 0.26), (20, 0.37), (24, 0.36)]
+    table = profiling.padded_rows(curve)
+    assert table.size == 25
+    assert {n: int(table[n]) for n in range(1, 25) if table[n] != n} == {10: 16, 11: 16, 12: 16, 13: 16, 14: 16, 15: 16}
+    assert profiling.padded_curve(curve, table) == [(1, 0.04), (2, 0.08), (4, 0.13), (8, 0.26), (15, 0.26), (16, 0.26),
+                                                    (20, 0.37), (24, 0.36)]  # fmt: skip
+    smooth = [(1, 0.05), (8, 0.09), (16, 0.17), (32, 0.33)]
+    assert profiling.padded_rows(smooth).tolist() == list(range(33))

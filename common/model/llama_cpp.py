@@ -38,6 +38,7 @@ from typing import Any
 import numpy as np
 
 from common.model.loaded import ForwardInterrupted
+from common.model.profiling import padded_curve, padded_rows
 from common.ops import hugepages
 
 MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
@@ -195,6 +196,14 @@ class LlamaCppModel:
         self.device = "cuda" if n_gpu_layers else "cpu"  # where its passes run, as a node reports it
         self._spare: LlamaContext | None = None  # the last context of one session's own, closed
         self._spare_lock = threading.Lock()
+        self.pad_rows: np.ndarray | None = None  # [n + 1]: rows to run a pass of n as (`pad_passes`)
+
+    def pad_passes(self, curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        """Run each pass at the size its forward-time curve puts cheapest at or above it
+        (`padded_rows`); returns the curve as padded passes cost. A pass with no room for the
+        scratch rows (KV cells, a free sequence id, its batch) runs unpadded."""
+        self.pad_rows = padded_rows(curve)
+        return padded_curve(curve, self.pad_rows)
 
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A context of one session's own."""
@@ -249,6 +258,7 @@ class LlamaCppModel:
         Its context is closed, not kept for a session: no session asks for its shape, and the last
         size's compute buffer and logits (256 rows) held 0.3 GiB of the 1.5B target node for good."""
         whole = self.context(prefix + n + 1, max_rows=n + 1)
+        whole.padding = False
         ctx = whole.lane(prefix + n + 1, n)
         try:
             rng = np.random.default_rng(n)
@@ -327,7 +337,8 @@ class LlamaContext:
         if _ABORT_CHECK is not None:
             self._check = lib.ggml_abort_callback(ctypes.cast(_ABORT_CHECK, ctypes.c_void_p).value)
             lib.llama_set_abort_callback(self._ctx, self._check, ctypes.cast(self._stop, ctypes.c_void_p))
-        self.n_ctx, self.n_batch, self.lanes = n_ctx, params.n_batch, lanes
+        self.n_ctx, self.n_batch, self.n_ubatch, self.lanes = n_ctx, params.n_batch, params.n_ubatch, lanes
+        self.padding = True  # passes run at their model's `pad_rows` (not while profiling)
         self.shape = (n_ctx, lanes, max_rows, ubatch)
         self.lock = threading.RLock()  # a session closing on another thread must not touch cells mid-pass
         self._clock = 0  # a lane's last use, for choosing whose KV to drop when the pool is full
@@ -384,10 +395,11 @@ class LlamaContext:
                 self.lib.llama_memory_seq_rm(self._mem, seq, -1, -1)
                 self._free.append(seq)
 
-    def make_room(self, need: int, members: list[TreeContext]) -> None:
+    def make_room(self, need: int, members: list[TreeContext]) -> int:
         """Free cells for `need` more, taking the KV of the least recently used lanes besides
         `members` (a pass's): such a lane's committed tokens run again, as a pending chain, at its
-        next step. As vLLM preempts by recomputation; llama-server would fail the request."""
+        next step. As vLLM preempts by recomputation; llama-server would fail the request. Returns
+        the cells then free."""
         with self.lock:
             self._clock += 1
             for lane in members:
@@ -406,6 +418,7 @@ class LlamaContext:
             if free < need:
                 raise LlamaCppError(f"the KV cache's {self.n_ctx} tokens cannot hold this pass's {need} new ones "
                                     f"beside its sessions' {self.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
+            return free
 
     def chain(self, tokens: list[int], seq: int, at: int, *, last_logits: bool = False) -> np.ndarray | None:
         """Run `tokens` as a causal chain onto sequence `seq` from position `at`, in batch-size
@@ -441,17 +454,40 @@ class LlamaContext:
             else:
                 self._pending = True
 
-    def _decode(self, n: int, at: int, interruptible: bool = False) -> None:
+    def _scratch(self, n: int, room: int) -> tuple[int, int, int]:
+        """Scratch rows to pad a pass of `n` rows with (`LlamaCppModel.pad_passes`), given `room` free
+        KV cells beyond its own: (rows, sequence id, first position). A free leaf id holds them, at
+        positions after any cells it has, and they are removed after the pass."""
+        table = self.model.pad_rows
+        if not self.padding or table is None or n >= table.size or not self._leaf_free:
+            return 0, -1, 0
+        pad = int(table[n]) - n
+        if pad <= 0 or pad > room or n + pad > min(self.n_batch, self.n_ubatch):
+            return 0, -1, 0
+        seq = self._leaf_free[0]
+        start = int(self.lib.llama_memory_seq_pos_max(self._mem, seq)) + 1
+        self._token[n : n + pad] = 0
+        self._pos[n : n + pad] = np.arange(start, start + pad)
+        self._seq[n : n + pad, 0] = seq
+        self._n_seq[n : n + pad] = 1
+        self._logits[n : n + pad] = 0
+        return pad, seq, start
+
+    def _decode(self, n: int, at: int, interruptible: bool = False, room: int = 0) -> None:
+        """Run the batch's first `n` rows; with `room` free KV cells to spare, padded to a cheaper size."""
         with self._gate:  # a stale interrupt is for the pass it missed, never for a later request's
             self._interruptible = interruptible
             self._stop[0] = int(interruptible and self._pending)
             self._pending = False
-        self._batch.n_tokens = n
+        pad, scratch, start = self._scratch(n, room)
+        self._batch.n_tokens = n + pad
         try:
             rc = self.lib.llama_decode(self._ctx, self._batch)
         finally:
             with self._gate:
                 self._interruptible = False
+            if pad:
+                self.lib.llama_memory_seq_rm(self._mem, scratch, start, -1)
         if rc == 2:
             self._stop[0] = 0
             raise Aborted(f"a pass of {n} tokens at position {at} was interrupted")
@@ -591,7 +627,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
                 f"a pass of {rows} tokens and {leaf_count} leaves is over this context's "
                 f"{ctx.n_batch} tokens and {len(ctx._leaf_free)} free leaf ids"
             )
-        ctx.make_room(rows, [lane for lane, *_ in trees])
+        room = ctx.make_room(rows, [lane for lane, *_ in trees]) - rows
         for lane, tokens, anc, leaves, chain, at in layouts:
             n, k, take = tokens.size, len(chain), len(ctx._leaf_free) - leaves.size
             ids = np.array(ctx._leaf_free[take:], dtype=np.int32)
@@ -615,7 +651,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
             ctx._logits[at : at + n] = 1
             lane._leaves, lane._first = ids, ctx._seq[at : at + n, 0].copy()
         try:
-            ctx._decode(rows, trees[0][0].length)
+            ctx._decode(rows, trees[0][0].length, room=room)
         except LlamaCppError:
             for lane, *_ in trees:
                 lane.drop_tree()

@@ -161,7 +161,7 @@ class SearchPool:
         del free[len(free) - k :]
         return ids
 
-    def make_room(self, need: int, members: list[SearchContext]) -> None:
+    def make_room(self, need: int, members: list[SearchContext]) -> int:
         """Free KV cells for `need` more, taking the whole KV of the least recently used searches
         outside the pass: first those between builds, then those mid-build (a build's cells outlive
         its passes, so builds at once could otherwise hold the pool between them). Their committed
@@ -178,6 +178,7 @@ class SearchPool:
         if free < need:
             raise LlamaCppError(f"the draft's KV cache of {self.ctx.n_ctx} tokens cannot hold {need} new ones "
                                 f"beside its sessions' {self.ctx.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
+        return free
 
     def _lru(self, members: list[SearchContext], which: Callable[[SearchContext], bool]) -> list[SearchContext]:
         """The searches besides `members` that `which` picks, least recently used first."""
@@ -360,7 +361,7 @@ def run_batch(works: list[Work]) -> list[Tensor | NoSpareIds]:
             elif w.search.length + w.search.nodes + w.rows > w.search.n_ctx:
                 raise ValueError(f"{w.rows} nodes do not fit this search's context of {w.search.n_ctx} tokens")
         members = [w.search for w in works]
-        pool.make_room(rows, members)
+        room = pool.make_room(rows, members) - rows
         laid: list[Expansion] = []
         refused: dict[int, NoSpareIds] = {}
         at = 0
@@ -371,7 +372,7 @@ def run_batch(works: list[Work]) -> list[Tensor | NoSpareIds]:
                 except NoSpareIds as exc:  # raised before the work touched the batch or the cache
                     refused[i] = exc
             if at:
-                c._decode(at, int(c._pos[:at].min()), len(works) == 1 and works[0].idle)
+                c._decode(at, int(c._pos[:at].min()), len(works) == 1 and works[0].idle, room)
         except BaseException:
             for e in laid:
                 e.search._release(e.slots)

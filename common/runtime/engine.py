@@ -102,8 +102,15 @@ class NodeEngine(Generic[S]):
                 progress=progress,
                 reprofile=reprofile,
             )
-            self.forward_curve = tuple(curve)
+            self.use_curve(curve)
         return cached
+
+    def use_curve(self, curve: list[tuple[int, float]]) -> None:
+        """Take `curve` as this node's passes cost. A llama.cpp model runs each pass at the size the
+        curve puts cheapest at or above it (`LlamaCppModel.pad_passes`), so the planner is told what
+        padded passes cost."""
+        pad = getattr(self.loaded.model, "pad_passes", None)
+        self.forward_curve = tuple(pad(list(curve)) if pad is not None else curve)
 
     def check_prompt(self, prompt: list[int]) -> None:
         if len(prompt) > self.max_context:  # before scanning every id of a prompt that cannot fit
