@@ -646,7 +646,7 @@ def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], in
     return got
 
 
-def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cost(ggufs, loaded):
+def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cost(ggufs, loaded, monkeypatch):
     from target_node.engine import TargetEngine
 
     curve = [(1, 0.04), (8, 0.26), (15, 0.35), (16, 0.26)]
@@ -654,6 +654,9 @@ def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cos
     engine.use_curve(curve)
     assert engine.forward_curve == ((1, 0.04), (8, 0.26), (15, 0.26), (16, 0.26))
     assert engine.loaded.model.pad_rows[15] == 16 and engine.loaded.model.pad_rows[8] == 8
+    monkeypatch.setenv("SPECEXEC_PAD_PASSES", "0")
+    engine.use_curve(curve)
+    assert engine.forward_curve == tuple(curve) and engine.loaded.model.pad_rows is None
     ours = TargetEngine(loaded["target"], max_tree=8)  # our transformer's passes are never padded
     ours.use_curve(curve)
     assert ours.forward_curve == tuple(curve)

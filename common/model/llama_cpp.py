@@ -45,6 +45,7 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
+PAD_SWITCH = "SPECEXEC_PAD_PASSES"  # "0": passes run at their own size (LlamaCppModel.pad_passes)
 DEFAULT_KV_SESSIONS = 2  # a node's shared KV pool, in sessions' worth of cells, unless --kv-cache-tokens
 
 log = logging.getLogger(__name__)
@@ -201,7 +202,11 @@ class LlamaCppModel:
     def pad_passes(self, curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
         """Run each pass at the size its forward-time curve puts cheapest at or above it
         (`padded_rows`); returns the curve as padded passes cost. A pass with no room for the
-        scratch rows (KV cells, a free sequence id, its batch) runs unpadded."""
+        scratch rows (KV cells, a free sequence id, its batch) runs unpadded. `SPECEXEC_PAD_PASSES=0`:
+        never padded."""
+        if os.environ.get(PAD_SWITCH) == "0":
+            self.pad_rows = None
+            return curve
         self.pad_rows = padded_rows(curve)
         return padded_curve(curve, self.pad_rows)
 
