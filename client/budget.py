@@ -226,7 +226,7 @@ class BudgetPlanner:
         if not all(isinstance(x, float | int) and math.isfinite(x) and x > 0 for x in scales):
             raise ValueError(f"scales must be positive numbers, got {scales}")
         regimes = {}
-        names = {(r if c == 1 else f"{r}@{c}"): c for r in (GREEDY, SAMPLED) for c in LOAD_CLASSES}
+        names = {_key(r, c): c for r in (GREEDY, SAMPLED) for c in LOAD_CLASSES}
         for name, values in dict(state["regimes"]).items():
             if name not in names or set(values) != {f.name for f in fields(RegimeStats)}:
                 raise ValueError(f"regime {name!r} is not one this planner keeps")
@@ -246,11 +246,16 @@ class BudgetPlanner:
     def _stats(self, regime: str) -> RegimeStats:
         """The regime's means at the present load class. A regime starts at the target alone's rate
         there: a pessimistic rate grows large first trees, which teach the calibration most, until its
-        first few steps replace it."""
-        key = regime if self.load == 1 else f"{regime}@{self.load}"
+        first few steps replace it. It takes the verdict of the heaviest lighter class that has one:
+        trees that did not pay with fewer sessions a pass seldom pay with more (each costs the others
+        too, and the draft serves more), so a burst's requests skip their trial, and the class's
+        exploring drafts judge it afresh."""
+        key = _key(regime, self.load)
         if key not in self._regimes:
             seconds = interpolate(self.target_curve, self.load)
-            self._regimes[key] = RegimeStats(tokens=1.0, seconds=seconds, load=self.load)
+            lighter = [self._regimes.get(_key(regime, c)) for c in LOAD_CLASSES if c < self.load]
+            declined = next((s.declined for s in reversed(lighter) if s is not None), 0)
+            self._regimes[key] = RegimeStats(tokens=1.0, seconds=seconds, load=self.load, declined=declined)
         return self._regimes[key]
 
     def thresholds(self, regime: str = GREEDY, request: RegimeStats | None = None) -> Thresholds:
@@ -455,6 +460,10 @@ class BudgetPlanner:
                 self.draft_scale *= _ema_ratio(draft_seconds, self.draft_scale * modelled)
             modelled = interpolate(self.target_curve, pass_tokens or n + 1)
             self.target_scale *= _ema_ratio(target_seconds, self.target_scale * modelled)
+
+
+def _key(regime: str, load: int) -> str:
+    return regime if load == 1 else f"{regime}@{load}"
 
 
 def _both(shared: RegimeStats, own: RegimeStats) -> tuple[RegimeStats, ...]:

@@ -641,6 +641,25 @@ def test_a_request_whose_load_changes_class_takes_up_that_classs_means():
     assert plan.draft_pays(request=request) and request.load == 1  # a trial again, on its own means
 
 
+def test_a_fresh_load_class_keeps_a_lighter_ones_verdict_against_trees():
+    """Where trees did not pay for sessions alone, the first burst's requests skip their trial as
+    single requests did; where they paid, a burst tries them on its own."""
+    for paid, trial in ((False, False), (True, True)):
+        plan = BudgetPlanner(CPU, DRAFT, base=BASE)
+        tree = chain_tree(8, 0.8)
+        for _ in range(TRIALS_DECLINED):
+            request = plan.start()
+            for _ in range(PRIOR_STEPS + 2):
+                plan.draft_pays(request=request)
+                plan.observe(DraftedTree(tree, 7), [1, 2, 3, 4, 5, 6] if paid else [1], 8 * DRAFT[0][1], 0.2,
+                             request=request)  # fmt: skip
+        assert (plan.stats().declined >= TRIALS_DECLINED) is not paid
+        for _ in range(8):
+            plan.observe_sharing(8)
+        burst = plan.start()
+        assert burst.load == 8 and burst.steps == 0 and burst.trial is trial
+
+
 def test_the_load_class_holds_at_a_border():
     plan = BudgetPlanner(CPU, DRAFT, base=BASE)
     for _ in range(12):
