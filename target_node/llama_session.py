@@ -59,39 +59,41 @@ class LlamaTargetSession(TargetSession):
 
     @staticmethod
     def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int] | None]:
-        """Sessions on one shared context: their trees in one `llama_decode`, each session's pending
-        chain (a prompt, the tokens accepted last step) ahead of its tree in the same pass as far as
-        the batch has room, the rest in passes of its own first; returns each tree's draw (None for
-        a ticket's `chunk`, run first, in passes of its own)."""
-        sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
-        # Room for the whole pass first: a chain run ahead of it must not take a neighbour's cells.
-        sessions[0].ctx.ctx.make_room(
-            sum(s._cells_needed(t) - s.ctx.length for s, (_, t) in zip(sessions, steps, strict=True)),
-            [s.ctx for s in sessions],
-        )
-        for session, (_, ticket) in zip(sessions, steps, strict=True):
-            if ticket.chunk:
-                start = session.ctx.length
-                session.ctx.extend(session.committed[start : min(start + ticket.chunk, len(session.committed) - 1)])
-        trees = [(s, t) for s, t in steps if not t.chunk]
-        draws = iter(LlamaTargetSession._run_trees(trees) if trees else [])
-        return [None if t.chunk else next(draws) for _, t in steps]
-
-    @staticmethod
-    def _run_trees(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int]]:
+        """Sessions on one shared context: their trees and chunks in one `llama_decode`. Each
+        session's pending chain (a prompt, the tokens accepted last step) rides ahead of its tree,
+        and a ticket's `chunk` of a long prompt rides alone, as far as the batch has room after the
+        trees; what does not fit runs first in passes of its own. Returns each tree's draw (None for
+        a chunk). On a GPU a pass costs about the same for its chunk's rows: a chunk in a pass of
+        its own doubled the passes the other sessions waited for."""
         sessions: list[LlamaTargetSession] = [s for s, _ in steps]  # type: ignore[misc]
         ctx = sessions[0].ctx.ctx
-        room = ctx.n_batch - sum(t.tree.size for _, t in steps)
-        chains = []
-        for session in sessions:
-            pending = session.committed[session.ctx.length : -1]
+        # Room for the whole pass first: a chain run ahead of it must not take a neighbour's cells.
+        ctx.make_room(sum(s._cells_needed(t) - s.ctx.length for s, (_, t) in zip(sessions, steps, strict=True)),
+                      [s.ctx for s in sessions])  # fmt: skip
+        room = ctx.n_batch - sum(t.tree.size for _, t in steps if not t.chunk)
+        chains: list[list[int]] = [[] for _ in steps]
+        for i in sorted(range(len(steps)), key=lambda i: bool(steps[i][1].chunk)):  # trees' chains first
+            session, ticket = sessions[i], steps[i][1]
+            start, end = session.ctx.length, len(session.committed) - 1  # the root rides in the tree
+            pending = session.committed[start : min(start + ticket.chunk, end) if ticket.chunk else end]
             carried = max(min(len(pending), room), 0)
             session.ctx.extend(pending[: len(pending) - carried])
-            chains.append(pending[len(pending) - carried :])
-            room -= carried
-        trees = [(s.ctx, t.tree.tokens, t.tree.parents, t.structure.ancestors)
-                 for s, (_, t) in zip(sessions, steps, strict=True)]  # fmt: skip
-        return run_trees(trees, chains, read=lambda i, rows: sessions[i]._walk(steps[i][1], rows))
+            chains[i], room = pending[len(pending) - carried :], room - carried
+        empty = np.zeros(0, dtype=np.int64)
+        trees, passing = [], []
+        for i, (session, (_, ticket)) in enumerate(zip(sessions, steps, strict=True)):
+            if ticket.chunk and not chains[i]:
+                continue  # its chunk ran in passes of its own
+            tree = (empty, empty, None) if ticket.chunk else (ticket.tree.tokens, ticket.tree.parents,
+                                                              ticket.structure.ancestors)  # fmt: skip
+            trees.append((session.ctx, *tree))
+            passing.append(i)
+        draws: list[Callable[[int], int] | None] = [None] * len(steps)
+        if trees:
+            walk = lambda j, rows: sessions[passing[j]]._walk(steps[passing[j]][1], rows)  # noqa: E731
+            for i, draw in zip(passing, run_trees(trees, [chains[i] for i in passing], read=walk), strict=True):
+                draws[i] = draw
+        return draws
 
     def _walk(self, ticket: TreeTicket, logits: np.ndarray) -> Callable[[int], int]:
         """The acceptance walk's draws, made while the pass's logits [n, vocab] are llama.cpp's own

@@ -546,10 +546,11 @@ def test_a_long_prompt_in_chunks_beside_another_session_equals_it_alone(ggufs, s
 
 
 def test_a_failed_shared_pass_after_its_chunks_ran_keeps_the_prompt_exact(ggufs, monkeypatch):
-    """llama.cpp runs a pass's chunks before its trees: when the trees' decode then fails, each step
-    is laid out again and runs alone, and the chunk never runs past the prompt's last token."""
+    """A prompt's chunks ride in passes beside another session's trees; when the pass with its tree
+    then fails, each step is laid out again and runs alone, and no chunk runs past the prompt's
+    last token."""
+    import target_node.llama_session as backend
     from target_node.engine import VerifyJob
-    from target_node.llama_session import LlamaTargetSession
     from tests.test_batching import random_tree
 
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
@@ -562,15 +563,16 @@ def test_a_failed_shared_pass_after_its_chunks_ran_keeps_the_prompt_exact(ggufs,
     engine = llama_engine(loaded, prefill_chunk=8)
     long_sid, short_sid = engine.open_session(long), engine.open_session([9, 8, 7])
     session, other = engine.sessions.get(long_sid), engine.sessions.get(short_sid)
-    real, failed = LlamaTargetSession._run_trees, []
+    real, failed, shared = backend.run_trees, [], []
 
-    def fails_once(steps):
-        if session.ctx.length == 40 and not failed:  # the last chunk ran, ahead of the other's tree
+    def fails_once(trees, pending=None, read=None):
+        shared.append(len(trees))
+        if session.ctx.length == 40 and len(trees) > 1 and not failed:  # the last chunk ran beside the other's tree
             failed.append(1)
-            raise RuntimeError("llama_decode failed (injected)")
-        return real(steps)
+            raise LlamaCppError("llama_decode failed (injected)")
+        return real(trees, pending, read)
 
-    monkeypatch.setattr(LlamaTargetSession, "_run_trees", staticmethod(fails_once))
+    monkeypatch.setattr(backend, "run_trees", fails_once)
     job, beside = VerifyJob(long_sid, session, tree, greedy, 4, [], None, None), None
     with engine._lock:
         while not job.done:
@@ -579,6 +581,7 @@ def test_a_failed_shared_pass_after_its_chunks_ran_keeps_the_prompt_exact(ggufs,
                 beside = VerifyJob(short_sid, other, tree_b, greedy, 4, [], None, None)
             engine._run_pass([job, beside])
     assert failed and job.error is None and job.result.tokens == expected.tokens
+    assert shared.count(2) >= 5  # the five chunks each shared a pass
 
 
 def test_a_regenerate_cancelled_between_chunks_keeps_only_its_own_kv(ggufs):

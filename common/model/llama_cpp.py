@@ -598,7 +598,9 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
     committed cells, so every node sees its own prefix and ancestors and nothing of the other trees
     or lanes. `pending[i]`: committed tokens of lane i without KV yet
     (the root excluded), run in the same pass ahead of its tree: they carry the lane's id and all
-    its leaves', so the tree sees them and they join the committed cells, with no pass of their own."""
+    its leaves', so the tree sees them and they join the committed cells, with no pass of their own.
+    A lane may bring a chain and no tree (a long prompt's chunk, whose tree comes in a later pass):
+    its result is None."""
     ctx = trees[0][0].ctx
     if any(lane.ctx is not ctx for lane, *_ in trees):
         raise ValueError("trees in one pass must share a llama.cpp context")
@@ -610,15 +612,17 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
         if lane.seq < 0:
             raise ValueError("this session's llama.cpp context is closed")
         n, k = tokens.size, len(chain)
+        if n + k == 0:
+            raise ValueError("a lane in a pass brings neither a tree nor a chain")
         if n > lane.max_nodes:
             raise ValueError(f"tree has {n} nodes, over this context's limit of {lane.max_nodes}")
         if lane.length + k + n > lane.n_ctx:
             raise ValueError(f"sequence would exceed the context of {lane.n_ctx} tokens")
-        if ancestors is None:
+        if ancestors is None and n:
             from common.decoding.tree import TreeStructure
 
             ancestors = TreeStructure.from_parents(parents).ancestors
-        anc = np.asarray(ancestors)
+        anc = np.asarray(ancestors) if n else np.zeros((0, 0), dtype=bool)
         leaves = tree_leaves(parents)
         if leaves.size > lane.leaves_max:
             raise ValueError(f"tree has {leaves.size} leaves, over llama.cpp's limit of {lane.leaves_max}")
@@ -667,8 +671,8 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
         logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(outputs, ctx.vocab))
         parts = np.split(logits, np.cumsum([len(t) for _, t, *_ in layouts])[:-1])  # views, [n_i, vocab]
         if read is not None:
-            return [read(i, part) for i, part in enumerate(parts)]
-        return [part.copy() for part in parts]
+            return [read(i, part) if len(part) else None for i, part in enumerate(parts)]
+        return [part.copy() if len(part) else None for part in parts]
 
 
 BACKENDS = ("auto", "torch", "llama.cpp")
