@@ -246,16 +246,18 @@ class BudgetPlanner:
     def _stats(self, regime: str) -> RegimeStats:
         """The regime's means at the present load class. A regime starts at the target alone's rate
         there: a pessimistic rate grows large first trees, which teach the calibration most, until its
-        first few steps replace it. It takes the verdict of the heaviest lighter class that has one:
-        trees that did not pay with fewer sessions a pass seldom pay with more (each costs the others
-        too, and the draft serves more), so a burst's requests skip their trial, and the class's
-        exploring drafts judge it afresh."""
+        first few steps replace it. It takes the lighter classes' verdict against trees: trees that
+        did not pay with fewer sessions a pass seldom pay with more (each costs the others too, and
+        the draft serves more), so a burst's requests skip their trial, and the class's exploring
+        drafts judge it afresh."""
         key = _key(regime, self.load)
         if key not in self._regimes:
             seconds = interpolate(self.target_curve, self.load)
             lighter = [self._regimes.get(_key(regime, c)) for c in LOAD_CLASSES if c < self.load]
-            declined = next((s.declined for s in reversed(lighter) if s is not None), 0)
-            self._regimes[key] = RegimeStats(tokens=1.0, seconds=seconds, load=self.load, declined=declined)
+            declined = max((s.declined for s in lighter if s is not None), default=0)
+            explore = 2 * EXPLORE_EVERY if declined >= self.trials_declined else EXPLORE_EVERY
+            self._regimes[key] = RegimeStats(tokens=1.0, seconds=seconds, load=self.load, declined=declined,
+                                             explore=explore)  # fmt: skip
         return self._regimes[key]
 
     def thresholds(self, regime: str = GREEDY, request: RegimeStats | None = None) -> Thresholds:

@@ -247,8 +247,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         """One pass for the group's trees, each walked right after; if the shared pass fails, each
         tree runs (and is walked) alone, so a failure stays with the tree that caused it. A tree is
         walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree.
-        Each is laid out again first: the failed pass may have run chunks (llama.cpp runs them
-        before its trees)."""
+        Each is laid out again first: the failed pass may have run chunks (llama.cpp runs a chain
+        that does not fit the pass before it)."""
         draws: list[Callable[[int], int] | None] | None = None
         if len(group) > 1:
             try:

@@ -36,19 +36,27 @@ def loaded(model_dirs: dict[str, Path]) -> dict[str, LoadedModel]:
     return {name: load_model(path) for name, path in model_dirs.items()}
 
 
+class Pads(list):
+    """The scratch rows of each padded pass; `on` False: passes run as they are."""
+
+    on = True
+
+
 @pytest.fixture
-def padded(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+def padded(monkeypatch: pytest.MonkeyPatch) -> Pads:
     """Every llama.cpp pass padded with scratch rows to a multiple of 8 where it has room, whatever
-    its model's curve says; returns the scratch rows of each padded pass."""
+    its model's curve says."""
     import numpy as np
 
     from common.model.llama_cpp import LlamaContext
 
-    made: list[int] = []
+    made = Pads()
     real = LlamaContext._scratch
     table = -(-np.arange(1024) // 8) * 8
 
     def scratch(self: LlamaContext, n: int, room: int) -> tuple[int, int, int]:
+        if not made.on:
+            return 0, -1, 0
         saved, self.model.pad_rows = self.model.pad_rows, table
         try:
             out = real(self, n, room)

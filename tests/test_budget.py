@@ -658,6 +658,7 @@ def test_a_fresh_load_class_keeps_a_lighter_ones_verdict_against_trees():
             plan.observe_sharing(8)
         burst = plan.start()
         assert burst.load == 8 and burst.steps == 0 and burst.trial is trial
+        assert plan.stats().explore == (EXPLORE_EVERY if paid else 2 * EXPLORE_EVERY)
 
 
 def test_the_load_class_holds_at_a_border():

@@ -135,6 +135,51 @@ def test_a_padded_pass_gives_the_same_logits_and_keeps_no_scratch_cells(ggufs, p
     assert tight.ctx._batch.n_tokens == 5 and len(padded) == made
 
 
+class NoSlotForScratch:
+    """llama.cpp as it is, but finding no KV slot for a pass of 8 rows."""
+
+    def __init__(self, lib: Any) -> None:
+        self._lib, self.passes = lib, []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._lib, name)
+
+    def llama_decode(self, ctx: Any, batch: Any) -> int:
+        self.passes.append(batch.n_tokens)
+        return 1 if batch.n_tokens == 8 else self._lib.llama_decode(ctx, batch)
+
+
+def test_a_padded_pass_llama_cpp_finds_no_room_for_runs_as_it_is(ggufs, padded):
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    tokens, parents = torch.tensor([10, 20, 21, 30, 31]), torch.tensor([-1, 0, 0, 1, 1])
+    plain = model.new_context(64, 16)
+    plain.ctx.padding = False
+    plain.extend(PROMPT[:6])
+    ctx = model.new_context(64, 16)
+    ctx.ctx.lib = lib = NoSlotForScratch(model.lib)
+    ctx.extend(PROMPT[:6])
+    torch.testing.assert_close(ctx.tree(tokens, parents), plain.tree(tokens, parents), rtol=1e-4, atol=1e-4)
+    assert lib.passes[-2:] == [8, 5] and padded == [3]
+    assert all(model.lib.llama_memory_seq_pos_max(ctx.ctx._mem, seq) == -1 for seq in ctx.ctx._leaf_free)
+
+
+def test_a_tree_whose_walk_fails_gives_back_its_leaf_ids(ggufs):
+    """A walk that raises over the pass's logits leaves no tree held: the step can run again alone."""
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    tokens, parents = torch.tensor([10, 20, 21]), torch.tensor([-1, 0, 0])
+    ctx = model.new_context(64, 16)
+    ctx.extend(PROMPT)
+    free = len(ctx.ctx._leaf_free)
+
+    def broken(i: int, rows: np.ndarray) -> None:
+        raise RuntimeError("walk failed (injected)")
+
+    with pytest.raises(RuntimeError, match="injected"):
+        run_trees([(ctx, tokens, parents, None)], read=broken)
+    assert len(ctx.ctx._leaf_free) == free and ctx.length == len(PROMPT)
+    np.testing.assert_allclose(ctx.tree(tokens, parents)[1], chain_logits(model, PROMPT, [10, 20])[-1], atol=1e-2)
+
+
 def test_pending_tokens_in_the_tree_pass_are_as_if_run_first(ggufs):
     """Committed tokens without KV ride in the tree's own llama_decode (their lane's id and every
     leaf's): the nodes see them, and they become committed cells, as if extended first."""
@@ -630,9 +675,11 @@ def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):
     assert TargetEngine(loaded, max_context=64, max_tree=248, max_sessions=8).shared is not None
 
 
-def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], int]) -> list[Any]:
+def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], int],
+                          between: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
     """`count` sessions' trees verified at once on a shared-context engine must give what each gets
-    on an engine whose sessions have contexts (and passes) of their own; returns the shared results."""
+    on an engine whose sessions have contexts (and passes) of their own; returns the shared results.
+    `between`: called after the sessions alone ran."""
     from tests.test_batching import at_once, prompts, random_tree
 
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
@@ -642,6 +689,8 @@ def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], in
     trees = [random_tree(p[-1], size(i), vocab, gen) for i, p in enumerate(ps)]
     alone = llama_engine(loaded, max_batch_tokens=1)
     expected = [alone.verify(alone.open_session(p), t, sampling, 8) for p, t in zip(ps, trees, strict=True)]
+    if between is not None:
+        between()
     together = llama_engine(loaded, batch_window=2.0)
     sids = [together.open_session(p) for p in ps]
     got = at_once([lambda s=s, t=t: together.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)])
@@ -665,9 +714,14 @@ def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cos
     assert ours.forward_curve == tuple(curve)
 
 
-def test_shared_passes_padded_to_cheaper_sizes_equal_each_alone(ggufs, padded):
-    got = together_equals_alone(ggufs, 4, seed=5, size=lambda i: 2 + 3 * i)
-    assert max(r.pass_sessions for r in got) > 1 and len(padded) >= 2
+def test_shared_passes_padded_to_cheaper_sizes_equal_each_alone_unpadded(ggufs, padded):
+    padded.on = False
+
+    def pad_from_now() -> None:
+        padded.on = True
+
+    got = together_equals_alone(ggufs, 4, seed=5, size=lambda i: 2 + 3 * i, between=pad_from_now)
+    assert max(r.pass_sessions for r in got) > 1 and padded == [6]  # 26 rows in one pass, run as 32
 
 
 def test_a_failed_shared_llama_pass_runs_each_tree_alone(ggufs, monkeypatch):

@@ -480,24 +480,31 @@ class LlamaContext:
 
     def _decode(self, n: int, at: int, interruptible: bool = False, room: int = 0) -> None:
         """Run the batch's first `n` rows; with `room` free KV cells to spare, padded to a cheaper size."""
-        with self._gate:  # a stale interrupt is for the pass it missed, never for a later request's
-            self._interruptible = interruptible
-            self._stop[0] = int(interruptible and self._pending)
-            self._pending = False
         pad, scratch, start = self._scratch(n, room)
-        self._batch.n_tokens = n + pad
-        try:
-            rc = self.lib.llama_decode(self._ctx, self._batch)
-        finally:
-            with self._gate:
-                self._interruptible = False
-            if pad:
-                self.lib.llama_memory_seq_rm(self._mem, scratch, start, -1)
+        rc = self._run(n + pad, interruptible, scratch, start)
+        if rc == 1 and pad:  # no KV slot for the scratch rows after all: the pass as it is
+            rc = self._run(n, interruptible, -1, 0)
         if rc == 2:
             self._stop[0] = 0
             raise Aborted(f"a pass of {n} tokens at position {at} was interrupted")
         if rc != 0:
             raise LlamaCppError(f"llama_decode failed ({rc}) on a batch of {n} tokens at position {at}")
+
+    def _run(self, rows: int, interruptible: bool, scratch: int, start: int) -> int:
+        """One `llama_decode` of the batch's first `rows`; the cells of `scratch` from `start` on are
+        removed after it, whatever it returns."""
+        with self._gate:  # a stale interrupt is for the pass it missed, never for a later request's
+            self._interruptible = interruptible
+            self._stop[0] = int(interruptible and self._pending)
+            self._pending = False
+        self._batch.n_tokens = rows
+        try:
+            return int(self.lib.llama_decode(self._ctx, self._batch))
+        finally:
+            with self._gate:
+                self._interruptible = False
+            if scratch >= 0:
+                self.lib.llama_memory_seq_rm(self._mem, scratch, start, -1)
 
     def close(self) -> None:
         with self.lock:
@@ -661,7 +668,7 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
             lane._leaves, lane._first = ids, ctx._seq[at : at + n, 0].copy()
         try:
             ctx._decode(rows, trees[0][0].length, room=room)
-        except LlamaCppError:
+        except BaseException:
             for lane, *_ in trees:
                 lane.drop_tree()
             raise
@@ -670,9 +677,14 @@ def run_trees(trees: list[TreeInput], pending: list[list[int]] | None = None,
         outputs = sum(len(t) for _, t, *_ in layouts)
         logits = np.ctypeslib.as_array(ctx.lib.llama_get_logits(ctx._ctx), shape=(outputs, ctx.vocab))
         parts = np.split(logits, np.cumsum([len(t) for _, t, *_ in layouts])[:-1])  # views, [n_i, vocab]
-        if read is not None:
-            return [read(i, part) if len(part) else None for i, part in enumerate(parts)]
-        return [part.copy() if len(part) else None for part in parts]
+        try:
+            if read is not None:
+                return [read(i, part) if len(part) else None for i, part in enumerate(parts)]
+            return [part.copy() if len(part) else None for part in parts]
+        except BaseException:  # a tree not walked holds its leaf ids: the trees run again alone
+            for lane, *_ in trees:
+                lane.drop_tree()
+            raise
 
 
 BACKENDS = ("auto", "torch", "llama.cpp")

@@ -117,6 +117,8 @@ def padded_rows(curve: list[tuple[int, float]]) -> np.ndarray:
     a batch's rows in blocks and each leftover row costs about a one-token pass: on one EPYC core the
     1.5B Q4_K_M took 347 ms for 15 rows and 261 ms for 16, so a 15-row pass runs one scratch row more
     (`LlamaContext`). Between measured sizes the cost is the interpolated guess."""
+    if not curve:
+        raise ValueError("empty forward-time curve")
     sizes = np.array([n for n, _ in curve], dtype=np.int64)
     costs = np.array([t for _, t in curve], dtype=np.float64)
     table = np.arange(int(sizes[-1]) + 1, dtype=np.int64)
