@@ -62,6 +62,11 @@ GREEDY, SAMPLED = "greedy", "sampled"
 # class once it is LOAD_HYSTERESIS times away from its own, so it does not flap at a border.
 LOAD_CLASSES = (1, 2, 4, 8)
 LOAD_HYSTERESIS = 1.68
+# Under load (a class above 1) a drafted step must beat the target alone by this much: it costs the
+# others more than its rows in their pass (its session sits out the pass in flight while it drafts,
+# and the draft serves every session), and trees that about broke even for their own requests cost
+# an 8-client burst on the EPYC's bf16 target ~5% of its throughput (docs/planner.md).
+LOAD_MARGIN = 1.25
 
 
 def regime(sampling: SamplingParams) -> str:
@@ -172,6 +177,7 @@ class BudgetPlanner:
     explore_backoff: bool = True  # exploring drafts grow apart while they do not pay; off: the A/B
     trials_declined: int = TRIALS_DECLINED  # a huge number: every request tries trees first (the A/B)
     explore_across: bool = True  # declined requests explore on the regime's count; off: each its own (the A/B)
+    load_margin: float = LOAD_MARGIN  # 1.0: a tree under load need only beat the target alone (the A/B)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()  # one planner serves every request of a gateway
@@ -345,13 +351,14 @@ class BudgetPlanner:
         EXPLORE_DECLINED_MAX: two exploring drafts in each 64-token request, each mostly the
         draft's first pass over its prompt, still cost it about 5% there. Where k sessions share the
         target's passes, each explores k times as rarely: an exploring tree's rows delay every session
-        of its pass, and the pass then carries one about as often as with one session."""
+        of its pass, and the pass then carries one about as often as with one session; and a drafted
+        step must beat the target alone by LOAD_MARGIN."""
         with self._lock:
             shared, s = self._request(regime, request)
             if s.trial and s.steps < PRIOR_STEPS:
                 return True
             alone = s.alone or self.target_scale * interpolate(self.target_curve, self.sharing)
-            pays = s.shared_rate >= 1.0 / alone
+            pays = s.shared_rate >= (self.load_margin if self.load > 1 else 1.0) / alone
             if pays or not s.judged:
                 s.judged = True
                 shared.declined = 0 if pays else shared.declined + 1

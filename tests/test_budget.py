@@ -20,6 +20,7 @@ from client.budget import (
     EXPLORE_MAX,
     FIT_CANDIDATES,
     GREEDY,
+    LOAD_MARGIN,
     PRIOR_STEPS,
     SAMPLED,
     TRIALS_DECLINED,
@@ -571,6 +572,19 @@ def test_a_tree_that_lengthens_the_others_passes_pays_for_their_time(curve, sess
     longer = interpolate(curve, 9 * sessions) - interpolate(curve, 9 * sessions - 8)
     assert plan.stats().rate == pytest.approx(2 / 0.15, rel=1e-3)
     assert plan.stats().imposed == pytest.approx((sessions - 1) * 2 * plan.target_scale * longer, rel=0.01)
+    assert plan.draft_pays() is pays
+
+
+@pytest.mark.parametrize(("sessions", "margin", "pays"), [(1, LOAD_MARGIN, True), (8, LOAD_MARGIN, False), (8, 1.0, True)])
+def test_under_load_a_tree_must_clearly_beat_the_target_alone(sessions, margin, pays):
+    """Drafted steps 1.11x the target alone (2 tokens per 0.18 s against 1 per 0.1 s) on a flat
+    curve, where their rows cost the others nothing: worth it alone, not in passes of eight."""
+    plan = BudgetPlanner(OFFLOADED, DRAFT, base=BASE, load_margin=margin)
+    tree = chain_tree(8, 0.8)
+    for _ in range(200):
+        plan.observe(DraftedTree(tree, 7), [1, 2], 0.05, 0.13, pass_sessions=sessions, pass_tokens=9 * sessions)
+        plan.observe_alone(1, 0.1, pass_sessions=sessions)
+    assert plan.load == sessions and plan.stats().imposed < 1e-3
     assert plan.draft_pays() is pays
 
 
