@@ -159,9 +159,9 @@ def run(config: LlamaBenchConfig) -> dict[str, Any]:
         f"torch ({config.dtype})": forward_curve(torch_loaded.model, CURVE_LIMIT, 0.5),
     }
     llama_t.use_curve([c for c in curves["llama.cpp"] if c[0] <= config.auto_cap + 1])
-    torch_t.forward_curve = tuple(c for c in curves[f"torch ({config.dtype})"] if c[0] <= config.auto_cap + 1)
+    torch_t.use_curve([c for c in curves[f"torch ({config.dtype})"] if c[0] <= config.auto_cap + 1])
     draft_curves = {f"draft, torch ({config.draft_quantize})": forward_curve(draft_loaded.model, DRAFT_CURVE_LIMIT, 1.0)}
-    draft.forward_curve = tuple(c for c in draft_curves[f"draft, torch ({config.draft_quantize})"] if c[0] <= config.auto_cap + 1)
+    draft.use_curve([c for c in draft_curves[f"draft, torch ({config.draft_quantize})"] if c[0] <= config.auto_cap + 1])
     if llama_draft is not None:
         draft_curves["draft, llama.cpp"] = forward_curve(llama_draft.loaded.model, DRAFT_CURVE_LIMIT, 1.0)
         llama_draft.use_curve([c for c in draft_curves["draft, llama.cpp"] if c[0] <= config.auto_cap + 1])
