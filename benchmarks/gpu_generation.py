@@ -39,9 +39,9 @@ PASSES: dict[int, list[int]] = {}  # id(model) -> the sizes of its passes since 
 def record_passes() -> None:
     decode = LlamaContext._decode
 
-    def recorded(self: LlamaContext, n: int, at: int, interruptible: bool = False) -> None:
+    def recorded(self: LlamaContext, n: int, *args: Any, **kwargs: Any) -> None:
         PASSES.setdefault(id(self.model), []).append(n)
-        decode(self, n, at, interruptible)
+        decode(self, n, *args, **kwargs)
 
     LlamaContext._decode = recorded  # type: ignore[method-assign]
 

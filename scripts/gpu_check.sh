@@ -19,7 +19,10 @@
 #      acceptance on them;
 #   5. whole generations in one process at that scale, the 7B-shape target streamed from RAM and the
 #      0.5B-shape draft on the GPU, each step's time against what the curves predict
-#      (benchmarks/gpu_generation.py).
+#      (benchmarks/gpu_generation.py);
+#   6. many sessions on that target, and with half its layers on the GPU (1, 2, 4, 8 threads of one process on the same engines, as the
+#      nodes serve them): passes shared by every session waiting against one session a pass, the
+#      target alone and fixed trees (benchmarks/gpu_load.py).
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
 # On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute.
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
@@ -118,5 +121,11 @@ PY
 step "whole generations, 7B-shape target streamed, 0.5B-shape draft on the GPU" timeout 240 \
     python3 -m benchmarks.gpu_generation --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
     --target-layers 0 --draft-layers 99 --budgets 4 16 64 128 --out "$OUT/generation.json"
+step "many sessions on one streamed 7B-shape target" timeout 300 \
+    python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
+    --target-layers 0 --draft-layers 99 --clients 1 2 4 8 --trees 16 64 --steps 16 --out "$OUT/load.json"
+step "many sessions on a 7B-shape target with 14 of 28 layers on the GPU" timeout 240 \
+    python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
+    --target-layers 14 --draft-layers 99 --clients 1 8 --trees 16 --steps 16 --out "$OUT/load-14.json"
 echo "== [$(($(date +%s) - start)) s] done, $failed failed"
 exit $failed

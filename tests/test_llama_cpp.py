@@ -105,11 +105,12 @@ def test_keep_leaves_the_accepted_path_as_committed_kv(ggufs):
     assert np.allclose(again[0], chain_logits(model, PROMPT, [10, 21])[-1], atol=1e-2)
 
 
-def test_a_padded_pass_gives_the_same_logits_and_keeps_no_scratch_cells(ggufs, padded):
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
+def test_a_padded_pass_gives_the_same_logits_and_keeps_no_scratch_cells(ggufs, padded, n_gpu_layers):
     """Scratch rows that buy a cheaper pass size (`LlamaCppModel.pad_passes`) sit in a sequence of
     their own: the tree's logits are as unpadded, nothing of them stays, and the next step sees only
     the kept path. Without the KV cells to spare a pass runs as it is."""
-    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1)
+    model = LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="f32", threads=1, n_gpu_layers=n_gpu_layers)
     parents = synthetic_parents(5, seed=1)
     tokens = torch.randint(0, 256, (5,), generator=torch.Generator().manual_seed(2))
     ctx = model.new_context(64, 16)
@@ -561,14 +562,15 @@ def replace_root(tree: Any, root: int) -> Any:
     return TokenTree(tokens, tree.parents)
 
 
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
 @pytest.mark.parametrize("setting", SETTINGS)
-def test_a_long_prompt_in_chunks_beside_another_session_equals_it_alone(ggufs, setting):
+def test_a_long_prompt_in_chunks_beside_another_session_equals_it_alone(ggufs, setting, n_gpu_layers):
     """Chunked prefill on a shared context: the long prompt's chunks run while the other session
     verifies its trees, and both get what they get with contexts and passes of their own."""
     from tests.test_batching import at_once, random_tree
     from tests.test_chunked_prefill import chunks
 
-    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    loaded = load_gguf(ggufs["F32"], kv_type="f32", n_gpu_layers=n_gpu_layers)
     sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
     vocab = loaded.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(13)
@@ -676,13 +678,13 @@ def test_trees_too_large_to_share_get_contexts_of_their_own(ggufs):
 
 
 def together_equals_alone(ggufs, count: int, seed: int, size: Callable[[int], int],
-                          between: Callable[[], None] | None = None) -> list[Any]:  # fmt: skip
+                          between: Callable[[], None] | None = None, n_gpu_layers: int = 0) -> list[Any]:  # fmt: skip
     """`count` sessions' trees verified at once on a shared-context engine must give what each gets
     on an engine whose sessions have contexts (and passes) of their own; returns the shared results.
     `between`: called after the sessions alone ran."""
     from tests.test_batching import at_once, prompts, random_tree
 
-    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    loaded = load_gguf(ggufs["F32"], kv_type="f32", n_gpu_layers=n_gpu_layers)
     sampling, vocab = SamplingParams(max_new_tokens=8), loaded.model.cfg.vocab_size
     ps = prompts(vocab, count, seed=seed)
     gen = torch.Generator().manual_seed(seed)
@@ -714,13 +716,15 @@ def test_a_llama_cpp_node_pads_to_its_curves_cheap_sizes_and_publishes_their_cos
     assert ours.forward_curve == tuple(curve)
 
 
-def test_shared_passes_padded_to_cheaper_sizes_equal_each_alone_unpadded(ggufs, padded):
+@pytest.mark.parametrize("n_gpu_layers", LAYERS)
+def test_shared_passes_padded_to_cheaper_sizes_equal_each_alone_unpadded(ggufs, padded, n_gpu_layers):
     padded.on = False
 
     def pad_from_now() -> None:
         padded.on = True
 
-    got = together_equals_alone(ggufs, 4, seed=5, size=lambda i: 2 + 3 * i, between=pad_from_now)
+    got = together_equals_alone(ggufs, 4, seed=5, size=lambda i: 2 + 3 * i, between=pad_from_now,
+                                n_gpu_layers=n_gpu_layers)  # fmt: skip
     assert max(r.pass_sessions for r in got) > 1 and padded == [6]  # 26 rows in one pass, run as 32
 
 
@@ -875,3 +879,27 @@ def test_a_random_gguf_of_a_real_shape_runs_with_finite_logits(tmp_path, hidden)
     finally:
         model.close()
     assert logits.shape == (3, 1024) and bool(np.isfinite(logits).all())
+
+
+def test_the_gpu_machines_generation_and_load_scripts_run_on_a_tiny_random_gguf(tmp_path):
+    """benchmarks/gpu_generation.py and gpu_load.py run only where a GPU is lent, minutes a session:
+    here they run through, on a CPU, so that a change in what they call shows before that."""
+    import json
+
+    from benchmarks.bench_offload import SHAPES, random_gguf
+
+    model = random_gguf(SHAPES["tiny"], tmp_path / "random.gguf")
+    common = ["--target", str(model), "--draft", str(model), "--draft-layers", "0"]
+    scripts = {"gpu_generation": ["--budgets", "4", "--tokens", "4"],
+               "gpu_load": ["--clients", "1", "2", "--trees", "4", "--steps", "2"]}  # fmt: skip
+    for name, args in scripts.items():
+        out = tmp_path / f"{name}.json"
+        run = subprocess.run([sys.executable, "-m", f"benchmarks.{name}", *common, *args, "--out", str(out)],
+                             capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+        assert run.returncode == 0, run.stderr[-2000:]
+        assert json.loads(out.read_text())
+    runs = json.loads((tmp_path / "gpu_load.json").read_text())
+    assert {(r["contestant"], r["tree"], r["clients"]) for r in runs} == {
+        ("batched", 0, 1), ("batched", 0, 2), ("batched", 4, 1), ("batched", 4, 2),
+        ("one session per pass", 0, 2), ("one session per pass", 4, 2)}  # fmt: skip
+    assert all(r["steps"] == 2 * r["clients"] and r["passes"] >= 2 for r in runs)

@@ -1,0 +1,152 @@
+"""Many sessions on one target at a real model's scale: what a shared pass buys where a pass costs
+about the same for 1 row as for 100 (a target streamed from RAM to a GPU, the paper's regime).
+
+`specexec bench --load` measures the real pair through the gateway on a CPU; on a GPU machine no
+checkpoint can be reached, so here the models are random Q4_K GGUFs of real shapes
+(`benchmarks/bench_offload.py --write-gguf`: a pass costs what a real file's does) and the sessions
+are threads of one process, each a `Sequence` on the same `TargetEngine` (and `DraftEngine`), as the
+nodes run them: the engines' batchers put the work of every session waiting into one pass. Two
+contestants, interleaved at every N: "batched" and "one session per pass" (`max_batch_tokens=1`:
+each session's step runs alone, one after another). Random weights tie every logit, so what a tree
+accepts means nothing: the runs are counted in steps (a step of the target alone is one token; a
+drafted step is one target pass for the session, whatever it would accept with real weights).
+
+    python -m benchmarks.bench_offload --shape qwen2.5-7b --write-gguf /tmp/7b.gguf
+    python -m benchmarks.bench_offload --shape qwen2.5-0.5b --write-gguf /tmp/0.5b.gguf
+    python -m benchmarks.gpu_load --target /tmp/7b.gguf --draft /tmp/0.5b.gguf --draft-layers 99
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from benchmarks.gpu_generation import PASSES, loaded, record_passes
+from client.generation import GenerationStats, Sequence
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from common.model.loaded import LoadedModel
+from common.ops.hugepages import reexec_with_huge_pages
+from draft_node.engine import DraftEngine
+from target_node.engine import TargetEngine
+
+CONTESTANTS = {"batched": {}, "one session per pass": {"max_batch_tokens": 1}}
+
+
+def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | None, prompt: list[int],
+            steps: int, start: threading.Barrier, steady: threading.Barrier, out: dict[str, float]) -> None:  # fmt: skip
+    """One client: `steps` greedy steps after the prompt; its first step's and its last's times. The
+    clients wait for each other after their first step, so that the rates are the steady state's."""
+    start.wait()
+    began = time.perf_counter()
+    seq = Sequence(target, draft, prompt)
+    try:
+        done = 0
+        for _ in seq.steps(SamplingParams(max_new_tokens=10**6, ignore_eos=True), tree, GenerationStats()):
+            done += 1
+            if done == 1:
+                out["ttft"] = time.perf_counter() - began
+                steady.wait()
+                out["first"] = time.perf_counter()
+            if done == steps:
+                break
+        out["end"] = time.perf_counter()
+        out["steps"] = done
+    finally:
+        seq.close()
+
+
+def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | None, clients: int,
+           steps: int, prompt_tokens: int) -> dict[str, Any]:  # fmt: skip
+    """`clients` sessions started together; their rates and the target's passes after the first step
+    (the prompts' prefill is in the time to first step)."""
+    prompts = [[(7 * i + 11 * c + 3) % 1000 for i in range(prompt_tokens)] for c in range(clients)]
+    models = [id(target.loaded.model)] + ([id(draft.loaded.model)] if draft is not None else [])
+
+    def forget() -> None:
+        for m in models:
+            PASSES.pop(m, None)
+
+    start, steady = threading.Barrier(clients, action=forget), threading.Barrier(clients, action=forget)
+    outs: list[dict[str, float]] = [{} for _ in range(clients)]
+    threads = [threading.Thread(target=session, args=(target, draft, tree, p, steps, start, steady, o))
+               for p, o in zip(prompts, outs, strict=True)]  # fmt: skip
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if any("end" not in o for o in outs):
+        raise RuntimeError("a session failed (see its traceback above)")
+    passes = PASSES.pop(models[0], [])
+    drafts = PASSES.pop(models[-1], []) if draft is not None else []
+    first, end = min(o["first"] for o in outs), max(o["end"] for o in outs)
+    rates = sorted((o["steps"] - 1) / (o["end"] - o["first"]) for o in outs)
+    ttfts = sorted(o["ttft"] for o in outs)
+    return {"clients": clients, "aggregate": sum(o["steps"] - 1 for o in outs) / (end - first),
+            "rates": rates, "ttft": ttfts, "passes": len(passes), "rows": sum(passes),
+            "steps": sum(o["steps"] - 1 for o in outs), "draft_passes": len(drafts)}  # fmt: skip
+
+
+def engines(models: dict[str, LoadedModel], options: dict[str, Any], cap: int, clients: int,
+            context: int) -> tuple[TargetEngine, DraftEngine]:  # fmt: skip
+    limits = {"max_context": context, "max_sessions": clients, **options}
+    return (TargetEngine(models["target"], max_tree=cap + 1, **limits),
+            DraftEngine(models["draft"], max_tree=cap, **limits))  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", type=Path, required=True)
+    ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--target-layers", type=int, default=0, help="the target's --n-gpu-layers")
+    ap.add_argument("--draft-layers", type=int, default=99, help="the draft's --n-gpu-layers")
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--trees", type=int, nargs="*", default=[16], help="fixed tree budgets to run beside the target alone")
+    ap.add_argument("--steps", type=int, default=24, help="each session's steps after its first")
+    ap.add_argument("--prompt-tokens", type=int, default=64)
+    ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args()
+    record_passes()
+    models = {"target": loaded(args.target, args.target_layers), "draft": loaded(args.draft, args.draft_layers)}
+    cap = max(args.trees, default=1)
+    runs: list[dict[str, Any]] = []
+    for name, options in CONTESTANTS.items():
+        target, draft = engines(models, options, cap, max(args.clients), args.context)
+        for budget in [None, *args.trees]:
+            for clients in args.clients:
+                if name != "batched" and clients == 1:
+                    continue  # one session alone runs the same passes either way
+                tree = TreeParams(budget=budget) if budget else None
+                r = round_(target, draft if budget else None, tree, clients, args.steps + 1, args.prompt_tokens)
+                runs.append({"contestant": name, "tree": budget or 0, **r})
+                print(f"{name}, {'tree of ' + str(budget) if budget else 'target alone'}, {clients} clients: "
+                      f"{r['aggregate']:.1f} steps/s", flush=True)  # fmt: skip
+        target.close()
+        draft.close()
+    print(f"\ntarget {args.target.name} ({args.target_layers} GPU layers), draft {args.draft.name} "
+          f"({args.draft_layers} GPU layers), {args.steps} steps a session after a {args.prompt_tokens}-token prompt")
+    print("| contestant | run | clients | steps/s, all | a client's steps/s: p50 | min | p50 over alone | "
+          "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    alone = {r["tree"]: statistics.median(r["rates"]) for r in runs if r["clients"] == 1}
+    for r in runs:
+        p50 = statistics.median(r["rates"])
+        ttft = r["ttft"]
+        p95 = ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]
+        run = f"tree of {r['tree']}" if r["tree"] else "target alone"
+        print(f"| {r['contestant']} | {run} | {r['clients']} | {r['aggregate']:.2f} | {p50:.2f} | {r['rates'][0]:.2f} "
+              f"| {p50 / alone[r['tree']]:.2f}x | {statistics.median(ttft):.2f} / {p95:.2f} | {r['passes']} "
+              f"| {r['steps'] / max(r['passes'], 1):.2f} | {r['rows'] / max(r['passes'], 1):.1f} | {r['draft_passes']} |")  # fmt: skip
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
+
+
+if __name__ == "__main__":
+    reexec_with_huge_pages()
+    main()
