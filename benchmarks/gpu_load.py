@@ -5,9 +5,12 @@ about the same for 1 row as for 100 (a target streamed from RAM to a GPU, the pa
 checkpoint can be reached, so here the models are random Q4_K GGUFs of real shapes
 (`benchmarks/bench_offload.py --write-gguf`: a pass costs what a real file's does) and the sessions
 are threads of one process, each a `Sequence` on the same `TargetEngine` (and `DraftEngine`), as the
-nodes run them: the engines' batchers put the work of every session waiting into one pass. Two
-contestants, interleaved at every N: "batched" and "one session per pass" (`max_batch_tokens=1`:
-each session's step runs alone, one after another). Random weights tie every logit, so what a tree
+nodes run them: the engines' batchers put the work of every session waiting into one pass, and the
+target's waits for sessions due back where its forward-time curve says that pays
+(common.runtime.batching). Contestants, each with engines of its own: "batched", "batched, waiting
+for none away" (`SPECEXEC_WAIT_DUE=0`: before 27 November) and "one session per pass"
+(`max_batch_tokens=1`: each session's step runs alone, one after another). The target's curve is
+measured at start, or read from an earlier `scripts/gpu_check.sh` run's curves.json. Random weights tie every logit, so what a tree
 accepts means nothing: the runs are counted in steps (a step of the target alone is one token; a
 drafted step is one target pass for the session, whatever it would accept with real weights).
 
@@ -31,11 +34,17 @@ from client.generation import GenerationStats, Sequence
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.model.loaded import LoadedModel
+from common.model.profiling import forward_curve
 from common.ops.hugepages import reexec_with_huge_pages
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 
-CONTESTANTS = {"batched": {}, "one session per pass": {"max_batch_tokens": 1}}
+# name -> the engines' options, and whether the target's passes wait for sessions due back
+CONTESTANTS: dict[str, tuple[dict[str, Any], bool]] = {
+    "batched": ({}, True),
+    "batched, waiting for none away": ({}, False),
+    "one session per pass": ({"max_batch_tokens": 1}, False),
+}
 
 
 def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | None, prompt: list[int],
@@ -92,11 +101,15 @@ def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | N
             "steps": sum(o["steps"] - 1 for o in outs), "draft_passes": len(drafts)}  # fmt: skip
 
 
-def engines(models: dict[str, LoadedModel], options: dict[str, Any], cap: int, clients: int,
-            context: int) -> tuple[TargetEngine, DraftEngine]:  # fmt: skip
+def engines(models: dict[str, LoadedModel], contestant: str, curve: list[tuple[int, float]], cap: int,
+            clients: int, context: int) -> tuple[TargetEngine, DraftEngine]:  # fmt: skip
+    options, waits = CONTESTANTS[contestant]
     limits = {"max_context": context, "max_sessions": clients, **options}
-    return (TargetEngine(models["target"], max_tree=cap + 1, **limits),
-            DraftEngine(models["draft"], max_tree=cap, **limits))  # fmt: skip
+    target = TargetEngine(models["target"], max_tree=cap + 1, **limits)
+    target.use_curve(curve)
+    if not waits:
+        target.batcher.cost = None
+    return target, DraftEngine(models["draft"], max_tree=cap, **limits)
 
 
 def main() -> None:
@@ -110,17 +123,25 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=24, help="each session's steps after its first")
     ap.add_argument("--prompt-tokens", type=int, default=64)
     ap.add_argument("--context", type=int, default=1024)
+    ap.add_argument("--contestants", nargs="+", choices=list(CONTESTANTS), default=list(CONTESTANTS))
+    ap.add_argument("--curves-from", type=Path, help="curves.json of an earlier scripts/gpu_check.sh run")
+    ap.add_argument("--target-curve", help="the target's curve's label in --curves-from")
     ap.add_argument("--out", type=Path)
     args = ap.parse_args()
     record_passes()
     models = {"target": loaded(args.target, args.target_layers), "draft": loaded(args.draft, args.draft_layers)}
     cap = max(args.trees, default=1)
+    if args.curves_from:
+        curve = [tuple(p) for p in json.loads(args.curves_from.read_text())[args.target_curve]["curve"]]
+    else:
+        curve = forward_curve(models["target"].model, cap + 1, 1.0, progress=False)
+    print("target curve: " + ", ".join(f"{n}: {t * 1e3:.1f} ms" for n, t in curve if n & (n - 1) == 0))
     runs: list[dict[str, Any]] = []
-    for name, options in CONTESTANTS.items():
-        target, draft = engines(models, options, cap, max(args.clients), args.context)
+    for name in args.contestants:
+        target, draft = engines(models, name, curve, cap, max(args.clients), args.context)
         for budget in [None, *args.trees]:
             for clients in args.clients:
-                if name != "batched" and clients == 1:
+                if name != args.contestants[0] and clients == 1:
                     continue  # one session alone runs the same passes either way
                 tree = TreeParams(budget=budget) if budget else None
                 r = round_(target, draft if budget else None, tree, clients, args.steps + 1, args.prompt_tokens)

@@ -94,7 +94,7 @@ print('ok', l.llama_get_logits_ith(c, -1)[0])"
 done
 
 step "llama.cpp tests, GPU cases" timeout 300 python3 -m pytest -q -p no:cacheprovider -rs \
-    tests/test_llama_cpp.py tests/test_llama_draft.py -k gpu
+    tests/test_llama_cpp.py tests/test_llama_draft.py -k "gpu ${GPU_TESTS:+and ($GPU_TESTS)}"
 
 for shape in qwen2.5-7b qwen2.5-1.5b qwen2.5-0.5b; do
     step "random Q4_K GGUF, $shape shape" python3 -m benchmarks.bench_offload --shape $shape --write-gguf /tmp/$shape.gguf
@@ -121,11 +121,17 @@ PY
 step "whole generations, 7B-shape target streamed, 0.5B-shape draft on the GPU" timeout 240 \
     python3 -m benchmarks.gpu_generation --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
     --target-layers 0 --draft-layers 99 --budgets 4 16 64 128 --out "$OUT/generation.json"
+# The target's curves as step 4 measured them on an H100 on 26 November. LOAD_CONTESTANTS='A|B': only
+# those of benchmarks/gpu_load.py's contestants (default: all).
+curves=docs/gpu/h100-26nov-evening/curves.json
+IFS='|' read -ra contestants <<<"${LOAD_CONTESTANTS:-}"
 step "many sessions on one streamed 7B-shape target" timeout 300 \
     python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
-    --target-layers 0 --draft-layers 99 --clients 1 2 4 8 --trees 16 64 --steps 16 --out "$OUT/load.json"
+    --target-layers 0 --draft-layers 99 --clients 1 2 4 8 --trees 16 64 --steps 16 --out "$OUT/load.json" \
+    --curves-from $curves --target-curve "target 7b, 0 GPU layers" ${contestants[@]+--contestants "${contestants[@]}"}
 step "many sessions on a 7B-shape target with 14 of 28 layers on the GPU" timeout 240 \
     python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
-    --target-layers 14 --draft-layers 99 --clients 1 8 --trees 16 --steps 16 --out "$OUT/load-14.json"
+    --target-layers 14 --draft-layers 99 --clients 1 8 --trees 16 --steps 16 --out "$OUT/load-14.json" \
+    --curves-from $curves --target-curve "target 7b, 14 GPU layers" ${contestants[@]+--contestants "${contestants[@]}"}
 echo "== [$(($(date +%s) - start)) s] done, $failed failed"
 exit $failed

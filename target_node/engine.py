@@ -4,6 +4,7 @@ at a time, so Verify requests from different sessions share passes (common.runti
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
@@ -13,6 +14,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loaded import LoadedModel
+from common.model.profiling import interpolate
 from common.ops.metrics import observe_preemptions, observe_prefill_chunk, observe_verify_pass
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
@@ -20,6 +22,7 @@ from common.runtime.sessions import StepCancelled, StepTiming, check_step
 from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
+WAIT_DUE_SWITCH = "SPECEXEC_WAIT_DUE"  # "0": a pass waits for no session that is away (the A/B)
 
 
 @dataclass(eq=False)
@@ -136,6 +139,20 @@ class TargetEngine(NodeEngine[TargetSession]):
             raise ValueError(f"--kv-cache-tokens {cells} cannot hold one session's {lane} tokens "
                              f"(--max-context + --max-tree + 1); give it at least {lane}")  # fmt: skip
         return self.loaded.model.shared_context(lanes, lane, self.max_tree, rows, cells)
+
+    def use_curve(self, curve: list[tuple[int, float]]) -> None:
+        """Also prices passes for the batcher, which waits for sessions due back where it pays
+        (common.runtime.batching); `SPECEXEC_WAIT_DUE=0` waits for none."""
+        super().use_curve(curve)
+        table = list(self.forward_curve)
+        waits = os.environ.get(WAIT_DUE_SWITCH, "1") != "0" and bool(table)
+        self.batcher.cost = (lambda rows: interpolate(table, rows)) if waits else None
+
+    def close_session(self, session_id: str, owner: str = "") -> bool:
+        closed = super().close_session(session_id, owner)
+        if closed:
+            self.batcher.forget(session_id)
+        return closed
 
     def open_session(self, prompt: list[int], owner: str = "", session_id: str | None = None) -> str:
         self.check_prompt(prompt)

@@ -247,6 +247,66 @@ def test_the_regroup_wait_is_capped():
     assert passes == [["a"], ["a"]]
 
 
+def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pass():
+    """`_due`: on a flat curve (a GPU-streamed target) a session due back soon joins the pass; on a
+    linear one its rows cost as much in this pass as in their own, so no pass waits; nor for one due
+    back later than the pass it would save, one whose turnaround is unknown, or one overdue."""
+    batcher, _ = recording_batcher()
+    batcher._queue = [job("here", 4)]
+    away = {"soon": (10.0, 4), "late": (10.0, 4), "new": (10.0, 4), "overdue": (9.0, 4)}
+    turnaround = {"soon": 0.002, "late": 0.5, "overdue": 0.1}
+    batcher._away, batcher._turnaround = dict(away), dict(turnaround)
+    assert batcher._due(10.001) == 0.0  # no cost: waits for no one away
+    batcher.cost = lambda rows: 0.1  # flat
+    assert batcher._due(10.001) == pytest.approx(10.0 + 0.002 * 1.25 + 0.001)
+    assert "overdue" not in batcher._away and {"soon", "late", "new"} <= set(batcher._away)
+    batcher._away, batcher._turnaround = dict(away), dict(turnaround)
+    batcher.cost = lambda rows: 0.01 * rows  # linear
+    assert batcher._due(10.001) == 0.0
+    batcher.cost = lambda rows: 0.05 + 0.001 * rows  # a steep CPU-like curve: 4 rows save 0.05 s
+    assert batcher._due(10.001) > 10.0
+    batcher.forget("soon")
+    assert batcher._due(10.001) == 0.0 and "soon" not in batcher._turnaround
+
+
+def test_sessions_taking_turns_merge_into_one_pass_on_a_flat_curve():
+    """Two sessions whose steps land in each other's passes take turns, a pass each (each takes its
+    result over a round trip of a few milliseconds), unless a pass waits for the one due back: on a
+    flat curve they share the passes from the second return on."""
+    passes: list[list[str]] = []
+
+    def run_pass(jobs: list[VerifyJob]) -> None:
+        time.sleep(0.1)
+        passes.append(sorted(j.session_id for j in jobs))
+        for j in jobs:
+            j.result, j.done = j.session_id, True  # type: ignore[assignment]
+
+    batcher = PassBatcher(run_pass, threading.Lock())
+    batcher.cost = lambda rows: 0.1
+
+    def session(sid: str, delay: float) -> None:
+        time.sleep(delay)
+        for _ in range(8):
+            batcher.submit(job(sid))
+            time.sleep(0.003)
+
+    at_once([lambda: session("a", 0.0), lambda: session("b", 0.05)])
+    assert sum(map(len, passes)) == 16 and passes.count(["a", "b"]) >= 4, passes
+
+
+def test_a_target_engine_prices_its_passes_for_the_batcher(loaded, monkeypatch):
+    engine = engine_for(loaded)
+    assert engine.batcher.cost is None  # no curve yet
+    engine.use_curve([(1, 0.05), (16, 0.07)])
+    assert engine.batcher.cost is not None and engine.batcher.cost(8) == pytest.approx(0.05 + 0.02 * 7 / 15)
+    sid = engine.open_session([1, 2, 3])
+    engine.batcher._away[sid], engine.batcher._turnaround[sid] = (0.0, 1), 0.01
+    assert engine.close_session(sid) and sid not in engine.batcher._away
+    monkeypatch.setenv("SPECEXEC_WAIT_DUE", "0")
+    engine.use_curve([(1, 0.05), (16, 0.07)])
+    assert engine.batcher.cost is None
+
+
 @pytest.mark.parametrize("bad", [{"window": -1.0}, {"max_tokens": 0}, {"regroup": -0.5}])
 def test_batcher_limits_are_checked(bad):
     with pytest.raises(ValueError, match="batch"):

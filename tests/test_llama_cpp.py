@@ -128,7 +128,8 @@ def test_a_padded_pass_gives_the_same_logits_and_keeps_no_scratch_cells(ggufs, p
     assert all(lib.llama_memory_seq_pos_max(mem, seq) == -1 for seq in ctx.ctx._leaf_free)
     after = ctx.tree(torch.tensor([50, 60]), torch.tensor([-1, 0]))
     path = [int(tokens[0]), int(tokens[1])]
-    assert np.allclose(after, chain_logits(model, PROMPT, [*path, 50, 60])[-2:], atol=1e-2)
+    # a tree's logits against chains': on a GPU, TF32 tensor cores at other batch shapes
+    assert np.allclose(after, chain_logits(model, PROMPT, [*path, 50, 60])[-2:], atol=TREE_ERROR[n_gpu_layers > 0])
     made = len(padded)
     tight = model.new_context(len(PROMPT) + 5, 8)
     tight.extend(PROMPT)
@@ -901,5 +902,6 @@ def test_the_gpu_machines_generation_and_load_scripts_run_on_a_tiny_random_gguf(
     runs = json.loads((tmp_path / "gpu_load.json").read_text())
     assert {(r["contestant"], r["tree"], r["clients"]) for r in runs} == {
         ("batched", 0, 1), ("batched", 0, 2), ("batched", 4, 1), ("batched", 4, 2),
+        ("batched, waiting for none away", 0, 2), ("batched, waiting for none away", 4, 2),
         ("one session per pass", 0, 2), ("one session per pass", 4, 2)}  # fmt: skip
     assert all(r["steps"] == 2 * r["clients"] and r["passes"] >= 2 for r in runs)

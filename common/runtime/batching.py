@@ -8,14 +8,21 @@ needs this one's cache) and about `max_tokens` rows, but never fewer than one jo
 job still runs, alone. A job that a pass leaves undone (a long prompt's chunk ran, its tree has
 yet to) goes back to the head of the queue, for the next pass.
 
-A pass does not wait for sessions that are elsewhere (a Verify step's client drafting its next
-tree): sessions out of phase keep the draft's and the target's machines busy at once, and with
-8 clients that served more tokens per second than passes that waited to bring every session in
-(docs/benchmarks.md#many-users-on-one-target). It does wait, up to `regroup` seconds, for the
-sessions working on this machine between two of their jobs (`working`: the draft's tree builders
-choosing their next expansion, a few milliseconds of CPU that must run anyway): otherwise the first
-to finish choosing runs alone, the rest follow in the next pass, and sessions that shared a pass
-drift apart for good.
+A pass waits, up to `regroup` seconds, for the sessions working on this machine between two of
+their jobs (`working`: the draft's tree builders choosing their next expansion, a few milliseconds
+of CPU that must run anyway): otherwise the first to finish choosing runs alone, the rest follow in
+the next pass, and sessions that shared a pass drift apart for good.
+
+Sessions that are elsewhere (a Verify step's client drafting its next tree, or just taking its
+result over the network) are waited for only where it pays, by the pass's `cost` (seconds for its
+rows, the node's forward-time curve): a session due back in d seconds (from its own turnaround
+so far) joins the pass if d <= T(r) + T(r') - T(r + r'), the pass its r' rows would otherwise need
+beyond the r queued. On a flat curve (a target streamed to a GPU) that is nearly a whole pass, and
+without it 8 sessions split into two groups that took turns, 4 a pass (docs/benchmarks.md#on-a-gpu);
+on a CPU's steeper curve it is a few tens of milliseconds, shorter than a draft's tree, so sessions
+out of phase keep the draft's and the target's machines busy at once, which with 8 clients served
+more tokens per second than passes that waited for every session
+(docs/benchmarks.md#many-users-on-one-target).
 """
 
 from __future__ import annotations
@@ -54,6 +61,10 @@ MAX_BATCH_TOKENS = 2048
 # The draft's tree builders choose their next expansions within a few milliseconds of each other (one
 # core: one after another); a pass waits this long at most to take them all (10 and 30 ms measured level).
 DEFAULT_REGROUP = 0.010
+# A session's turnaround (from its job done to its next arriving) as an EMA of this weight; one due
+# back is waited for this share of its turnaround (and a millisecond) past when it is due.
+TURNAROUND_EMA = 0.5
+DUE_SLACK = 0.25
 
 
 class PassBatcher(Generic[J]):
@@ -85,6 +96,9 @@ class PassBatcher(Generic[J]):
         self._leading = False
         self._working: dict[str, int] = {}  # session id -> its callers inside working()
         self._spent: dict[J, float] = {}  # a job left undone -> seconds of the passes it had
+        self.cost: Callable[[int], float] | None = None  # a pass's seconds for its rows; None: wait for no one away
+        self._away: dict[str, tuple[float, int]] = {}  # session id -> when its last job was done, its rows
+        self._turnaround: dict[str, float] = {}  # session id -> seconds from a job done to its next (EMA)
 
     @contextmanager
     def working(self, session_id: str) -> Iterator[None]:
@@ -101,9 +115,19 @@ class PassBatcher(Generic[J]):
                     del self._working[session_id]
                 self._cv.notify_all()
 
+    def forget(self, session_id: str) -> None:
+        """A closed session: no pass waits for it."""
+        with self._cv:
+            self._away.pop(session_id, None)
+            self._turnaround.pop(session_id, None)
+
     def submit(self, job: J) -> J:
         """Queue `job` and lead passes while it is not done and none is running; raises its error."""
         with self._cv:
+            away = self._away.pop(job.session_id, None)
+            if away is not None:
+                seen, last = time.perf_counter() - away[0], self._turnaround.get(job.session_id)
+                self._turnaround[job.session_id] = seen if last is None else last + TURNAROUND_EMA * (seen - last)
             self._queue.append(job)
             self._cv.notify_all()  # a leader inside its window may now have a full batch
             while not job.done:
@@ -129,6 +153,7 @@ class PassBatcher(Generic[J]):
             while self._queued_tokens() < self.max_tokens:
                 now = time.perf_counter()
                 end = max(window_end, regroup_end) if self._missing() else window_end
+                end = max(end, self._due(now))
                 if end <= now:
                     break
                 self._cv.wait(end - now)
@@ -145,6 +170,8 @@ class PassBatcher(Generic[J]):
                         j.fail(exc)
             finally:
                 finished = time.perf_counter()
+                with self._cv:
+                    self._away.update((j.session_id, (finished, j.tokens)) for j in batch if j.done)
                 for j in batch:
                     spent = self._spent.pop(j, 0.0) + finished - acquired
                     if not j.done:
@@ -159,6 +186,30 @@ class PassBatcher(Generic[J]):
         """Whether a working session has no job queued yet."""
         queued = {j.session_id for j in self._queue}
         return any(sid not in queued for sid in self._working)
+
+    def _due(self, now: float) -> float:
+        """Until when the next pass waits for sessions due back, by their turnaround: each, soonest
+        first, while the wait is shorter than the pass their rows would otherwise need
+        (`cost`). A session overdue is no longer waited for, until its next job. Called under the
+        condition's lock."""
+        if self.cost is None or not self._away:
+            return 0.0
+        due = []
+        for sid, (done, rows) in list(self._away.items()):
+            turnaround = self._turnaround.get(sid)
+            if turnaround is None:
+                continue  # a session's first return is not waited for: nothing says when
+            at = done + turnaround * (1 + DUE_SLACK) + 0.001
+            if at <= now:
+                del self._away[sid]
+            else:
+                due.append((at, rows))
+        queued, extra, until = self._queued_tokens(), 0, 0.0
+        for at, rows in sorted(due):
+            if at - now > self.cost(queued) + self.cost(extra + rows) - self.cost(queued + extra + rows):
+                break
+            extra, until = extra + rows, at
+        return until
 
     def _queued_tokens(self) -> int:
         return sum(j.tokens for j in self._queue)
