@@ -112,10 +112,47 @@ def engines(models: dict[str, LoadedModel], contestant: str, curve: list[tuple[i
     return target, DraftEngine(models["draft"], max_tree=cap, **limits)
 
 
+CLIENT_TICKS = [1, 2, 4, 8]
+
+
+def plot(runs: list[dict[str, Any]], png: Path, title: str) -> None:
+    """Aggregate steps/s and the median client's share of its rate alone, against clients."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (total, share) = plt.subplots(1, 2, figsize=(11, 4.2))
+    alone = {r["tree"]: statistics.median(r["rates"]) for r in runs if r["clients"] == 1}
+    styles = {name: style for name, style in zip(CONTESTANTS, ("-", "--", ":"), strict=True)}
+    for i, tree in enumerate(sorted(alone)):
+        for name in CONTESTANTS:
+            rows = sorted((r for r in runs if r["tree"] == tree and (r["contestant"] == name or r["clients"] == 1)),
+                          key=lambda r: r["clients"])  # fmt: skip
+            if len(rows) < 2:
+                continue
+            label = f"{'tree of ' + str(tree) if tree else 'target alone'}, {name}"
+            clients = [r["clients"] for r in rows]
+            total.plot(clients, [r["aggregate"] for r in rows], styles[name], color=f"C{i}", marker="o", label=label)
+            share.plot(clients, [statistics.median(r["rates"]) / alone[tree] for r in rows], styles[name],
+                       color=f"C{i}", marker="o")  # fmt: skip
+    for ax, ylabel in ((total, "steps/s, all clients"), (share, "median client's steps/s over its rate alone")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(CLIENT_TICKS, [str(c) for c in CLIENT_TICKS])
+        ax.set_xlabel("concurrent clients")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+    share.axhline(0.5, color="grey", lw=0.8)
+    total.legend(fontsize=7)
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", type=Path, required=True)
-    ap.add_argument("--draft", type=Path, required=True)
+    ap.add_argument("--target", type=Path)
+    ap.add_argument("--draft", type=Path)
     ap.add_argument("--target-layers", type=int, default=0, help="the target's --n-gpu-layers")
     ap.add_argument("--draft-layers", type=int, default=99, help="the draft's --n-gpu-layers")
     ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -127,7 +164,15 @@ def main() -> None:
     ap.add_argument("--curves-from", type=Path, help="curves.json of an earlier scripts/gpu_check.sh run")
     ap.add_argument("--target-curve", help="the target's curve's label in --curves-from")
     ap.add_argument("--out", type=Path)
+    ap.add_argument("--plot", type=Path, metavar="JSON", help="plot an earlier --out to --png, and exit")
+    ap.add_argument("--png", type=Path, default=Path("gpu-load.png"))
+    ap.add_argument("--title", default="many sessions on one target")
     args = ap.parse_args()
+    if args.plot:
+        plot(json.loads(args.plot.read_text()), args.png, args.title)
+        return
+    if args.target is None or args.draft is None:
+        ap.error("--target and --draft are required, unless --plot")
     record_passes()
     models = {"target": loaded(args.target, args.target_layers), "draft": loaded(args.draft, args.draft_layers)}
     cap = max(args.trees, default=1)

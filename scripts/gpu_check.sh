@@ -24,7 +24,8 @@
 #      nodes serve them): passes shared by every session waiting against one session a pass, the
 #      target alone and fixed trees (benchmarks/gpu_load.py).
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
-# On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute.
+# On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute; on 27 Nov step 6 with two
+# contestants 2.6 minutes (0 GPU layers) and 0.4 (14).
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
 set -u
