@@ -53,8 +53,9 @@ def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | 
     clients wait for each other after their first step, so that the rates are the steady state's."""
     start.wait()
     began = time.perf_counter()
-    seq = Sequence(target, draft, prompt)
+    seq = None
     try:
+        seq = Sequence(target, draft, prompt)
         done = 0
         for _ in seq.steps(SamplingParams(max_new_tokens=10**6, ignore_eos=True), tree, GenerationStats()):
             done += 1
@@ -66,8 +67,12 @@ def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | 
                 break
         out["end"] = time.perf_counter()
         out["steps"] = done
+    except BaseException:
+        steady.abort()  # the others must not wait for this one's first step
+        raise
     finally:
-        seq.close()
+        if seq is not None:
+            seq.close()
 
 
 def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | None, clients: int,
@@ -90,7 +95,7 @@ def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | N
     for t in threads:
         t.join()
     if any("end" not in o for o in outs):
-        raise RuntimeError("a session failed (see its traceback above)")
+        raise RuntimeError("a session failed (see the tracebacks above)")
     passes = PASSES.pop(models[0], [])
     drafts = PASSES.pop(models[-1], []) if draft is not None else []
     first, end = min(o["first"] for o in outs), max(o["end"] for o in outs)
@@ -155,7 +160,7 @@ def main() -> None:
     ap.add_argument("--draft", type=Path)
     ap.add_argument("--target-layers", type=int, default=0, help="the target's --n-gpu-layers")
     ap.add_argument("--draft-layers", type=int, default=99, help="the draft's --n-gpu-layers")
-    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--clients", type=int, nargs="+", default=[1, 2, 4, 8], help="1 among them: the rate alone")
     ap.add_argument("--trees", type=int, nargs="*", default=[16], help="fixed tree budgets to run beside the target alone")
     ap.add_argument("--steps", type=int, default=24, help="each session's steps after its first")
     ap.add_argument("--prompt-tokens", type=int, default=64)
@@ -171,6 +176,8 @@ def main() -> None:
     if args.plot:
         plot(json.loads(args.plot.read_text()), args.png, args.title)
         return
+    if 1 not in args.clients:
+        ap.error("--clients needs 1 among them: each client's rate is set against its rate alone")
     if args.target is None or args.draft is None:
         ap.error("--target and --draft are required, unless --plot")
     record_passes()
@@ -197,6 +204,8 @@ def main() -> None:
         draft.close()
     print(f"\ntarget {args.target.name} ({args.target_layers} GPU layers), draft {args.draft.name} "
           f"({args.draft_layers} GPU layers), {args.steps} steps a session after a {args.prompt_tokens}-token prompt")
+    if args.out:
+        args.out.write_text(json.dumps(runs, indent=1))
     print("| contestant | run | clients | steps/s, all | a client's steps/s: p50 | min | p50 over alone | "
           "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -209,8 +218,6 @@ def main() -> None:
         print(f"| {r['contestant']} | {run} | {r['clients']} | {r['aggregate']:.2f} | {p50:.2f} | {r['rates'][0]:.2f} "
               f"| {p50 / alone[r['tree']]:.2f}x | {statistics.median(ttft):.2f} / {p95:.2f} | {r['passes']} "
               f"| {r['steps'] / max(r['passes'], 1):.2f} | {r['rows'] / max(r['passes'], 1):.1f} | {r['draft_passes']} |")  # fmt: skip
-    if args.out:
-        args.out.write_text(json.dumps(runs, indent=1))
 
 
 if __name__ == "__main__":

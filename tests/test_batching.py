@@ -250,16 +250,20 @@ def test_the_regroup_wait_is_capped():
 def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pass():
     """`_due`: on a flat curve (a GPU-streamed target) a session due back soon joins the pass; on a
     linear one its rows cost as much in this pass as in their own, so no pass waits; nor for one due
-    back later than the pass it would save, one whose turnaround is unknown, or one overdue."""
-    batcher, _ = recording_batcher()
+    back later than the pass it would save, one whose turnaround is unknown, one overdue, or one
+    whose rows would not fit the pass. One away too long is forgotten."""
+    batcher, _ = recording_batcher(max_tokens=8)
     batcher._queue = [job("here", 4)]
-    away = {"soon": (10.0, 4), "late": (10.0, 4), "new": (10.0, 4), "overdue": (9.0, 4)}
-    turnaround = {"soon": 0.002, "late": 0.5, "overdue": 0.1}
+    away = {"soon": (10.0, 4), "late": (10.0, 4), "new": (10.0, 4), "overdue": (9.0, 4), "gone": (-30.0, 4)}
+    turnaround = {"soon": 0.002, "late": 0.5, "overdue": 0.1, "gone": 0.002}
     batcher._away, batcher._turnaround = dict(away), dict(turnaround)
     assert batcher._due(10.001) == 0.0  # no cost: waits for no one away
     batcher.cost = lambda rows: 0.1  # flat
     assert batcher._due(10.001) == pytest.approx(10.0 + 0.002 * 1.25 + 0.001)
-    assert "overdue" not in batcher._away and {"soon", "late", "new"} <= set(batcher._away)
+    assert set(batcher._away) == {"soon", "late", "new", "overdue"} and "gone" not in batcher._turnaround
+    batcher.max_tokens = 7
+    assert batcher._due(10.001) == 0.0  # 4 + 4 rows would not fit
+    batcher.max_tokens = 8
     batcher._away, batcher._turnaround = dict(away), dict(turnaround)
     batcher.cost = lambda rows: 0.01 * rows  # linear
     assert batcher._due(10.001) == 0.0
@@ -271,8 +275,8 @@ def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pa
 
 def test_sessions_taking_turns_merge_into_one_pass_on_a_flat_curve():
     """Two sessions whose steps land in each other's passes take turns, a pass each (each takes its
-    result over a round trip of a few milliseconds), unless a pass waits for the one due back: on a
-    flat curve they share the passes from the second return on."""
+    result and comes back 20 ms later), unless a pass waits for the one due back: on a flat curve
+    they share the passes from the second return on."""
     passes: list[list[str]] = []
 
     def run_pass(jobs: list[VerifyJob]) -> None:
@@ -288,13 +292,14 @@ def test_sessions_taking_turns_merge_into_one_pass_on_a_flat_curve():
         time.sleep(delay)
         for _ in range(8):
             batcher.submit(job(sid))
-            time.sleep(0.003)
+            time.sleep(0.02)
 
     at_once([lambda: session("a", 0.0), lambda: session("b", 0.05)])
     assert sum(map(len, passes)) == 16 and passes.count(["a", "b"]) >= 4, passes
 
 
 def test_a_target_engine_prices_its_passes_for_the_batcher(loaded, monkeypatch):
+    monkeypatch.delenv("SPECEXEC_WAIT_DUE", raising=False)
     engine = engine_for(loaded)
     assert engine.batcher.cost is None  # no curve yet
     engine.use_curve([(1, 0.05), (16, 0.07)])

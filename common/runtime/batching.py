@@ -65,6 +65,8 @@ DEFAULT_REGROUP = 0.010
 # back is waited for this share of its turnaround (and a millisecond) past when it is due.
 TURNAROUND_EMA = 0.5
 DUE_SLACK = 0.25
+# A session not back this long after its job is forgotten (its turnaround too): gone, or idle.
+AWAY_MAX = 30.0
 
 
 class PassBatcher(Generic[J]):
@@ -125,7 +127,7 @@ class PassBatcher(Generic[J]):
         """Queue `job` and lead passes while it is not done and none is running; raises its error."""
         with self._cv:
             away = self._away.pop(job.session_id, None)
-            if away is not None:
+            if away is not None and self.cost is not None:
                 seen, last = time.perf_counter() - away[0], self._turnaround.get(job.session_id)
                 self._turnaround[job.session_id] = seen if last is None else last + TURNAROUND_EMA * (seen - last)
             self._queue.append(job)
@@ -158,6 +160,7 @@ class PassBatcher(Generic[J]):
                     break
                 self._cv.wait(end - now)
             batch = self._take()
+            rows = {j.session_id: j.tokens for j in batch} if self.cost is not None else {}
         if not batch:
             return
         with self.model_lock:
@@ -170,8 +173,10 @@ class PassBatcher(Generic[J]):
                         j.fail(exc)
             finally:
                 finished = time.perf_counter()
-                with self._cv:
-                    self._away.update((j.session_id, (finished, j.tokens)) for j in batch if j.done)
+                if rows:  # its rows as it came: a prepared job's pending chain is committed by now
+                    with self._cv:
+                        self._away.update((j.session_id, (finished, rows[j.session_id]))
+                                          for j in batch if j.done and j.error is None)  # fmt: skip
                 for j in batch:
                     spent = self._spent.pop(j, 0.0) + finished - acquired
                     if not j.done:
@@ -189,23 +194,25 @@ class PassBatcher(Generic[J]):
 
     def _due(self, now: float) -> float:
         """Until when the next pass waits for sessions due back, by their turnaround: each, soonest
-        first, while the wait is shorter than the pass their rows would otherwise need
-        (`cost`). A session overdue is no longer waited for, until its next job. Called under the
-        condition's lock."""
+        first, while the wait is shorter than the pass their rows would otherwise need (`cost`)
+        and they fit the pass. An overdue session is not waited for, though its return still
+        teaches its turnaround; one away `AWAY_MAX` is forgotten. Called under the condition's lock."""
         if self.cost is None or not self._away:
             return 0.0
         due = []
         for sid, (done, rows) in list(self._away.items()):
             turnaround = self._turnaround.get(sid)
-            if turnaround is None:
-                continue  # a session's first return is not waited for: nothing says when
-            at = done + turnaround * (1 + DUE_SLACK) + 0.001
-            if at <= now:
+            if now - done > AWAY_MAX:
                 del self._away[sid]
-            else:
-                due.append((at, rows))
+                self._turnaround.pop(sid, None)
+            elif turnaround is not None:  # a session's first return is not waited for: nothing says when
+                at = done + turnaround * (1 + DUE_SLACK) + 0.001
+                if at > now:
+                    due.append((at, rows))
         queued, extra, until = self._queued_tokens(), 0, 0.0
         for at, rows in sorted(due):
+            if queued + extra + rows > self.max_tokens:
+                break
             if at - now > self.cost(queued) + self.cost(extra + rows) - self.cost(queued + extra + rows):
                 break
             extra, until = extra + rows, at
