@@ -123,12 +123,12 @@ step "whole generations, 7B-shape target streamed, 0.5B-shape draft on the GPU" 
     python3 -m benchmarks.gpu_generation --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
     --target-layers 0 --draft-layers 99 --budgets 4 16 64 128 --out "$OUT/generation.json"
 # The target's curves as step 4 measured them on an H100 on 26 November. LOAD_CONTESTANTS='A|B': only
-# those of benchmarks/gpu_load.py's contestants (default: all).
+# those of benchmarks/gpu_load.py's contestants (default: all); LOAD_CLIENTS='1 8', LOAD_TREES='16': fewer rounds.
 curves=docs/gpu/h100-26nov-evening/curves.json
 IFS='|' read -ra contestants <<<"${LOAD_CONTESTANTS:-}"
 step "many sessions on one streamed 7B-shape target" timeout 300 \
     python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
-    --target-layers 0 --draft-layers 99 --clients 1 2 4 8 --trees 16 64 --steps 16 --out "$OUT/load.json" \
+    --target-layers 0 --draft-layers 99 --clients ${LOAD_CLIENTS:-1 2 4 8} --trees ${LOAD_TREES:-16 64} --steps 16 --out "$OUT/load.json" \
     --curves-from $curves --target-curve "target 7b, 0 GPU layers" ${contestants[@]+--contestants "${contestants[@]}"}
 step "many sessions on a 7B-shape target with 14 of 28 layers on the GPU" timeout 240 \
     python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
