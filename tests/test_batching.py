@@ -273,6 +273,15 @@ def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pa
     assert batcher._due(10.001) == 0.0 and "soon" not in batcher._turnaround
 
 
+def test_a_long_pause_counts_as_the_longest_pass_in_a_sessions_turnaround():
+    batcher, _ = recording_batcher(max_tokens=64)
+    batcher.cost = lambda rows: 0.05 + 0.001 * rows
+    batcher._away["chat"], batcher._turnaround["chat"] = (time.perf_counter() - 100.0, 1), 0.01
+    batcher.submit(job("chat"))
+    assert batcher._turnaround["chat"] == pytest.approx(0.01 + 0.5 * (0.05 + 0.064 - 0.01))
+    assert batcher._away["chat"][1] == 1  # back, ran, and away again with its rows
+
+
 def test_sessions_taking_turns_merge_into_one_pass_on_a_flat_curve():
     """Two sessions whose steps land in each other's passes take turns, a pass each (each takes its
     result and comes back 20 ms later), unless a pass waits for the one due back: on a flat curve

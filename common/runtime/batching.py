@@ -128,7 +128,10 @@ class PassBatcher(Generic[J]):
         with self._cv:
             away = self._away.pop(job.session_id, None)
             if away is not None and self.cost is not None:
-                seen, last = time.perf_counter() - away[0], self._turnaround.get(job.session_id)
+                # A pause (a user reading, then a new turn) counts for no more than the longest pass,
+                # the most a pass would ever wait: one long pause must not stop the waits for long.
+                seen = min(time.perf_counter() - away[0], self.cost(self.max_tokens))
+                last = self._turnaround.get(job.session_id)
                 self._turnaround[job.session_id] = seen if last is None else last + TURNAROUND_EMA * (seen - last)
             self._queue.append(job)
             self._cv.notify_all()  # a leader inside its window may now have a full batch
