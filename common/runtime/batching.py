@@ -18,11 +18,11 @@ result over the network) are waited for only where it pays, by the pass's `cost`
 rows, the node's forward-time curve): a session due back in d seconds (from its own turnaround
 so far) joins the pass if d <= T(r) + T(r') - T(r + r'), the pass its r' rows would otherwise need
 beyond the r queued. On a flat curve (a target streamed to a GPU) that is nearly a whole pass, and
-without it 8 sessions split into two groups that took turns, 4 a pass (docs/benchmarks.md#on-a-gpu);
-on a CPU's steeper curve it is a few tens of milliseconds, shorter than a draft's tree, so sessions
-out of phase keep the draft's and the target's machines busy at once, which with 8 clients served
-more tokens per second than passes that waited for every session
-(docs/benchmarks.md#many-users-on-one-target).
+without it 8 sessions split into two groups that took turns, 4 a pass (docs/benchmarks.md, "Many
+users on a streamed target"); on a CPU's steeper curve it is a few tens of milliseconds, shorter
+than a draft's tree, so sessions out of phase keep the draft's and the target's machines busy at
+once, which with 8 clients served more tokens per second than passes that waited for every
+session (docs/benchmarks.md#many-users-on-one-target).
 """
 
 from __future__ import annotations
