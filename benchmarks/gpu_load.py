@@ -67,6 +67,9 @@ def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | 
                 break
         out["end"] = time.perf_counter()
         out["steps"] = done
+        turnaround = target.batcher._turnaround.get(seq.target_session)  # as the batcher learned it
+        if turnaround is not None:
+            out["turnaround"] = turnaround
     except BaseException:
         steady.abort()  # the others must not wait for this one's first step
         raise
@@ -101,9 +104,11 @@ def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | N
     first, end = min(o["first"] for o in outs), max(o["end"] for o in outs)
     rates = sorted((o["steps"] - 1) / (o["end"] - o["first"]) for o in outs)
     ttfts = sorted(o["ttft"] for o in outs)
+    turnarounds = [o["turnaround"] for o in outs if "turnaround" in o]
     return {"clients": clients, "aggregate": sum(o["steps"] - 1 for o in outs) / (end - first),
             "rates": rates, "ttft": ttfts, "passes": len(passes), "rows": sum(passes),
-            "steps": sum(o["steps"] - 1 for o in outs), "draft_passes": len(drafts)}  # fmt: skip
+            "steps": sum(o["steps"] - 1 for o in outs), "draft_passes": len(drafts),
+            "turnaround": statistics.median(turnarounds) if turnarounds else None}  # fmt: skip
 
 
 def engines(models: dict[str, LoadedModel], contestant: str, curve: list[tuple[int, float]], cap: int,
@@ -207,17 +212,19 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
     print("| contestant | run | clients | steps/s, all | a client's steps/s: p50 | min | p50 over alone | "
-          "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes | turnaround p50 (ms) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     alone = {r["tree"]: statistics.median(r["rates"]) for r in runs if r["clients"] == 1}
     for r in runs:
         p50 = statistics.median(r["rates"])
         ttft = r["ttft"]
         p95 = ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]
         run = f"tree of {r['tree']}" if r["tree"] else "target alone"
+        turnaround = "" if r.get("turnaround") is None else f"{r['turnaround'] * 1e3:.1f}"
         print(f"| {r['contestant']} | {run} | {r['clients']} | {r['aggregate']:.2f} | {p50:.2f} | {r['rates'][0]:.2f} "
               f"| {p50 / alone[r['tree']]:.2f}x | {statistics.median(ttft):.2f} / {p95:.2f} | {r['passes']} "
-              f"| {r['steps'] / max(r['passes'], 1):.2f} | {r['rows'] / max(r['passes'], 1):.1f} | {r['draft_passes']} |")  # fmt: skip
+              f"| {r['steps'] / max(r['passes'], 1):.2f} | {r['rows'] / max(r['passes'], 1):.1f} | {r['draft_passes']} "
+              f"| {turnaround} |")  # fmt: skip
 
 
 if __name__ == "__main__":

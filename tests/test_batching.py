@@ -264,6 +264,10 @@ def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pa
     batcher.max_tokens = 7
     assert batcher._due(10.001) == 0.0  # 4 + 4 rows would not fit
     batcher.max_tokens = 8
+    batcher._turnaround["here"] = 0.099  # both groups' work, done one after the other, outlasts the pass saved
+    assert batcher._due(10.001) == 0.0
+    batcher._turnaround["here"] = 0.09
+    assert batcher._due(10.001) > 10.0
     batcher._away, batcher._turnaround = dict(away), dict(turnaround)
     batcher.cost = lambda rows: 0.01 * rows  # linear
     assert batcher._due(10.001) == 0.0

@@ -15,14 +15,19 @@ the next pass, and sessions that shared a pass drift apart for good.
 
 Sessions that are elsewhere (a Verify step's client drafting its next tree, or just taking its
 result over the network) are waited for only where it pays, by the pass's `cost` (seconds for its
-rows, the node's forward-time curve): a session due back in d seconds (from its own turnaround
-so far) joins the pass if d <= T(r) + T(r') - T(r + r'), the pass its r' rows would otherwise need
-beyond the r queued. On a flat curve (a target streamed to a GPU) that is nearly a whole pass, and
-without it 8 sessions split into two groups that took turns, 4 a pass (docs/benchmarks.md, "Many
-users on a streamed target"); on a CPU's steeper curve it is a few tens of milliseconds, shorter
-than a draft's tree, so sessions out of phase keep the draft's and the target's machines busy at
-once, which with 8 clients served more tokens per second than passes that waited for every
-session (docs/benchmarks.md#many-users-on-one-target).
+rows, the node's forward-time curve). Say the r rows queued come from sessions whose turnaround
+(their job done to their next arriving) is t, and a session due back with r' rows has turnaround
+t'. Taking turns, the two groups cost the target T(r) + T(r') a round; together T(r + r'), plus,
+if their work between passes comes from one machine that does it one session after another (a
+CPU draft), t + t' instead of the longer of the two. So a pass waits for it if t + t' and its
+wait are at most T(r) + T(r') - T(r + r'). On a flat curve (a target streamed to a GPU) that is
+nearly a whole pass: 8 sessions running the target alone split into two groups that took turns,
+4 a pass, until passes waited (docs/benchmarks.md, "Many users on a streamed target"). Where the
+draft's trees take about a pass or more (a CPU draft beside a flat bf16 target), sessions out of
+phase keep both machines busy, and passes that waited to bring every session in made 18.0 tok/s
+at 8 clients against 23.7 (docs/benchmarks.md#many-users-on-one-target); on a CPU's steep curve
+the saving is a few tens of milliseconds, so it waits for few but the sessions running the
+target alone.
 """
 
 from __future__ import annotations
@@ -197,9 +202,10 @@ class PassBatcher(Generic[J]):
 
     def _due(self, now: float) -> float:
         """Until when the next pass waits for sessions due back, by their turnaround: each, soonest
-        first, while the wait is shorter than the pass their rows would otherwise need (`cost`)
-        and they fit the pass. An overdue session is not waited for, though its return still
-        teaches its turnaround; one away `AWAY_MAX` is forgotten. Called under the condition's lock."""
+        first, while its wait, and its turnaround with the queued sessions' longest, are shorter
+        than the pass their rows would otherwise need (`cost`) and they fit the pass. An overdue
+        session is not waited for, though its return still teaches its turnaround; one away
+        `AWAY_MAX` is forgotten. Called under the condition's lock."""
         if self.cost is None or not self._away:
             return 0.0
         due = []
@@ -211,12 +217,14 @@ class PassBatcher(Generic[J]):
             elif turnaround is not None:  # a session's first return is not waited for: nothing says when
                 at = done + turnaround * (1 + DUE_SLACK) + 0.001
                 if at > now:
-                    due.append((at, rows))
+                    due.append((at, rows, turnaround))
         queued, extra, until = self._queued_tokens(), 0, 0.0
-        for at, rows in sorted(due):
-            if queued + extra + rows > self.max_tokens:
-                break
-            if at - now > self.cost(queued) + self.cost(extra + rows) - self.cost(queued + extra + rows):
+        here = max((self._turnaround.get(j.session_id, 0.0) for j in self._queue), default=0.0)
+        away = 0.0
+        for at, rows, turnaround in sorted(due):
+            away = max(away, turnaround)
+            saved = self.cost(queued) + self.cost(extra + rows) - self.cost(queued + extra + rows)
+            if queued + extra + rows > self.max_tokens or max(at - now, here + away) > saved:
                 break
             extra, until = extra + rows, at
         return until
