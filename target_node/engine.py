@@ -48,15 +48,11 @@ class VerifyJob:
     done: bool = False
 
     @property
-    def pending(self) -> int:
-        """Committed tokens it has yet to run, its append included: a prompt, a new turn, about."""
-        appended = len(self.append) if self.ticket is None else 0  # a prepared job's are committed
-        return len(self.session.committed) - 1 - self.session.cached_length + appended
-
-    @property
     def tokens(self) -> int:
         """Rows it adds to a pass, about: its tree, or as much of its pending chain as a pass runs."""
-        return self.tree.size + min(self.pending, self.max_chain)
+        appended = len(self.append) if self.ticket is None else 0  # a prepared job's are committed
+        pending = len(self.session.committed) - 1 - self.session.cached_length + appended
+        return self.tree.size + min(pending, self.max_chain)
 
     def cancelled(self) -> bool:
         """For the batcher, before a pass: a prepared job is cancelled by the engine instead, under
@@ -235,28 +231,16 @@ class TargetEngine(NodeEngine[TargetSession]):
 
     def _run_pass(self, jobs: list[VerifyJob]) -> None:
         """Lay out each job's tree, run them all in one pass, walk each: a job that fails, fails
-        alone. A job whose long pending chain takes this pass stays undone, for the next one.
-
-        New chains (prompts, new turns) share one chunk's rows a pass, first come, first served, as
-        vLLM's chunked prefill shares its token budget: where a pass costs its rows (a CPU), a
-        burst of prompts run in one pass answered every one of them only when the last was done.
-        A new chain the budget has no room for waits at the head of the queue, unprepared; one
-        begun keeps its chunk a pass, so no new prompt waits behind a long one's whole prefill."""
+        alone. A job whose long pending chain takes this pass stays undone, for the next one."""
         limit = self.chain_limit(alone=len(jobs) == 1 and len(self.sessions) <= 1)
-        budget = limit
         steps: list[tuple[VerifyJob, TreeTicket]] = []
         for job in jobs:
             try:
                 if job.ticket is None:
-                    pending = job.pending
-                    if pending > 1 and budget <= 0:
-                        continue
-                    chain = max(min(limit, budget), 1) if pending > 1 else limit
-                    budget -= min(pending, chain)
                     # A Decode call's later passes keep its step: a request that came between ends the call.
                     check_step(job.session.step - job.continues, job.step_id)
                     ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
-                                                 append=job.append, max_chain=chain)  # fmt: skip
+                                                 append=job.append, max_chain=limit)  # fmt: skip
                 else:
                     if job.stopped():
                         raise StepCancelled("the step was cancelled between the passes of its prompt")

@@ -257,30 +257,3 @@ def test_a_held_back_job_keeps_its_sessions_later_jobs_behind_it():
     assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("a", 8)]
     batcher._queue = [job("x", 8), job("b", 4), job("b", 1), job("c", 2)]
     assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("x", 8), ("c", 2)]
-
-
-def test_a_burst_of_prompts_shares_one_chunk_a_pass_first_come_first_served(loaded):
-    """Four new 12-token prompts in one pass, chunk 16: the first runs whole and is answered, the
-    second takes the 5 rows left, the others wait unprepared; a prompt begun keeps its chunk. Each
-    step equals its session's step alone."""
-    from target_node.engine import VerifyJob
-
-    vocab = loaded["target"].model.cfg.vocab_size
-    gen = torch.Generator().manual_seed(21)
-    prompts = [torch.randint(0, vocab, (12,), generator=gen).tolist() for _ in range(4)]
-    trees = [random_tree(p[-1], 4, vocab, gen) for p in prompts]
-    alone = engine_for(loaded)
-    expected = [alone.verify(alone.open_session(p), t, GREEDY, 4).tokens for p, t in zip(prompts, trees, strict=True)]
-    engine = engine_for(loaded, prefill_chunk=16)
-    sids = [engine.open_session(p) for p in prompts]
-    jobs = [VerifyJob(sid, engine.sessions.get(sid), t, GREEDY, 4, [], None, None) for sid, t in zip(sids, trees, strict=True)]
-    passes = 0
-    with engine._lock:
-        engine._run_pass(jobs)
-        assert [j.done for j in jobs] == [True, False, False, False]
-        assert jobs[1].ticket is not None and jobs[1].ticket.chunk == 5 and jobs[2].ticket is None
-        while not all(j.done for j in jobs):
-            engine._run_pass([j for j in jobs if not j.done])
-            passes += 1
-    assert passes == 2  # the second's rest with the third and 5 of the fourth; then the fourth's rest
-    assert [j.error for j in jobs] == [None] * 4 and [j.result.tokens for j in jobs] == expected
