@@ -20,9 +20,10 @@
 #   5. whole generations in one process at that scale, the 7B-shape target streamed from RAM and the
 #      0.5B-shape draft on the GPU, each step's time against what the curves predict
 #      (benchmarks/gpu_generation.py);
-#   6. many sessions on that target, and with half its layers on the GPU (1, 2, 4, 8 threads of one process on the same engines, as the
-#      nodes serve them): passes shared by every session waiting against one session a pass, the
-#      target alone and fixed trees (benchmarks/gpu_load.py).
+#   6. many sessions on that target, and with half its layers on the GPU (1, 2, 4, 8 threads of one
+#      process on the same engines, as the nodes serve them): passes that wait for sessions due
+#      back, passes that wait for none, and one session a pass; the target alone and fixed trees
+#      (benchmarks/gpu_load.py).
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
 # On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute; on 27 Nov step 6 with two
 # contestants 2.6 minutes (0 GPU layers) and 0.4 (14).
