@@ -67,7 +67,7 @@ def session(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | 
                 break
         out["end"] = time.perf_counter()
         out["steps"] = done
-        turnaround = target.batcher._turnaround.get(seq.target_session)  # as the batcher learned it
+        turnaround = target.batcher.turnaround(seq.target_session)
         if turnaround is not None:
             out["turnaround"] = turnaround
     except BaseException:

@@ -158,13 +158,16 @@ def run(config: LlamaBenchConfig) -> dict[str, Any]:
         "llama.cpp": forward_curve(llama_t.loaded.model, CURVE_LIMIT, 1.0),
         f"torch ({config.dtype})": forward_curve(torch_loaded.model, CURVE_LIMIT, 0.5),
     }
-    llama_t.use_curve([c for c in curves["llama.cpp"] if c[0] <= config.auto_cap + 1])
-    torch_t.use_curve([c for c in curves[f"torch ({config.dtype})"] if c[0] <= config.auto_cap + 1])
+    def up_to_cap(curve: list[tuple[int, float]]) -> list[tuple[int, float]]:
+        return [c for c in curve if c[0] <= config.auto_cap + 1]
+
+    llama_t.use_curve(up_to_cap(curves["llama.cpp"]))
+    torch_t.use_curve(up_to_cap(curves[f"torch ({config.dtype})"]))
     draft_curves = {f"draft, torch ({config.draft_quantize})": forward_curve(draft_loaded.model, DRAFT_CURVE_LIMIT, 1.0)}
-    draft.use_curve([c for c in draft_curves[f"draft, torch ({config.draft_quantize})"] if c[0] <= config.auto_cap + 1])
+    draft.use_curve(up_to_cap(draft_curves[f"draft, torch ({config.draft_quantize})"]))
     if llama_draft is not None:
         draft_curves["draft, llama.cpp"] = forward_curve(llama_draft.loaded.model, DRAFT_CURVE_LIMIT, 1.0)
-        llama_draft.use_curve([c for c in draft_curves["draft, llama.cpp"] if c[0] <= config.auto_cap + 1])
+        llama_draft.use_curve(up_to_cap(draft_curves["draft, llama.cpp"]))
     tok = torch_loaded.tokenizer
     itself = LlamaItself(gguf, config.threads)
     contestants = {

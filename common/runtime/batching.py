@@ -122,6 +122,11 @@ class PassBatcher(Generic[J]):
                     del self._working[session_id]
                 self._cv.notify_all()
 
+    def turnaround(self, session_id: str) -> float | None:
+        """The seconds this session has taken from a job done to its next, as learned (None: not yet)."""
+        with self._cv:
+            return self._turnaround.get(session_id)
+
     def forget(self, session_id: str) -> None:
         """A closed session: no pass waits for it."""
         with self._cv:
