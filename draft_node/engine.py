@@ -172,6 +172,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         for group in _passes(jobs):
             works = [j.work for j in group]
             sizes = [w.rows for w in works]  # before the pass: a chain's rows are what its lane lacks
+            start = time.perf_counter()
             try:
                 results = run_batch(works)
             except Exception as exc:
@@ -195,9 +196,10 @@ class DraftEngine(NodeEngine[DraftSession]):
                     j.fail(result)
                 else:
                     j.result, j.done = result, True
+            seconds = time.perf_counter() - start
             ran = [n for n, r in zip(sizes, results, strict=True) if not isinstance(r, BaseException)]
             if ran:
-                observe_draft_pass(len(ran), sum(ran))
+                observe_draft_pass(len(ran), sum(ran), seconds)
         if self.pool is not None and self.pool.evictions > self._evictions:
             observe_preemptions(self.pool.evictions - self._evictions)
             self._evictions = self.pool.evictions
@@ -206,6 +208,7 @@ class DraftEngine(NodeEngine[DraftSession]):
         """Every waiting session's forward in one pass; if that fails, each alone, so a failure stays
         with the forward that caused it."""
         stop = jobs[0].stop if len(jobs) == 1 else None  # a pass with a request in it runs whole
+        start = time.perf_counter()
         try:
             results = forward_logprobs(self.loaded.model, [(j.segment, j.rows) for j in jobs], stop)
         except Exception as exc:
@@ -220,7 +223,7 @@ class DraftEngine(NodeEngine[DraftSession]):
             return
         for j, result in zip(jobs, results, strict=True):
             j.result, j.done = result, True
-        observe_draft_pass(len(jobs), sum(j.tokens for j in jobs))
+        observe_draft_pass(len(jobs), sum(j.tokens for j in jobs), time.perf_counter() - start)
 
     def build_tree(
         self,

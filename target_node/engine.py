@@ -268,12 +268,15 @@ class TargetEngine(NodeEngine[TargetSession]):
         that does not fit the pass before it)."""
         draws: list[Callable[[int], int] | None] | None = None
         if len(group) > 1:
+            start = time.perf_counter()
             try:
                 draws = type(group[0][0].session).run_together([(j.session, t) for j, t in group])
             except Exception as exc:
                 log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
+            seconds = time.perf_counter() - start
         if draws is None:
             for job, ticket in group:
+                start = time.perf_counter()
                 try:
                     if len(group) > 1:
                         job.session.lay_out(ticket, limit)
@@ -281,13 +284,14 @@ class TargetEngine(NodeEngine[TargetSession]):
                 except Exception as exc:
                     job.fail(exc)
                     continue
+                seconds = time.perf_counter() - start
                 self._walk(job, ticket, draw, {"pass_sessions": 1, "pass_tokens": _rows(ticket)})
-                observe_verify_pass(1, _rows(ticket))
+                observe_verify_pass(1, _rows(ticket), seconds)
             return
         shared = {"pass_sessions": len(group), "pass_tokens": sum(_rows(t) for _, t in group)}
         for (job, ticket), draw in zip(group, draws, strict=True):
             self._walk(job, ticket, draw, shared)
-        observe_verify_pass(**shared)
+        observe_verify_pass(**shared, seconds=seconds)
 
     def _walk(self, job: VerifyJob, ticket: TreeTicket, draw: Callable[[int], int] | None,
               shared: dict[str, int]) -> None:  # fmt: skip

@@ -379,11 +379,17 @@ def test_draft_trees_built_together_equal_each_built_alone(loaded, monkeypatch):
     engine = draft_engine(loaded)
     passes_before = REGISTRY.get_sample_value("specexec:draft_pass_sessions_count") or 0.0
     sessions_before = REGISTRY.get_sample_value("specexec:draft_pass_sessions_sum") or 0.0
+    timed_before = REGISTRY.get_sample_value("specexec:draft_pass_seconds_count") or 0.0
+    busy_before = REGISTRY.get_sample_value("specexec:draft_pass_seconds_sum") or 0.0
+    start = time.perf_counter()
     assert trees_of(engine, [engine.open_session(p) for p in ps], rounds, together=True) == expected
+    wall = time.perf_counter() - start
     assert max(sizes) > 1  # expansions of several sessions shared passes
     passes = REGISTRY.get_sample_value("specexec:draft_pass_sessions_count") - passes_before
     sessions = REGISTRY.get_sample_value("specexec:draft_pass_sessions_sum") - sessions_before
     assert (passes, sessions) == (len(sizes), sum(sizes))
+    assert REGISTRY.get_sample_value("specexec:draft_pass_seconds_count") - timed_before == passes
+    assert 0 < REGISTRY.get_sample_value("specexec:draft_pass_seconds_sum") - busy_before <= wall
 
 
 def test_a_failed_shared_draft_pass_runs_each_forward_alone(loaded, monkeypatch):

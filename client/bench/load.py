@@ -119,12 +119,15 @@ class LoadLab:
         return address
 
     def counters(self, name: str) -> dict[str, float]:
-        """Both nodes' pass-sharing histograms so far: sessions per pass (sum, count), by role."""
+        """Both nodes' pass histograms so far, by role: passes, and their sessions, rows and seconds."""
         out = {}
-        for role, metric in (("target", "specexec:verify_pass_sessions"), ("draft", "specexec:draft_pass_sessions")):
+        for role, prefix in (("target", "specexec:verify_pass"), ("draft", "specexec:draft_pass")):
             text = urllib.request.urlopen(self.metrics[name][role], timeout=10).read().decode()
             values = {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
-            out[f"{role}_sum"], out[f"{role}_count"] = values.get(f"{metric}_sum", 0.0), values.get(f"{metric}_count", 0.0)
+            out[f"{role}_count"] = values.get(f"{prefix}_sessions_count", 0.0)
+            for what, metric in (("sum", "sessions"), ("tokens", "tree_tokens" if role == "target" else "tokens"),
+                                 ("seconds", "seconds")):  # fmt: skip
+                out[f"{role}_{what}"] = values.get(f"{prefix}_{metric}_sum", 0.0)
         return out
 
     def close(self) -> None:
@@ -228,7 +231,10 @@ def run(config: LoadConfig) -> tuple[list[ClientRun], list[dict[str, Any]]]:
                     rounds.append({"contestant": name, "clients": n, "wall": wall, "passes": after["target_count"],
                                    "sessions_per_pass": after["target_sum"] / max(after["target_count"], 1),
                                    "draft_passes": after["draft_count"],
-                                   "draft_sessions_per_pass": after["draft_sum"] / max(after["draft_count"], 1)})  # fmt: skip
+                                   "draft_sessions_per_pass": after["draft_sum"] / max(after["draft_count"], 1),
+                                   "rows_per_pass": after["target_tokens"] / max(after["target_count"], 1),
+                                   "target_busy": after["target_seconds"] / wall,
+                                   "draft_busy": after["draft_seconds"] / wall})  # fmt: skip
     finally:
         lab.close()
     return runs, rounds
@@ -264,7 +270,8 @@ def summarize(runs: list[ClientRun], rounds: list[dict[str, Any]]) -> list[dict[
             "ttft_p50": percentile(ttfts, 50), "ttft_p95": percentile(ttfts, 95),
             "stream_tok_s_p50": percentile(streams, 50), "stream_x_alone_p50": percentile(stream_ratios, 50),
             "sessions_per_pass": rd["sessions_per_pass"], "draft_sessions_per_pass": rd["draft_sessions_per_pass"],
-            "passes": rd["passes"], "draft_passes": rd["draft_passes"],
+            "passes": rd["passes"], "draft_passes": rd["draft_passes"], "rows_per_pass": rd["rows_per_pass"],
+            "target_busy": rd["target_busy"], "draft_busy": rd["draft_busy"],
             "same_text": all(other.get(r.client, r.text) == r.text for r in mine),
         })  # fmt: skip
     return rows
@@ -293,9 +300,9 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
         f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
         "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone p50 | min "
-        "| TTFT p50 s | TTFT p95 s | streaming tok/s p50 | x alone | sessions per pass | target passes | draft sessions per pass | draft passes "
-        "| same text |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| TTFT p50 s | TTFT p95 s | streaming tok/s p50 | x alone | sessions per pass | target passes | rows per pass "
+        "| target busy | draft sessions per pass | draft passes | draft busy | same text |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in sorted(rows, key=lambda r: (r["contestant"], r["clients"])):
         lines.append(
@@ -303,8 +310,8 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
             f"| {r['client_tok_s_p50']:.2f} | {r['client_tok_s_p5']:.2f} | {r['client_x_alone_p50']:.2f} "
             f"| {r['client_x_alone_min']:.2f} "
             f"| {r['ttft_p50']:.2f} | {r['ttft_p95']:.2f} | {r['stream_tok_s_p50']:.2f} | {r['stream_x_alone_p50']:.2f} "
-            f"| {r['sessions_per_pass']:.2f} | {r['passes']:.0f} "
-            f"| {r['draft_sessions_per_pass']:.2f} | {r['draft_passes']:.0f} "
+            f"| {r['sessions_per_pass']:.2f} | {r['passes']:.0f} | {r['rows_per_pass']:.1f} | {r['target_busy']:.0%} "
+            f"| {r['draft_sessions_per_pass']:.2f} | {r['draft_passes']:.0f} | {r['draft_busy']:.0%} "
             f"| {'yes' if r['same_text'] else 'no'} |"
         )
     lines += ["", "Client tok/s: its completion tokens over its request's whole time. p5: the slowest clients. "
@@ -314,7 +321,9 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
               "Streaming tok/s: a client's tokens after the first over the time from its first text to its last "
               "(vLLM's 1 / TPOT), and x alone that over its own prompt's alone (p50). "
               "Sessions per pass: the target's specexec:verify_pass_sessions over the round, and the draft's "
-              "specexec:draft_pass_sessions (its expansion passes). Same text: every "
+              "specexec:draft_pass_sessions (its expansion passes); rows per pass: the target's tree and prompt "
+              "tokens a pass; busy: the share of the round's wall time each node spent in passes "
+              "(specexec:verify_pass_seconds, specexec:draft_pass_seconds). Same text: every "
               "client's answer equals its answer from the other target at the same N."]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "load.png", rows)

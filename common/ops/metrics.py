@@ -91,6 +91,11 @@ VERIFY_PASS_SESSIONS = Histogram(
     "target: sessions whose trees shared one forward pass (continuous batching)",
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
 )
+VERIFY_PASS_SECONDS = Histogram(
+    "specexec:verify_pass_seconds",
+    "target: one forward pass, shared or alone (its sum over a span of wall time: how busy the target was)",
+    buckets=LATENCY_BUCKETS,
+)
 VERIFY_PASS_TOKENS = Histogram(
     "specexec:verify_pass_tree_tokens",
     "target: tree tokens (and prompt chunks') of all sessions in one forward pass",
@@ -105,6 +110,11 @@ DRAFT_PASS_SESSIONS = Histogram(
     "specexec:draft_pass_sessions",
     "draft: sessions whose forwards (catch-up chains, expansion batches) shared one pass",
     buckets=(1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64),
+)
+DRAFT_PASS_SECONDS = Histogram(
+    "specexec:draft_pass_seconds",
+    "draft: one forward pass of requests' or idle work (its sum over a span of wall time: how busy the draft was)",
+    buckets=LATENCY_BUCKETS,
 )
 DRAFT_PASS_TOKENS = Histogram(
     "specexec:draft_pass_tokens",
@@ -229,10 +239,12 @@ def observe_step(
     )
 
 
-def observe_verify_pass(pass_sessions: int, pass_tokens: int) -> None:
-    """One target pass: how many sessions shared it. Each step's wait for it is step_queue_seconds."""
+def observe_verify_pass(pass_sessions: int, pass_tokens: int, seconds: float) -> None:
+    """One target pass: how many sessions shared it, and how long it took. Each step's wait for it is
+    step_queue_seconds."""
     VERIFY_PASS_SESSIONS.observe(pass_sessions)
     VERIFY_PASS_TOKENS.observe(pass_tokens)
+    VERIFY_PASS_SECONDS.observe(seconds)
 
 
 def observe_prefill_chunk(tokens: int) -> None:
@@ -244,10 +256,11 @@ def observe_preemptions(count: int) -> None:
     PREEMPTIONS.inc(count)
 
 
-def observe_draft_pass(pass_sessions: int, pass_tokens: int) -> None:
-    """One draft pass: how many sessions' forwards shared it, and its tokens."""
+def observe_draft_pass(pass_sessions: int, pass_tokens: int, seconds: float) -> None:
+    """One draft pass: how many sessions' forwards shared it, its tokens and its time."""
     DRAFT_PASS_SESSIONS.observe(pass_sessions)
     DRAFT_PASS_TOKENS.observe(pass_tokens)
+    DRAFT_PASS_SECONDS.observe(seconds)
 
 
 class RpcMetrics(grpc.ServerInterceptor):
