@@ -6,8 +6,10 @@ target's pass, which two machines would not. This times llama.cpp's k-token pass
 1.5B GGUF, one thread on `--target-core`) while the other core is idle, runs the int8 draft's
 forwards (1 or 8 rows, as an idle search does), or copies memory. Medians over each pass's
 repeats, the loads interleaved for `--rounds` rounds; the table gives the median round.
+`--dtype bfloat16` times our torch target (the 1.5B's checkpoint) instead, the least disturbed of
+each pass's repeats, as its forward-time curve does.
 
-    python -m benchmarks.neighbour_load [--rounds 2] [--ks 1 4]
+    python -m benchmarks.neighbour_load [--rounds 2] [--ks 1 4] [--dtype bfloat16]
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import llama_cpp as lib
@@ -72,32 +75,40 @@ def main() -> None:
     ap.add_argument("--ks", type=int, nargs="+", default=[1, 4])
     ap.add_argument("--seconds", type=float, default=2.0, help="timing budget per pass size")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--dtype", help="time the torch target in this dtype (bfloat16, float32), not llama.cpp")
     ap.add_argument("--busy", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.busy:
         busy(args.busy)
         return
-    if args.gguf is None:
-        from common.model.llama_cpp import find_gguf
-        from common.model.store import resolve_gguf
-
-        args.gguf = find_gguf(resolve_gguf("qwen2.5-coder-1.5b"))
     os.sched_setaffinity(0, {args.target_core})
-    lib.llama_backend_init()
-    silent = lib.llama_log_callback(lambda level, text, user_data: None)  # kept alive until the end
-    lib.llama_log_set(silent, None)
+    if args.dtype:
+        import torch
+
+        from common.model.loading import load_model
+        from common.model.profiling import time_tree_forward
+        from common.model.store import resolve_model
+
+        torch.set_num_threads(1)
+        model = load_model(resolve_model("qwen2.5-coder-1.5b"), dtype=args.dtype).model
+        what = f"the torch target in {args.dtype}"
+
+        def timed() -> dict[str, float]:
+            return {str(k): time_tree_forward(model, k, k, args.seconds) for k in args.ks}
+    else:
+        timed, what = llama_target(args)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in LOADS}
     for _ in range(args.rounds):
         for name, mode in LOADS.items():
             proc = neighbour(mode, args.neighbour_core)
             try:
-                runs[name].append(pass_times(args.gguf, 0, args.ks, args.seconds, 1, reduce=statistics.median))
+                runs[name].append(timed())
             finally:
                 if proc is not None:
                     proc.kill()
                     proc.wait()
     idle = {k: statistics.median(r[str(k)] for r in runs["idle"]) for k in args.ks}
-    print(f"llama.cpp on {args.gguf.name}, one thread on core {args.target_core}; load on core {args.neighbour_core}")
+    print(f"{what}, one thread on core {args.target_core}; load on core {args.neighbour_core}")
     print("| neighbour | " + " | ".join(f"{k} rows ms | x idle" for k in args.ks) + " |")
     print("|---|" + "---|---|" * len(args.ks))
     for name in LOADS:
@@ -106,6 +117,27 @@ def main() -> None:
             t = statistics.median(r[str(k)] for r in runs[name])
             cells.append(f"{1000 * t:.1f} | {t / idle[k]:.2f}")
         print(f"| {name} | " + " | ".join(cells) + " |")
+
+
+def llama_target(args: argparse.Namespace) -> tuple[Callable[[], dict[str, float]], str]:
+    """llama.cpp's passes over the target's GGUF (the quickstart's by default), as `pass_times` times them."""
+    if args.gguf is None:
+        from common.model.llama_cpp import find_gguf
+        from common.model.store import resolve_gguf
+
+        args.gguf = find_gguf(resolve_gguf("qwen2.5-coder-1.5b"))
+    lib.llama_backend_init()
+    silent = lib.llama_log_callback(lambda level, text, user_data: None)
+    lib.llama_log_set(silent, None)
+    _KEEP.append(silent)  # llama.cpp calls it until the process ends
+
+    def timed() -> dict[str, float]:
+        return pass_times(args.gguf, 0, args.ks, args.seconds, 1, reduce=statistics.median)
+
+    return timed, f"llama.cpp on {args.gguf.name}"
+
+
+_KEEP: list[object] = []
 
 
 if __name__ == "__main__":
