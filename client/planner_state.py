@@ -25,7 +25,7 @@ from common.model.store import cache_root, read_json, write_json
 
 log = logging.getLogger("specexec.planner")
 
-STATE_VERSION = 3  # 2: a regime keeps the time its trees imposed on shared passes; 3: means per load class
+STATE_VERSION = 4  # 2: a regime keeps the time its trees imposed on shared passes; 3: means per load class; 4: the share of a re-rooted tree the search had done
 
 
 def default_dir() -> Path:
