@@ -84,6 +84,7 @@ class GenerationStats:
     )  # nodes drafted per step: a floor or a small tree stops short
     chain_steps: int = 0  # steps whose draft proposal was a plain chain
     reused_trees: int = 0  # trees grown from the draft's lookahead search (re-rooted, no catch-up)
+    reused_draft_seconds: float = 0.0  # of draft_seconds, the steps' whose tree was re-rooted
     draft_failures: int = 0
     shared_steps: int = 0  # steps whose target pass also verified other sessions' trees
 
@@ -107,8 +108,10 @@ class GenerationStats:
             "network_seconds": round(self.network_seconds, 4),
             "draft_failures": self.draft_failures,
             "mean_budget": round(sum(self.budgets) / len(self.budgets), 2) if self.budgets else 0,
+            "drafted_steps": len(self.budgets),
             "chain_steps": self.chain_steps,
             "reused_trees": self.reused_trees,
+            "reused_draft_seconds": round(self.reused_draft_seconds, 4),
             "shared_steps": self.shared_steps,
         }
 
@@ -604,6 +607,8 @@ class Sequence:
         draft_wire = wire_seconds(draft_s, drafted.node_seconds if drafted is not None else None)
         target_wire = wire_seconds(target_s, result.node_seconds)
         stats.draft_seconds += draft_s - draft_wire
+        if drafted is not None and drafted.reused:
+            stats.reused_draft_seconds += draft_s - draft_wire
         stats.target_seconds += target_s - target_wire
         stats.network_seconds += draft_wire + target_wire
         stats.target_steps += 1

@@ -32,6 +32,13 @@ def test_home_lab_runs_every_contestant_pinned_and_exact(model_dirs, tmp_path):
     assert all(row["same_tokens"] for row in results["summary"])
     report = (out / "report.md").read_text()
     assert "| split, pipelined |" in report and "round trip 20 ms (delaying relay)" in report
+    rows = {(r["category"], r["contestant"]): r for r in results["summary"]}
+    assert all(r["target_ms"] > 0 for r in rows.values())
+    assert all(r["draft_ms_rerooted"] is None and r["draft_ms_fresh"] is None
+               for (_, name), r in rows.items() if name == "target alone")  # fmt: skip
+    assert all((r["draft_ms_rerooted"] is not None) == (r["reused"] > 0) for r in rows.values())
+    assert all(r["reused"] == 0 and r["draft_ms_rerooted"] is None
+               for (_, name), r in rows.items() if name in ("split, sequential", "one process"))  # fmt: skip
     assert (out / "home-lab.png").stat().st_size > 0
 
 

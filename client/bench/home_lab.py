@@ -269,9 +269,26 @@ def summarize(runs: list[LabRun]) -> list[dict[str, Any]]:
                 "target_share": sum(r.stats["target_seconds"] for r in mine) / wall,
                 "wire_share": sum(r.stats["network_seconds"] for r in mine) / wall,
                 "reused": sum(r.stats.get("reused_trees", 0) for r in mine) / max(steps, 1),
+                **_per_step(mine),
                 "same_tokens": all(r.tokens == base[r.prompt].tokens for r in mine),
             })  # fmt: skip
     return rows
+
+
+def _per_step(runs: list[LabRun]) -> dict[str, float | None]:
+    """Milliseconds a step waited for the target, and for the draft on a tree it re-rooted and on
+    one it built afresh (None: no such step): what bounds a pipelined split's steps."""
+    total = {k: sum(r.stats.get(k, 0) for r in runs)
+             for k in ("target_seconds", "target_steps", "draft_seconds", "reused_draft_seconds", "reused_trees")}  # fmt: skip
+    drafted = sum(r.stats.get("drafted_steps", 0) for r in runs)
+    fresh = drafted - total["reused_trees"]
+
+    def ms(seconds: float, steps: float) -> float | None:
+        return 1000 * seconds / steps if steps else None
+
+    return {"target_ms": ms(total["target_seconds"], total["target_steps"]),
+            "draft_ms_rerooted": ms(total["reused_draft_seconds"], total["reused_trees"]),
+            "draft_ms_fresh": ms(total["draft_seconds"] - total["reused_draft_seconds"], fresh)}  # fmt: skip
 
 
 def _mean(xs: list[float]) -> float:
@@ -294,21 +311,29 @@ def write_report(out: Path, config: HomeLabConfig, runs: list[LabRun], rows: lis
         f"--budget auto (cap {config.max_budget}), client-target round trip "
         f"{config.rtt_ms:g} ms{' (delaying relay)' if config.rtt_ms else ''}.", "",
         "| setting | category | contestant | runs | tok/s | x target alone | x sequential | tokens/pass "
-        "| draft wait | target | wire | re-rooted trees | same tokens as target |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| draft wait | target | wire | re-rooted trees | target ms a step | draft ms, re-rooted tree | fresh tree "
+        "| same tokens as target |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]  # fmt: skip
     for r in rows:
         lines.append(
             f"| {r['setting']} | {r['category']} | {r['contestant']} | {r['runs']} | {r['tok_s']:.2f} "
             f"| {r['vs_target']:.2f} | {r['vs_sequential']:.2f} | {r['tokens_per_pass']:.2f} "
             f"| {r['draft_share']:.0%} | {r['target_share']:.0%} | {r['wire_share']:.1%} | {r['reused']:.0%} "
+            f"| {_ms(r['target_ms'])} | {_ms(r['draft_ms_rerooted'])} | {_ms(r['draft_ms_fresh'])} "
             f"| {'yes' if r['same_tokens'] else 'no'} |"
         )
     lines += ["", "x: geometric mean of per-prompt speed ratios. Draft wait, target, wire: shares of the wall "
               "time the client spent waiting on each. Re-rooted trees: the share of steps whose tree grew from "
-              "the draft's lookahead search."]  # fmt: skip
+              "the draft's lookahead search. Target ms a step: the target node's own time a step; draft ms: the "
+              "draft node's time for a tree it re-rooted (what its search had left to do) and for one it "
+              "built afresh."]  # fmt: skip
     (out / "report.md").write_text("\n".join(lines) + "\n")
     plot(out / "home-lab.png", rows)
+
+
+def _ms(value: float | None) -> str:
+    return "" if value is None else f"{value:.0f}"
 
 
 def _weights(backend: str, torch_weights: str) -> str:
