@@ -271,9 +271,9 @@ class TargetEngine(NodeEngine[TargetSession]):
             start = time.perf_counter()
             try:
                 draws = type(group[0][0].session).run_together([(j.session, t) for j, t in group])
+                seconds = time.perf_counter() - start
             except Exception as exc:
                 log.warning("a pass over %d sessions failed (%s); running each alone", len(group), exc)
-            seconds = time.perf_counter() - start
         if draws is None:
             for job, ticket in group:
                 start = time.perf_counter()

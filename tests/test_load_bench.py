@@ -39,8 +39,9 @@ def test_load_bench_runs_both_targets_and_matches_their_texts(model_dirs, tmp_pa
     assert 1.0 <= rows["batched", 3]["sessions_per_pass"] <= 3.0
     for row in rows.values():
         assert 0 < row["client_x_alone_min"] <= row["client_x_alone_p50"]
-        assert row["rows_per_pass"] >= 1 and 0 < row["target_busy"] <= 1 and row["draft_busy"] >= 0
+        assert row["rows_per_pass"] >= 1 and 0 < row["target_busy"] <= 1
         assert row["stream_tok_s_p50"] > 0 and row["stream_x_alone_p50"] > 0
+    assert sum(row["draft_busy"] for row in rows.values()) > 0  # the draft's passes were timed
     # One client's round is its first run alone, set against the mean of its two runs alone.
     assert 0.5 < rows["batched", 1]["client_x_alone_p50"] < 2.0
     assert "| batched | 3 |" in (out / "report.md").read_text()
