@@ -23,7 +23,12 @@
 #   6. many sessions on that target, and with half its layers on the GPU (1, 2, 4, 8 threads of one
 #      process on the same engines, as the nodes serve them): passes that wait for sessions due
 #      back, passes that wait for none, and one session a pass; the target alone and fixed trees
-#      (benchmarks/gpu_load.py).
+#      (benchmarks/gpu_load.py);
+#   7. many streaming clients through real nodes and the gateway's OpenAI endpoint (`specexec bench
+#      --load`, 1 and 8 clients, 32-token answers): the 7B-shape target node streamed from RAM on 12
+#      cores, the 0.5B-shape draft node on the GPU, both with the default pair's tokenizer. Random
+#      weights give no real acceptance (the planner soon runs the target alone), so this measures
+#      the serving path: gRPC, the gateway, streaming, and passes shared across processes.
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
 # On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute; on 27 Nov step 6 with two
 # contestants 2.6 minutes (0 GPU layers) and 0.4 (14).
@@ -135,5 +140,16 @@ step "many sessions on a 7B-shape target with 14 of 28 layers on the GPU" timeou
     python3 -m benchmarks.gpu_load --target /tmp/qwen2.5-7b.gguf --draft /tmp/qwen2.5-0.5b.gguf \
     --target-layers 14 --draft-layers 99 --clients 1 8 --trees 16 --steps 16 --out "$OUT/load-14.json" \
     --curves-from $curves --target-curve "target 7b, 14 GPU layers" ${contestants[@]+--contestants "${contestants[@]}"}
+gateway_load() {
+    for role in target draft; do
+        mkdir -p /tmp/gw-$role && tar -C /tmp/gw-$role -xJf .gpu/tok.tar.xz
+    done
+    ln -sf /tmp/qwen2.5-7b.gguf /tmp/gw-target/model.gguf && ln -sf /tmp/qwen2.5-0.5b.gguf /tmp/gw-draft/model.gguf
+    python3 -m client.cli.main bench --load --target-model /tmp/gw-target --draft-model /tmp/gw-draft \
+        --load-target-backend llama.cpp --load-draft-backend llama.cpp --load-draft-n-gpu-layers 99 \
+        --draft-cores 0,1,2,3 --target-cores 4,5,6,7,8,9,10,11,12,13,14,15 --clients ${GATEWAY_CLIENTS:-1 8} \
+        --max-new-tokens ${GATEWAY_TOKENS:-32} --out "$OUT/gateway"
+}
+step "many clients through the gateway, 7B-shape target streamed" timeout 420 gateway_load
 echo "== [$(($(date +%s) - start)) s] done, $failed failed"
 exit $failed

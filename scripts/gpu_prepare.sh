@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# Prepares what scripts/gpu_check.sh needs on a GPU machine that has CUDA, PyTorch and a compiler but
-# no network: wheels of our pure-Python and gRPC dependencies (.whl/, for Python 3.12), llama-cpp-python's
-# Python files and the llama.cpp source it vendors, stripped to the library and its CPU and CUDA
-# backends (.gpu/, about 20 MB). Run here, in the repository root, with the project's .venv set up.
+# Prepares what scripts/gpu_check.sh needs on a GPU machine that has CUDA, PyTorch, transformers and a
+# compiler but no network: wheels of our gRPC, metrics and HTTP dependencies (.whl/, for Python 3.12),
+# the default pair's tokenizer files (.gpu/tok.tar.xz: random weights get a real tokenizer, so the
+# gateway can serve them), llama-cpp-python's Python files and the llama.cpp source it vendors,
+# stripped to the library and its CPU and CUDA backends (.gpu/, about 20 MB). Run here, in the
+# repository root, with the project's .venv set up and the default draft installed as a GGUF.
 # With --prebuild it also builds that llama.cpp with CUDA here (.gpu/lib), from NVIDIA's CUDA 13.0
 # compiler and library wheels on PyPI, for Hopper (sm_90) and any AVX2 CPU, so that the GPU
 # machine's few minutes go to the checks instead of the build: about 45 minutes on 2 cores.
@@ -12,12 +14,14 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || printf '/.gpu/\n/.whl/\n' >> 
 version=$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')
 mkdir -p .whl .gpu/site
 pins=$(.venv/bin/pip list --format=freeze 2>/dev/null |
-       grep -iE '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|prometheus.client|gguf|diskcache)==')
+       grep -iE '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|prometheus.client|gguf|diskcache|fastapi|starlette|uvicorn|pydantic|pydantic.core|annotated.types|typing.inspection)==')
 for pin in $pins; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "$pin"
 done
+tok=$(.venv/bin/python -c 'from common.model.store import resolve_gguf; print(resolve_gguf("qwen2.5-coder-0.5b"))')
+tar -C "$tok" -cJf .gpu/tok.tar.xz tokenizer.json tokenizer_config.json chat_template.jinja generation_config.json config.json
 site=$(.venv/bin/python -c 'import llama_cpp, os; print(os.path.dirname(llama_cpp.__file__))')
 rm -rf .gpu/site/llama_cpp && cp -r "$site" .gpu/site/llama_cpp
 rm -rf .gpu/site/llama_cpp/lib/* .gpu/site/llama_cpp/__pycache__ .gpu/site/llama_cpp/server

@@ -257,6 +257,14 @@ def add_bench_parser(sub: Any) -> None:
         default="torch",
         help="--load: the draft node's backend (llama.cpp: its GGUF as it is; --draft-quantize is ignored)",
     )
+    for role in ("target", "draft"):
+        lab.add_argument(
+            f"--load-{role}-n-gpu-layers",
+            type=int,
+            default=0,
+            metavar="N",
+            help=f"--load: the {role} node's --n-gpu-layers (llama.cpp backend: layers on the GPU)",
+        )
     b.set_defaults(func=cmd_bench)
 
 
@@ -323,6 +331,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         max_budget=args.auto_cap or 64,
         target_backend=args.load_target_backend,
         draft_backend=args.load_draft_backend,
+        target_n_gpu_layers=args.load_target_n_gpu_layers,
+        draft_n_gpu_layers=args.load_draft_n_gpu_layers,
         out=Path(args.out),
     )
     if set(config.draft_cores) & set(config.target_cores):

@@ -60,6 +60,8 @@ class LoadConfig:
     max_budget: int = 64  # --budget auto's cap, and the nodes' --max-tree
     target_backend: str = "torch"  # llama.cpp: the target's GGUF (installed with --format gguf)
     draft_backend: str = "torch"  # llama.cpp: the draft's GGUF, as it is (no --draft-quantize)
+    target_n_gpu_layers: int = 0  # llama.cpp: layers on the GPU (0: in RAM, streamed for big passes)
+    draft_n_gpu_layers: int = 0
     out: Path = field(default_factory=lambda: Path("bench-results/load"))
 
 
@@ -84,9 +86,9 @@ class LoadLab:
         draft = model_dir(config.draft_model, config.draft_backend)
         target = model_dir(config.target_model, config.target_backend)
         sessions = ["--max-sessions", str(max(config.clients) + 1), "--max-context", "2048"]
-        backend = ["--backend", config.target_backend]
+        backend = ["--backend", config.target_backend, *gpu_layers(config.target_n_gpu_layers)]
         llama_draft = config.draft_backend == "llama.cpp"
-        draft_backend = ["--backend", config.draft_backend]
+        draft_backend = ["--backend", config.draft_backend, *gpu_layers(config.draft_n_gpu_layers)]
         self.metrics: dict[str, dict[str, str]] = {}  # contestant -> role -> metrics URL
         self.urls: dict[str, str] = {}
         for name, (target_extra, draft_extra) in CONTESTANTS.items():
@@ -132,6 +134,10 @@ class LoadLab:
 
     def close(self) -> None:
         stop_processes(self.procs)
+
+
+def gpu_layers(n: int) -> list[str]:
+    return ["--n-gpu-layers", str(n)] if n else []
 
 
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
@@ -298,7 +304,9 @@ def write_report(out: Path, config: LoadConfig, runs: list[ClientRun], rows: lis
         f" draft) -> {config.target_model} "
         f"({config.dtype if config.target_backend == 'torch' else 'its GGUF on llama.cpp'}), "
         f"draft cores {config.draft_cores}, target cores {config.target_cores}, {config.max_new_tokens}-token "
-        f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client.", "",
+        f"greedy chat answers, --budget auto (cap {config.max_budget}), one prompt per client"
+        + (f"; layers on the GPU: target {config.target_n_gpu_layers}, draft {config.draft_n_gpu_layers}"
+           if config.target_n_gpu_layers or config.draft_n_gpu_layers else "") + ".", "",
         "| target | clients | aggregate tok/s | x one client | client tok/s p50 | p5 | client x alone p50 | min "
         "| TTFT p50 s | TTFT p95 s | streaming tok/s p50 | x alone | sessions per pass | target passes | rows per pass "
         "| target busy | draft sessions per pass | draft passes | draft busy | same text |",
