@@ -108,7 +108,8 @@ def round_(target: TargetEngine, draft: DraftEngine | None, tree: TreeParams | N
     return {"clients": clients, "aggregate": sum(o["steps"] - 1 for o in outs) / (end - first),
             "rates": rates, "ttft": ttfts, "passes": len(passes), "rows": sum(passes),
             "steps": sum(o["steps"] - 1 for o in outs), "draft_passes": len(drafts),
-            "turnaround": statistics.median(turnarounds) if turnarounds else None}  # fmt: skip
+            "turnaround": statistics.median(turnarounds) if turnarounds else None,
+            "return_spread": target.batcher.return_spread}  # fmt: skip
 
 
 def engines(models: dict[str, LoadedModel], contestant: str, curve: list[tuple[int, float]], cap: int,
@@ -212,8 +213,9 @@ def main() -> None:
     if args.out:
         args.out.write_text(json.dumps(runs, indent=1))
     print("| contestant | run | clients | steps/s, all | a client's steps/s: p50 | min | p50 over alone | "
-          "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes | turnaround p50 (ms) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "first step p50 / p95 (s) | target passes | sessions a pass | rows a pass | draft passes | turnaround p50 (ms) "
+          "| return spread (ms a session) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     alone = {r["tree"]: statistics.median(r["rates"]) for r in runs if r["clients"] == 1}
     for r in runs:
         p50 = statistics.median(r["rates"])
@@ -221,10 +223,11 @@ def main() -> None:
         p95 = ttft[min(len(ttft) - 1, round(0.95 * (len(ttft) - 1)))]
         run = f"tree of {r['tree']}" if r["tree"] else "target alone"
         turnaround = "" if r.get("turnaround") is None else f"{r['turnaround'] * 1e3:.1f}"
+        spread = "" if r.get("return_spread") is None else f"{r['return_spread'] * 1e3:.1f}"
         print(f"| {r['contestant']} | {run} | {r['clients']} | {r['aggregate']:.2f} | {p50:.2f} | {r['rates'][0]:.2f} "
               f"| {p50 / alone[r['tree']]:.2f}x | {statistics.median(ttft):.2f} / {p95:.2f} | {r['passes']} "
               f"| {r['steps'] / max(r['passes'], 1):.2f} | {r['rows'] / max(r['passes'], 1):.1f} | {r['draft_passes']} "
-              f"| {turnaround} |")  # fmt: skip
+              f"| {turnaround} | {spread} |")  # fmt: skip
 
 
 if __name__ == "__main__":

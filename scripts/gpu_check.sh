@@ -54,6 +54,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 cp -r .gpu/site/llama_cpp /tmp/site/ && cp -P .gpu/lib/* /tmp/site/llama_cpp/lib/ || exit 1
 export PYTHONPATH=/tmp/site:$PWD HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
 python3 -c "import torch; print('torch', torch.__version__, 'CUDA', torch.version.cuda)"
+python3 -c "import client.cli.commands, transformers" || exit 1  # the CLI, the gateway and its HTTP stack
 # Built against CUDA 13.0's wheels: the runtime and cuBLAS come from the toolkit here, else PyTorch's.
 cuda_lib=/usr/local/cuda/lib64
 command -v nvcc >/dev/null && cuda_lib=$(readlink -f "$(dirname "$(readlink -f "$(command -v nvcc)")")/../lib64")
@@ -87,6 +88,7 @@ __attribute__((constructor)) static void install(void) {
 }
 EOF
 gcc -shared -fPIC -O1 -o /tmp/segv.so /tmp/segv.c
+rm -rf /tmp/tiny /tmp/tiny-gguf
 python3 -c "from tests.tiny_models import gguf_model_dir, make_tiny_model as m
 gguf_model_dir(m('/tmp/tiny', arch='qwen2', layers=4, seed=3), '/tmp/tiny-gguf', 'F32')"
 for first in "" "import torch; torch.cuda.init(); "; do
@@ -150,6 +152,7 @@ gateway_load() {
         --draft-cores 0,1,2,3 --target-cores 4,5,6,7,8,9,10,11,12,13,14,15 --clients ${GATEWAY_CLIENTS:-1 8} \
         --max-new-tokens ${GATEWAY_TOKENS:-32} --out "$OUT/gateway"
 }
-step "many clients through the gateway, 7B-shape target streamed" timeout 420 gateway_load
+export -f gateway_load
+step "many clients through the gateway, 7B-shape target streamed" timeout 420 bash -c gateway_load
 echo "== [$(($(date +%s) - start)) s] done, $failed failed"
 exit $failed

@@ -14,10 +14,10 @@ grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || printf '/.gpu/\n/.whl/\n' >> 
 version=$(.venv/bin/python -c 'import llama_cpp; print(llama_cpp.__version__)')
 mkdir -p .whl .gpu/site
 pins=$(.venv/bin/pip list --format=freeze 2>/dev/null |
-       grep -iE '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|prometheus.client|gguf|diskcache|fastapi|starlette|uvicorn|pydantic|pydantic.core|annotated.types|typing.inspection)==')
+       grep -iE '^(grpcio|grpcio-health-checking|grpcio-reflection|protobuf|prometheus.client|gguf|diskcache|fastapi|starlette|uvicorn|pydantic|pydantic.core|annotated.types|typing.inspection|opentelemetry.api|typing.extensions|cryptography|cffi|pycparser)==')
 for pin in $pins; do
     python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        --platform manylinux_2_34_x86_64 --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
         -d .whl "$pin"
 done
 tok=$(.venv/bin/python -c 'from common.model.store import resolve_gguf; print(resolve_gguf("qwen2.5-coder-0.5b"))')

@@ -277,6 +277,45 @@ def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pa
     assert batcher._due(10.001) == 0.0 and "soon" not in batcher._turnaround
 
 
+def test_a_merged_groups_turnaround_is_priced_by_how_far_apart_its_sessions_come_back():
+    """Two sessions away 60 ms each would save a 100 ms pass by sharing one. If one machine does
+    their work one session after another (returns spread 50 ms per session), the merged group comes
+    back after about 60 + 50 ms: the pass does not wait. If it does it in shared passes (a GPU
+    draft: returns a few ms apart), about 60 + 5 ms: it waits. Until the spread is known, t + t'."""
+    batcher, _ = recording_batcher(max_tokens=8)
+    batcher.cost = lambda rows: 0.1  # flat
+    batcher._queue = [job("here", 4)]
+    batcher._away, batcher._turnaround = {"soon": (10.0, 4)}, {"soon": 0.06, "here": 0.06}
+    assert batcher._due(10.001) == 0.0  # 60 + 60 ms > the 100 ms saved
+    batcher._spread = 0.005
+    assert batcher._due(10.001) == pytest.approx(10.0 + 0.06 * 1.25 + 0.001)
+    batcher._spread = 0.05
+    assert batcher._due(10.001) == 0.0
+    batcher._spread = 0.5  # never priced above t + t'
+    batcher._turnaround["here"] = 0.03
+    assert batcher._due(10.001) > 10.0
+
+
+def test_the_batcher_learns_how_far_apart_one_passs_sessions_come_back():
+    """Sessions that shared a pass are followed until all are back; their spread, per session, is
+    learned as an EMA. A session alone in its pass, or one closed, teaches nothing."""
+    batcher, passes = recording_batcher(window=0.2)
+    batcher.cost = lambda rows: 0.1
+    at_once([lambda: batcher.submit(job("a")), lambda: batcher.submit(job("b")), lambda: batcher.submit(job("c"))])
+    assert passes == [["a", "b", "c"]] and len({id(r) for r in batcher._returns.values()}) == 1
+    assert batcher.return_spread is None
+    batcher._learn_spread("a", 0.01)
+    batcher._learn_spread("c", 0.05)
+    assert batcher.return_spread is None  # b is not back yet
+    batcher._learn_spread("b", 0.03)
+    assert batcher.return_spread == pytest.approx(0.02) and not batcher._returns
+    batcher.submit(job("a"))  # alone in its pass
+    assert "a" not in batcher._returns
+    at_once([lambda: batcher.submit(job("b")), lambda: batcher.submit(job("c"))])
+    batcher.forget("b")
+    assert set(batcher._returns) == {"c"}
+
+
 def test_a_long_pause_counts_as_the_longest_pass_in_a_sessions_turnaround():
     batcher, _ = recording_batcher(max_tokens=64)
     batcher.cost = lambda rows: 0.05 + 0.001 * rows

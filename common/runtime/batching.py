@@ -17,17 +17,23 @@ Sessions that are elsewhere (a Verify step's client drafting its next tree, or j
 result over the network) are waited for only where it pays, by the pass's `cost` (seconds for its
 rows, the node's forward-time curve). Say the r rows queued come from sessions whose turnaround
 (their job done to their next arriving) is t, and a session due back with r' rows has turnaround
-t'. Taking turns, the two groups cost the target T(r) + T(r') a round; together T(r + r'), plus,
-if their work between passes comes from one machine that does it one session after another (a
-CPU draft), t + t' instead of the longer of the two. So a pass waits for it if t + t' and its
-wait are at most T(r) + T(r') - T(r + r'). On a flat curve (a target streamed to a GPU) that is
-nearly a whole pass: 8 sessions running the target alone split into two groups that took turns,
-4 a pass, until passes waited (docs/benchmarks.md, "Many users on a streamed target"). Where the
-draft's trees take about a pass or more (a CPU draft beside a flat bf16 target), sessions out of
-phase keep both machines busy, and passes that waited to bring every session in made 18.0 tok/s
-at 8 clients against 23.7 (docs/benchmarks.md#many-users-on-one-target); on a CPU's steep curve
-the saving is a few tens of milliseconds, so it waits for few but the sessions running the
-target alone.
+t'. Taking turns, the two groups cost the target T(r) + T(r') a round; together T(r + r') plus
+the merged group's turnaround. That is about the longer of t and t' where the sessions' work
+between passes runs in shared passes (a draft on a GPU), and t + t' where one machine does it one
+session after another (a CPU draft). Which it is shows in how far apart one pass's sessions come
+back: the batcher learns that spread per session, s, prices k' sessions joining as
+max(t, t') + k' s, at most t + t' (t + t' until it knows s), and waits for a session due back if
+that and the wait are at most T(r) + T(r') - T(r + r').
+
+On a flat curve (a target streamed to a GPU) that saving is nearly a whole pass: 8 sessions
+running the target alone split into two groups that took turns, 4 a pass, until passes waited
+(docs/benchmarks.md, "Many users on a streamed target"); with 16-node trees drafted on the GPU,
+pricing the merge at t + t' kept them taking turns (H200: 3.3x one client, 4.3 sessions a pass).
+Where the draft's trees take about a pass or more (a CPU draft beside a flat bf16 target),
+sessions out of phase keep both machines busy, and passes that waited to bring every session in
+made 18.0 tok/s at 8 clients against 23.7 (docs/benchmarks.md#many-users-on-one-target); on a
+CPU's steep curve the saving is a few tens of milliseconds, so it waits for few but the sessions
+running the target alone.
 """
 
 from __future__ import annotations
@@ -74,6 +80,14 @@ DUE_SLACK = 0.25
 AWAY_MAX = 30.0
 
 
+class _Returns:
+    """One pass's sessions coming back for their next: each one's seconds away, as it comes."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+        self.seen: list[float] = []
+
+
 class PassBatcher(Generic[J]):
     def __init__(
         self,
@@ -106,6 +120,8 @@ class PassBatcher(Generic[J]):
         self.cost: Callable[[int], float] | None = None  # a pass's seconds for its rows; None: wait for no one away
         self._away: dict[str, tuple[float, int]] = {}  # session id -> when its last job was done, its rows
         self._turnaround: dict[str, float] = {}  # session id -> seconds from a job done to its next (EMA)
+        self._returns: dict[str, _Returns] = {}  # session id -> its last pass's sessions, coming back
+        self._spread: float | None = None  # seconds between returns of one pass's sessions, per session (EMA)
 
     @contextmanager
     def working(self, session_id: str) -> Iterator[None]:
@@ -127,11 +143,19 @@ class PassBatcher(Generic[J]):
         with self._cv:
             return self._turnaround.get(session_id)
 
+    @property
+    def return_spread(self) -> float | None:
+        """The seconds apart that sessions of one pass come back, per session, as learned (None: not
+        yet): about their work's time each where one machine does it one session after another."""
+        with self._cv:
+            return self._spread
+
     def forget(self, session_id: str) -> None:
         """A closed session: no pass waits for it."""
         with self._cv:
             self._away.pop(session_id, None)
             self._turnaround.pop(session_id, None)
+            self._returns.pop(session_id, None)
 
     def submit(self, job: J) -> J:
         """Queue `job` and lead passes while it is not done and none is running; raises its error."""
@@ -143,6 +167,7 @@ class PassBatcher(Generic[J]):
                 seen = min(time.perf_counter() - away[0], self.cost(self.max_tokens))
                 last = self._turnaround.get(job.session_id)
                 self._turnaround[job.session_id] = seen if last is None else last + TURNAROUND_EMA * (seen - last)
+                self._learn_spread(job.session_id, seen)
             self._queue.append(job)
             self._cv.notify_all()  # a leader inside its window may now have a full batch
             while not job.done:
@@ -188,8 +213,10 @@ class PassBatcher(Generic[J]):
                 finished = time.perf_counter()
                 if rows:  # its rows as it came: a prepared job's pending chain is committed by now
                     with self._cv:
-                        self._away.update((j.session_id, (finished, rows[j.session_id]))
-                                          for j in batch if j.done and j.error is None)  # fmt: skip
+                        served = [j.session_id for j in batch if j.done and j.error is None]
+                        self._away.update((sid, (finished, rows[sid])) for sid in served)
+                        returns = _Returns(len(served))
+                        self._returns.update((sid, returns) for sid in served if len(served) > 1)
                 for j in batch:
                     spent = self._spent.pop(j, 0.0) + finished - acquired
                     if not j.done:
@@ -205,10 +232,23 @@ class PassBatcher(Generic[J]):
         queued = {j.session_id for j in self._queue}
         return any(sid not in queued for sid in self._working)
 
+    def _learn_spread(self, session_id: str, seen: float) -> None:
+        """A session back `seen` seconds after its pass: once all of that pass's are, their spread.
+        Called under the condition's lock."""
+        returns = self._returns.pop(session_id, None)
+        if returns is None:
+            return
+        returns.seen.append(seen)
+        if len(returns.seen) == returns.size:
+            spread = (max(returns.seen) - min(returns.seen)) / (returns.size - 1)
+            last = self._spread
+            self._spread = spread if last is None else last + TURNAROUND_EMA * (spread - last)
+
     def _due(self, now: float) -> float:
         """Until when the next pass waits for sessions due back, by their turnaround: each, soonest
         first, while its wait, and its turnaround with the queued sessions' longest, are shorter
-        than the pass their rows would otherwise need (`cost`) and they fit the pass. An overdue
+        than the pass their rows would otherwise need (`cost`) and they fit the pass (the module's
+        docstring says why the merged group's turnaround is priced so). An overdue
         session is not waited for, though its return still teaches its turnaround; one away
         `AWAY_MAX` is forgotten. Called under the condition's lock."""
         if self.cost is None or not self._away:
@@ -226,10 +266,13 @@ class PassBatcher(Generic[J]):
         queued, extra, until = self._queued_tokens(), 0, 0.0
         here = max((self._turnaround.get(j.session_id, 0.0) for j in self._queue), default=0.0)
         away = 0.0
-        for at, rows, turnaround in sorted(due):
+        for joining, (at, rows, turnaround) in enumerate(sorted(due), 1):
             away = max(away, turnaround)
+            merged = here + away
+            if self._spread is not None:
+                merged = min(merged, max(here, away) + joining * self._spread)
             saved = self.cost(queued) + self.cost(extra + rows) - self.cost(queued + extra + rows)
-            if queued + extra + rows > self.max_tokens or max(at - now, here + away) > saved:
+            if queued + extra + rows > self.max_tokens or max(at - now, merged) > saved:
                 break
             extra, until = extra + rows, at
         return until
