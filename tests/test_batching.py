@@ -18,7 +18,7 @@ from client.api import SpecExec
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams
-from common.runtime.batching import PassBatcher
+from common.runtime.batching import PassBatcher, _Returns
 from common.runtime.sessions import StepCancelled, StepOutOfOrder
 from draft_node import engine as draft_engine_module
 from draft_node.engine import DraftEngine
@@ -257,10 +257,12 @@ def test_a_pass_waits_for_a_session_due_back_only_where_its_rows_would_cost_a_pa
     away = {"soon": (10.0, 4), "late": (10.0, 4), "new": (10.0, 4), "overdue": (9.0, 4), "gone": (-30.0, 4)}
     turnaround = {"soon": 0.002, "late": 0.5, "overdue": 0.1, "gone": 0.002}
     batcher._away, batcher._turnaround = dict(away), dict(turnaround)
+    batcher._returns["gone"] = _Returns(2)
     assert batcher._due(10.001) == 0.0  # no cost: waits for no one away
     batcher.cost = lambda rows: 0.1  # flat
     assert batcher._due(10.001) == pytest.approx(10.0 + 0.002 * 1.25 + 0.001)
     assert set(batcher._away) == {"soon", "late", "new", "overdue"} and "gone" not in batcher._turnaround
+    assert "gone" not in batcher._returns
     batcher.max_tokens = 7
     assert batcher._due(10.001) == 0.0  # 4 + 4 rows would not fit
     batcher.max_tokens = 8

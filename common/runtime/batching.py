@@ -259,6 +259,7 @@ class PassBatcher(Generic[J]):
             if now - done > AWAY_MAX:
                 del self._away[sid]
                 self._turnaround.pop(sid, None)
+                self._returns.pop(sid, None)
             elif turnaround is not None:  # a session's first return is not waited for: nothing says when
                 at = done + turnaround * (1 + DUE_SLACK) + 0.001
                 if at > now:
