@@ -28,6 +28,7 @@ from client.generation import (
     needs_curve,
     tree_params_for,
 )
+from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
 from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -110,7 +111,23 @@ class SpecExec:
         self.planner_file: Path | None = None  # where the planner's state is kept, once it exists
         self.planner_restored = False  # whether it started from what earlier processes learned
         self._planner_lock = threading.Lock()
+        self.prompt_cache: PromptCache | None = None
         self.current_planner()
+
+    def use_prompt_cache(self, size: int, max_idle: float = DEFAULT_MAX_IDLE) -> None:
+        """Keep up to `size` finished generations' sequences on the nodes, so that a request that
+        starts the same way (a chat's next turn) reads only the rest of its prompt (client.prompt_cache).
+        Idle sequences hold node sessions; they give them up before active ones would want for one."""
+        infos = [self.target.info(), *([self.link.info] if self.link is not None and self.link.info else [])]
+        limits = [i.max_sessions for i in infos if i.max_sessions]
+        self.close()
+        self.prompt_cache = PromptCache(self.sequence, size=size, max_idle=max_idle,
+                                        session_limit=min(limits, default=0)) if size else None  # fmt: skip
+
+    def close(self) -> None:
+        """Close the sequences the prompt cache keeps (their sessions on both nodes)."""
+        if self.prompt_cache is not None:
+            self.prompt_cache.clear()
 
     def _fit_tree(self, infos: list[Any]) -> None:
         """Under `--budget auto` the budget is a cap, not a demand: fitted to what the nodes take (a
@@ -249,11 +266,23 @@ class SpecExec:
     ) -> Iterator[Chunk]:
         """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
         sampling = sampling or SamplingParams(**kwargs)
-        sequence = self.sequence(self.encode(prompt), recovery)
+        ids = self.encode(prompt)
+        cache = self.prompt_cache
+        if cache is None:
+            sequence, cached = self.sequence(ids, recovery), 0
+        else:
+            sequence, cached = cache.acquire(ids)
+            sequence.recovery = recovery or self.recovery
+        ended = False
         try:
-            yield from self._run(sequence, sampling)
+            for chunk in self._run(sequence, sampling, cached):
+                ended = chunk.finish_reason is not None
+                yield chunk
         finally:
-            sequence.close()
+            if cache is None:
+                sequence.close()
+            else:
+                cache.release(sequence, reusable=ended)
             if self.planner is not None and self.planner_file is not None:
                 planner_state.save(self.planner, self.planner_file)
 
@@ -262,8 +291,8 @@ class SpecExec:
     ) -> Completion:
         return collect(self.stream(prompt, sampling, **kwargs))
 
-    def _run(self, sequence: Sequence, sampling: SamplingParams) -> Iterator[Chunk]:
-        stats = GenerationStats()
+    def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
+        stats = GenerationStats(cached_prompt_tokens=cached)
         text = TextAssembler(self.tokenizer, sampling.stop)
         started = time.perf_counter()
         finish = "length"

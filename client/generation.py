@@ -87,6 +87,7 @@ class GenerationStats:
     reused_draft_seconds: float = 0.0  # of draft_seconds, the steps' whose tree was re-rooted
     draft_failures: int = 0
     shared_steps: int = 0  # steps whose target pass also verified other sessions' trees
+    cached_prompt_tokens: int = 0  # prompt tokens a kept sequence already held (client.prompt_cache)
 
     @property
     def tokens_per_step(self) -> float:
@@ -113,6 +114,7 @@ class GenerationStats:
             "reused_trees": self.reused_trees,
             "reused_draft_seconds": round(self.reused_draft_seconds, 4),
             "shared_steps": self.shared_steps,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
         }
 
 

@@ -105,9 +105,10 @@ class LoadLab:
             draft_addr = self._start(cmd, config.draft_cores, f"127.0.0.1:{port}")
             port = free_port()
             # Each contestant's planner starts afresh: kept state would carry one run (or contestant) into the next.
+            # No prompt cache: every round sends the prompts the runs alone sent, which real users would not.
             cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", target_addr, "--draft", draft_addr,
                    "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--max-budget", str(config.max_budget),
-                   "--no-planner-memory"]  # fmt: skip
+                   "--no-planner-memory", "--prompt-cache", "0"]  # fmt: skip
             argv, env = pinned(cmd, config.draft_cores)
             self.procs.append(subprocess.Popen(argv, env=env))
             self.urls[name] = f"http://127.0.0.1:{port}"

@@ -25,6 +25,7 @@ from client.cli.output import print_stream
 from client.cli.status import add_status_args
 from client.gateway import GenerationServicer
 from client.openai.server import serve_until_signal, start_openai
+from client.prompt_cache import DEFAULT_SIZE as PROMPT_CACHE_SIZE
 from common.model.llama_cpp import BACKENDS
 from common.model.store import DEFAULT_MODELS, install_model, list_models
 from common.ops.config import add_config_option
@@ -79,6 +80,13 @@ def cmd_chat(args: argparse.Namespace) -> int:
     return 0
 
 
+def non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     sec = server_security(args)
     if args.listen is None and not args.openai:
@@ -88,6 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     configure_logs(log_settings(args), "gateway")
     start_metrics_server(args.metrics_port)
     base = generator_from(args)
+    base.use_prompt_cache(args.prompt_cache)
     http = None
     if args.openai:
         http = start_openai(
@@ -100,6 +109,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         )
     if not args.listen:
         serve_until_signal(http)
+        base.close()
         return 0
 
     def make(mode: str, tree: Any) -> SpecExec:
@@ -127,6 +137,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server.wait()
     if http is not None:
         http.stop()
+    base.close()
     return 0
 
 
@@ -214,6 +225,14 @@ def build_parser() -> argparse.ArgumentParser:
     add_remote_args(s, in_process=False)
     s.add_argument(
         "--listen", help=f"gRPC HOST:PORT (default {DEFAULT_GATEWAY_LISTEN}; none if only --openai is given)"
+    )
+    s.add_argument(
+        "--prompt-cache",
+        type=non_negative_int,
+        default=PROMPT_CACHE_SIZE,
+        metavar="N",
+        help="finished requests' sessions kept on the nodes, so that a request starting the same way (a chat's "
+        f"next turn) reads only the rest of its prompt (default {PROMPT_CACHE_SIZE}; 0: off)",
     )
     add_insecure_arg(s)
     add_server_security_args(s)

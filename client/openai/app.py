@@ -113,7 +113,7 @@ class Generation:
     async def whole(self, request: Request) -> Response:
         """The whole answer, or nothing if the client leaves first: one that timed out (and may be
         retrying) must not keep both nodes busy for the rest of its max_tokens."""
-        texts, count, finish = [], 0, None
+        texts, count, finish, cached = [], 0, None, 0
         try:
             while (chunk := await self.next()) is not None:
                 if await request.is_disconnected():
@@ -122,23 +122,25 @@ class Generation:
                 texts.append(chunk.text)
                 count += len(chunk.token_ids)
                 finish = chunk.finish_reason or finish
+                cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
         finally:
             await self.close()
-        return JSONAnswer(self.answer.whole("".join(texts), finish, count))
+        return JSONAnswer(self.answer.whole("".join(texts), finish, count, cached))
 
     async def events(self) -> AsyncIterator[bytes]:
         """The server-sent events. A failure after the first event cannot change the status any more:
         it is reported in-band, as OpenAI does."""
-        answer, count = self.answer, 0
+        answer, count, cached = self.answer, 0, 0
         try:
             if answer.job.chat:
                 yield sse(answer.event(None, None, role=True))
             while (chunk := await self.next()) is not None:
                 count += len(chunk.token_ids)
+                cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
                 if chunk.finish_reason is not None or chunk.text:
                     yield sse(answer.event(chunk.text, chunk.finish_reason))
             if answer.job.include_usage:
-                yield sse(answer.usage_event(count))
+                yield sse(answer.usage_event(count, cached))
         except Exception as exc:
             error = ApiError.from_exception(exc)
             log.warning("generation %s failed mid-stream: %s", answer.id, error.message)

@@ -382,22 +382,24 @@ class Answer:
             kind += ".chunk"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+        """`cached_tokens`: prompt tokens the nodes held from an earlier request (the prompt cache)."""
         prompt = len(self.job.prompt_ids)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
             "total_tokens": prompt + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    def whole(self, text: str, finish: str | None, completion_tokens: int) -> dict[str, Any]:
+    def whole(self, text: str, finish: str | None, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         out = self._envelope(chunk=False)
         if self.job.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
         choice.update(logprobs=None, finish_reason=finish)
-        out.update(choices=[choice], usage=self.usage(completion_tokens))
+        out.update(choices=[choice], usage=self.usage(completion_tokens, cached_tokens))
         return out
 
     def event(self, text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
@@ -416,8 +418,8 @@ class Answer:
             out["usage"] = None
         return out
 
-    def usage_event(self, completion_tokens: int) -> dict[str, Any]:
+    def usage_event(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """The last event with `stream_options.include_usage`: no choices, the usage."""
         out = self._envelope(chunk=True)
-        out.update(choices=[], usage=self.usage(completion_tokens))
+        out.update(choices=[], usage=self.usage(completion_tokens, cached_tokens))
         return out

@@ -18,6 +18,7 @@ class NodeInfo:
     dtype: str
     device: str
     forward_curve: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) per forward pass
+    max_sessions: int = 0  # sessions the node holds at once; 0: not said
 
 
 @dataclass(frozen=True)

@@ -128,4 +128,5 @@ def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
         dtype=msg.dtype,
         device=msg.device,
         forward_curve=tuple((p.tokens, p.seconds) for p in msg.forward_curve),
+        max_sessions=msg.max_sessions,
     )

@@ -88,6 +88,7 @@ class NodeEngine(Generic[S]):
             dtype=str(model.dtype).removeprefix("torch."),
             device=str(model.device),
             forward_curve=self.forward_curve,
+            max_sessions=self.sessions.max_sessions,
         )
 
     def profile(self, progress: bool = True, reprofile: bool = False) -> bool:

@@ -1,0 +1,177 @@
+"""The prompt cache: finished generations' sequences kept on the nodes for a request that starts the
+same way. Which sequence a prompt takes, when idle ones give up their sessions, and that a kept
+sequence's next generation is still the target alone's."""
+
+from __future__ import annotations
+
+import time
+
+import openai
+import pytest
+
+from client.api import SpecExec
+from client.openai.server import OpenAIServer
+from client.prompt_cache import PromptCache
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TreeParams
+from draft_node.engine import DraftEngine
+from target_node.engine import TargetEngine
+from tests.helpers import reference_decode
+
+
+class FakeSequence:
+    def __init__(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self.closed = False
+        self.resets: list[list[int]] = []
+
+    def reset_to(self, tokens: list[int]) -> None:
+        self.tokens = list(tokens)
+        self.resets.append(list(tokens))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def fake_cache(**kwargs) -> tuple[PromptCache, list[FakeSequence]]:
+    opened: list[FakeSequence] = []
+
+    def open_sequence(prompt: list[int]) -> FakeSequence:
+        opened.append(FakeSequence(prompt))
+        return opened[-1]
+
+    return PromptCache(open_sequence, **kwargs), opened  # type: ignore[arg-type]
+
+
+def finish(cache: PromptCache, prompt: list[int], generated: list[int]) -> FakeSequence:
+    sequence, _ = cache.acquire(prompt)
+    sequence.tokens += generated
+    cache.release(sequence, reusable=True)
+    return sequence  # type: ignore[return-value]
+
+
+def test_a_prompt_takes_the_kept_sequence_it_continues():
+    """A chat's next turn shares most of the last one's tokens: it takes that sequence and the nodes
+    read only the rest. Of two that share a prefix, the longer share wins."""
+    cache, opened = fake_cache(size=4)
+    first = finish(cache, [1, 2, 3, 4], [5, 6])
+    other = finish(cache, [1, 2, 9, 9, 9, 9, 9], [9])  # shares 2 of its 7: a sequence of its own
+    assert other is not first
+    sequence, cached = cache.acquire([1, 2, 3, 4, 5, 6, 7, 8])
+    assert sequence is first and cached == 6 and first.resets == [[1, 2, 3, 4, 5, 6, 7, 8]]
+    assert len(opened) == 2 and len(cache) == 1 and not other.closed
+    assert (cache.queries, cache.hits) == (19, 6)
+
+
+def test_a_shared_system_prompt_alone_does_not_take_a_kept_conversation():
+    """A prefix under half of both the prompt and the kept tokens (a system prompt) opens a new
+    sequence: the kept conversation stays for its own next turn."""
+    cache, opened = fake_cache(size=4)
+    kept = finish(cache, [1, 2, 3, 4, 5, 6], [7, 8])
+    sequence, cached = cache.acquire([1, 2, 9, 9, 9, 9])
+    assert sequence is opened[-1] and sequence is not kept and cached == 0 and not kept.resets
+    shorter, cached = cache.acquire([1, 2, 3, 4])  # a prefix of the kept tokens: half of the prompt or more
+    assert shorter is kept and cached == 4
+
+
+def test_idle_sequences_give_up_their_sessions_by_size_age_and_the_nodes_limit():
+    clock = Clock()
+    cache, opened = fake_cache(size=2, max_idle=10.0, session_limit=3, clock=clock)
+    a, b, c = (finish(cache, [n, n], [n]) for n in (1, 2, 3))
+    assert a.closed and not b.closed and not c.closed  # two kept, the oldest closed
+    # Two active with two idle would pass the nodes' 3 sessions: the oldest idle one makes room.
+    cache.acquire([7, 7])
+    assert not b.closed
+    cache.acquire([8, 8])
+    assert b.closed and not c.closed and len(cache) == 1
+    clock.now = 11.0
+    cache.acquire([9, 9])
+    assert c.closed and len(cache) == 0
+    assert len(opened) == 6
+
+
+def test_a_generation_that_did_not_end_as_it_should_is_not_kept():
+    cache, _ = fake_cache(size=2)
+    sequence, _ = cache.acquire([1, 2, 3])
+    cache.release(sequence, reusable=False)
+    assert sequence.closed and len(cache) == 0
+    off, _ = fake_cache(size=0)
+    kept = finish(off, [1, 2], [3])
+    assert kept.closed and len(off) == 0
+
+
+def test_a_sequence_that_fails_to_open_or_reset_is_not_counted_active():
+    def refuse(prompt: list[int]) -> FakeSequence:
+        raise RuntimeError("10 sessions are open, the limit is 10")
+
+    cache = PromptCache(refuse, size=2, session_limit=1)  # type: ignore[arg-type]
+    with pytest.raises(RuntimeError, match="limit"):
+        cache.acquire([1, 2])
+    assert cache._active == 0
+    broken = FakeSequence([1, 2, 3])
+    broken.reset_to = lambda tokens: (_ for _ in ()).throw(ConnectionError("node down"))  # type: ignore[method-assign]
+    cache._idle.append((broken, time.monotonic()))  # type: ignore[arg-type]
+    with pytest.raises(ConnectionError):
+        cache.acquire([1, 2, 3, 4])
+    assert broken.closed and cache._active == 0 and len(cache) == 0
+
+
+def test_bad_cache_settings_are_refused():
+    with pytest.raises(ValueError, match="size"):
+        fake_cache(size=-1)
+    with pytest.raises(ValueError, match="max_idle"):
+        fake_cache(max_idle=0.0)
+    cache, _ = fake_cache()
+    with pytest.raises(ValueError, match="prompt"):
+        cache.acquire([])
+
+
+@pytest.fixture(scope="module")
+def cached_gen(loaded):
+    target = TargetEngine(loaded["target"], max_context=512, max_tree=8, max_sessions=4)
+    draft = DraftEngine(loaded["truncated"], max_context=512, max_tree=8, max_sessions=4)
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8))
+    gen.use_prompt_cache(2)
+    yield gen
+    gen.close()
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=5)], ids=["greedy", "seeded"])
+def test_a_chats_next_turn_on_a_kept_sequence_is_the_target_alones(cached_gen, model_dirs, sampling):
+    """Turn 2 sends turn 1's prompt, its answer and more: the kept sequence holds all but the new
+    tokens, and the answer equals the target alone's on the whole turn-2 prompt."""
+    gen = cached_gen
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, **sampling)
+    first = gen.generate([11, 12, 13, 14, 15, 16], params)
+    assert first.stats.cached_prompt_tokens == 0 and first.token_ids == reference_decode(
+        model_dirs["target"], [11, 12, 13, 14, 15, 16], params
+    )
+    turn = [11, 12, 13, 14, 15, 16, *first.token_ids, 21, 22]
+    second = gen.generate(turn, params)
+    assert second.stats.cached_prompt_tokens == 6 + len(first.token_ids)
+    assert second.token_ids == reference_decode(model_dirs["target"], turn, params)
+    assert len(gen.target.sessions) == 1  # one sequence, kept and taken again
+    gen.close()
+    assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+
+
+def test_the_openai_endpoint_reports_cached_prompt_tokens(cached_gen):
+    server = OpenAIServer("127.0.0.1:0", cached_gen, model_name="tiny").start()
+    try:
+        client = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+        ask = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        first = client.completions.create(prompt="Hello, how are", **ask)
+        assert first.usage.prompt_tokens_details.cached_tokens == 0
+        second = client.completions.create(prompt="Hello, how are" + first.choices[0].text + " ok", **ask)
+        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    finally:
+        server.stop()
+        cached_gen.close()
