@@ -118,6 +118,8 @@ def gateway(nodes, env, tmp_path_factory) -> Iterator[str]:
             address,
             "--budget",
             str(BUDGET),
+            "--prompt-cache",  # these tests count the nodes' sessions; the kept ones are test_prompt_cache's
+            "0",
         ],
         env,
         tmp_path_factory.mktemp("gateway_logs"),
@@ -278,6 +280,28 @@ def test_gateway_generate_equals_in_process(gateway, nodes, in_process):
     assert (info.target.role, info.draft.role) == ("target", "draft")
     assert info.target.tokenizer_fingerprint == info.draft.tokenizer_fingerprint
     assert wait_for_sessions(nodes["target"], "target", 0, within=5) == 0
+
+
+def test_a_gateways_prompt_cache_keeps_a_finished_sequence_and_the_output_exact(nodes, env, in_process, tmp_path):
+    """A second request continuing the first takes its kept sessions (one target session stays open
+    between them) and still equals the in-process generation; the sessions close with the gateway."""
+    address = f"127.0.0.1:{free_port()}"
+    proc = Proc("gateway", ["-m", "client.cli.main", "serve", "--target", nodes["target"], "--draft", nodes["draft"],
+                            "--listen", address, "--budget", str(BUDGET)], env, tmp_path)  # fmt: skip
+    try:
+        proc.wait_serving(address)
+        first, _, _ = run_generate(address, generate_request(budget=BUDGET))
+        assert wait_for_sessions(nodes["target"], "target", 1, within=5) == 1
+        turn = [*in_process["specexec"].encode(PROMPT), *first, 65, 66]
+        request = generate_request(budget=BUDGET)
+        request.token_ids.ids.extend(turn)
+        ids, _, final = run_generate(address, request)
+        assert ids == in_process["specexec"].generate(turn, SamplingParams(**SAMPLINGS["seeded"])).token_ids
+        assert final.finish_reason == "length" and open_sessions(nodes["target"]) == 1
+    finally:
+        proc.stop()
+    assert wait_for_sessions(nodes["target"], "target", 0, within=5) == 0
+    assert wait_for_sessions(nodes["draft"], "draft", 0, within=5) == 0
 
 
 def test_gateway_uses_its_own_tree_defaults(gateway, in_process):

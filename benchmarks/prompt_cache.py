@@ -1,0 +1,140 @@
+"""A multi-turn chat through the OpenAI endpoint, with and without the gateway's prompt cache.
+
+Every turn sends the whole conversation, as chat clients do: a long first message (a source file
+to discuss), then short follow-up questions. One target node and one draft node (pinned a core
+each, as in the home lab), two gateways over them, `--prompt-cache 4` and `--prompt-cache 0`,
+taking turns: contestant A's turn k, then B's. Reports each turn's prompt tokens, the tokens the
+nodes already held (`usage.prompt_tokens_details.cached_tokens`), time to first token and whole
+time, as a markdown table.
+
+    python -m benchmarks.prompt_cache --out docs/epyc/prompt-cache.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from client.bench.harness import free_port, stop_processes
+from client.bench.home_lab import model_dir, pinned
+from client.bench.load import wait_http
+from client.remote import wait_until_serving
+from common.options import node_command
+
+ROOT = Path(__file__).resolve().parent.parent
+FILES = ("client/prompt_cache.py", "client/text.py")
+QUESTIONS = (
+    "Which function decides what to keep, in one sentence?",
+    "What happens when something fails? One sentence.",
+    "Suggest one more test for it, in one sentence.",
+)
+
+
+def first_message(path: str, chars: int) -> str:
+    code = (ROOT / path).read_text()[:chars]
+    return f"Here is a Python module:\n```python\n{code}\n```\nWhat does it do? Answer in one sentence."
+
+
+def stream_messages(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streaming chat completion, greedy: time to first text, whole time, usage and text."""
+    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
+    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    start = time.perf_counter()
+    out: dict[str, Any] = {"ttft": 0.0, "text": ""}
+    with urllib.request.urlopen(request, timeout=1800) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if event.get("usage"):
+                usage = event["usage"]
+                out["prompt"], out["tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
+                out["cached"] = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
+            for choice in event.get("choices", []):
+                piece = choice.get("delta", {}).get("content")
+                if piece:
+                    out["ttft"] = out["ttft"] or time.perf_counter() - start
+                    out["text"] += piece
+    out["seconds"] = time.perf_counter() - start
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--chars", type=int, default=2400, help="characters of each source file in the first message")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {0})
+    procs = []
+    try:
+        addrs = {}
+        for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), "int8")):
+            port = free_port()
+            cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), "torch"), port, args.dtype, 64,
+                               ["--max-sessions", "8"], quantize, lookahead=True)  # fmt: skip
+            argv, env = pinned(cmd, cores)
+            procs.append(subprocess.Popen(argv, env=env))
+            addrs[role] = f"127.0.0.1:{port}"
+            wait_until_serving(addrs[role], timeout=1800, alive=lambda p=procs[-1]: p.poll() is None)
+        urls = {}
+        for name, size in (("prompt cache", 4), ("no prompt cache", 0)):
+            port = free_port()
+            cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", addrs["target"], "--draft",
+                   addrs["draft"], "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--no-planner-memory",
+                   "--prompt-cache", str(size), "--log-level", "warning"]  # fmt: skip
+            argv, env = pinned(cmd, (0,))
+            procs.append(subprocess.Popen(argv, env=env))
+            urls[name] = f"http://127.0.0.1:{port}"
+            wait_http(urls[name] + "/health", procs[-1])
+        for url in urls.values():  # untimed: first-call costs stay out of the figures
+            stream_messages(url, [{"role": "user", "content": "Hi"}], 4)
+        rows = []
+        for path in FILES:
+            chats = {name: [{"role": "user", "content": first_message(path, args.chars)}] for name in urls}
+            for turn in range(1 + len(QUESTIONS)):
+                for name, url in urls.items():
+                    got = stream_messages(url, chats[name], args.max_tokens)
+                    rows.append({"file": path, "turn": turn + 1, "contestant": name, **got})
+                    print(f"{path} turn {turn + 1} {name}: {got['prompt']} prompt tokens, {got['cached']} cached, "
+                          f"first token {got['ttft']:.2f} s, whole {got['seconds']:.2f} s", flush=True)  # fmt: skip
+                    chats[name].append({"role": "assistant", "content": got["text"]})
+                    if turn < len(QUESTIONS):
+                        chats[name].append({"role": "user", "content": QUESTIONS[turn]})
+    finally:
+        stop_processes(procs)
+    lines = ["| file | turn | prompt tokens | cached | first token, cache (s) | without (s) | x | whole turn, cache (s) "
+             "| without (s) | same text |", "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    later = []
+    for i in range(0, len(rows), 2):
+        on, off = rows[i], rows[i + 1]
+        if on["turn"] > 1:
+            later.append(off["ttft"] / on["ttft"])
+        lines.append(f"| {on['file']} | {on['turn']} | {on['prompt']} | {on['cached']} | {on['ttft']:.2f} "
+                     f"| {off['ttft']:.2f} | {off['ttft'] / on['ttft']:.2f} | {on['seconds']:.2f} | {off['seconds']:.2f} "
+                     f"| {'yes' if on['text'] == off['text'] else 'no'} |")  # fmt: skip
+    lines.append(f"\nTurns 2 and later: time to first token {statistics.geometric_mean(later):.2f}x faster "
+                 "with the prompt cache (geometric mean).")  # fmt: skip
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
