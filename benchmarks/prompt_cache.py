@@ -45,7 +45,9 @@ def first_message(path: str, chars: int) -> str:
 
 def stream_messages(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
     """One streaming chat completion, greedy: time to first text, whole time, usage and text."""
-    body = {"model": "m", "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
+        model = json.load(response)["data"][0]["id"]
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
             "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
