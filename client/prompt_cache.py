@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from common.ops.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+
 if TYPE_CHECKING:
     from client.generation import Sequence
 
@@ -68,6 +70,8 @@ class PromptCache:
             self._active += 1
             self.queries += len(prompt)
             self.hits += shared
+        PREFIX_CACHE_QUERIES.inc(len(prompt))
+        PREFIX_CACHE_HITS.inc(shared)
         try:
             for sequence in stale:
                 sequence.close()

@@ -8,6 +8,7 @@ import time
 
 import openai
 import pytest
+from prometheus_client import REGISTRY
 
 from client.api import SpecExec
 from client.openai.server import OpenAIServer
@@ -170,8 +171,11 @@ def test_the_openai_endpoint_reports_cached_prompt_tokens(cached_gen):
         ask = dict(model="tiny", max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
         first = client.completions.create(prompt="Hello, how are", **ask)
         assert first.usage.prompt_tokens_details.cached_tokens == 0
+        hits = REGISTRY.get_sample_value("specexec:prefix_cache_hits_total") or 0.0
         second = client.completions.create(prompt="Hello, how are" + first.choices[0].text + " ok", **ask)
-        assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+        cached = second.usage.prompt_tokens_details.cached_tokens
+        assert cached >= first.usage.prompt_tokens
+        assert REGISTRY.get_sample_value("specexec:prefix_cache_hits_total") == hits + cached
     finally:
         server.stop()
         cached_gen.close()

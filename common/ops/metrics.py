@@ -150,6 +150,8 @@ REQUESTS_RUNNING = Gauge("specexec:num_requests_running", "generations in progre
 REQUEST_SUCCESS = Counter("specexec:request_success", "finished generations", ["finished_reason"])
 PROMPT_TOKENS = Counter("specexec:prompt_tokens", "prompt tokens of finished and running generations")
 GENERATION_TOKENS = Counter("specexec:generation_tokens", "tokens generated")
+PREFIX_CACHE_QUERIES = Counter("specexec:prefix_cache_queries", "prompt tokens looked up in the prompt cache")
+PREFIX_CACHE_HITS = Counter("specexec:prefix_cache_hits", "prompt tokens a kept sequence already held")
 E2E_SECONDS = Histogram(
     "specexec:e2e_request_latency_seconds", "generation time, first to last token", buckets=LATENCY_BUCKETS
 )
