@@ -10,8 +10,9 @@ to it, so they read only the rest. Otherwise it opens a new sequence: a cached c
 given up for a shared system prompt.
 
 Idle sequences hold sessions on both nodes. They give them up, oldest first, when a request would
-otherwise pass a node's session limit, and after `max_idle` seconds (before a node's idle timeout
-frees them, which would cost a reopen from the history on the next turn).
+otherwise pass a node's session limit (or a node refuses one for it: other clients count too), and
+after `max_idle` seconds (before a node's idle timeout frees them, which would cost a reopen from
+the history on the next turn).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from common.ops.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
+from common.runtime.sessions import TooManySessions
 
 if TYPE_CHECKING:
     from client.generation import Sequence
@@ -78,13 +80,28 @@ class PromptCache:
             if best is not None:
                 best.reset_to(prompt)
                 return best, shared
-            return self.open_sequence(prompt), 0
+            return self._open(prompt), 0
         except BaseException:
             with self._lock:
                 self._active -= 1
             if best is not None:
                 best.close()
             raise
+
+    def _open(self, prompt: list[int]) -> Sequence:
+        """A new sequence; where a node refuses it for its session limit (other clients' sessions
+        count too), kept ones give theirs up, oldest first, until it opens or none is left."""
+        while True:
+            try:
+                return self.open_sequence(prompt)
+            except Exception as exc:
+                if not at_session_limit(exc):
+                    raise
+                with self._lock:
+                    if not self._idle:
+                        raise
+                    oldest = self._idle.pop(0)[0]
+                oldest.close()
 
     def release(self, sequence: Sequence, reusable: bool) -> None:
         """Done with `sequence`: kept for a later prompt if `reusable` (its generation ended as it
@@ -126,6 +143,11 @@ class PromptCache:
         stale = [s for s, t in self._idle if now - t > self.max_idle]
         self._idle = [(s, t) for s, t in self._idle if now - t <= self.max_idle]
         return stale
+
+
+def at_session_limit(exc: BaseException) -> bool:
+    """A node's refusal for its session limit: in process, or over gRPC (RESOURCE_EXHAUSTED)."""
+    return isinstance(exc, TooManySessions) or getattr(getattr(exc, "code", None), "name", "") == "RESOURCE_EXHAUSTED"
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:

@@ -15,6 +15,7 @@ from client.openai.server import OpenAIServer
 from client.prompt_cache import PromptCache
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
+from common.runtime.sessions import TooManySessions
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
@@ -123,6 +124,29 @@ def test_a_sequence_that_fails_to_open_or_reset_is_not_counted_active():
     with pytest.raises(ConnectionError):
         cache.acquire([1, 2, 3, 4])
     assert broken.closed and cache._active == 0 and len(cache) == 0
+
+
+def test_a_node_at_its_session_limit_takes_kept_sessions_back():
+    """Another client's sessions fill the node: a new sequence is refused until kept ones close,
+    oldest first; refused with none left to close, the refusal is the request's error."""
+    kept: list[FakeSequence] = []
+
+    def open_sequence(prompt: list[int]) -> FakeSequence:
+        if sum(not s.closed for s in kept) > 1:
+            raise TooManySessions("8 sessions are open, the limit is 8")
+        return FakeSequence(prompt)
+
+    cache = PromptCache(open_sequence, size=3)  # type: ignore[arg-type]
+    for n in (1, 2, 3):
+        sequence, _ = cache.acquire([n, n])
+        kept.append(sequence)  # type: ignore[arg-type]
+        cache.release(sequence, reusable=True)
+    sequence, _ = cache.acquire([9, 9])
+    assert [s.closed for s in kept] == [True, True, False] and len(cache) == 1
+    kept += [FakeSequence([0]), FakeSequence([0])]  # someone else's
+    with pytest.raises(TooManySessions):
+        cache.acquire([8, 8])
+    assert len(cache) == 0 and cache._active == 1
 
 
 def test_bad_cache_settings_are_refused():
