@@ -117,7 +117,7 @@ class SpecExec:
     def use_prompt_cache(self, size: int, max_idle: float = DEFAULT_MAX_IDLE) -> None:
         """Keep up to `size` finished generations' sequences on the nodes, so that a request that
         starts the same way (a chat's next turn) reads only the rest of its prompt (client.prompt_cache).
-        Idle sequences hold node sessions; they give them up before active ones would want for one."""
+        Kept sequences hold node sessions; they give them up before a new request would find none."""
         infos = [self.target.info(), *([self.link.info] if self.link is not None and self.link.info else [])]
         limits = [i.max_sessions for i in infos if i.max_sessions]
         self.close()

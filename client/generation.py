@@ -118,6 +118,16 @@ class GenerationStats:
         }
 
 
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:
     """The draft's tree shape per mode: chain mode keeps only the budget, as its length."""
     if mode not in MODES:
@@ -339,11 +349,7 @@ class Sequence:
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
-        common = 0
-        for a, b in zip(self.tokens, tokens, strict=False):
-            if a != b:
-                break
-            common += 1
+        common = common_prefix(self.tokens, tokens)
         if common == 0:
             raise ValueError("the new sequence shares no prefix with the old one; open a new Sequence")
         self.tokens = list(tokens)

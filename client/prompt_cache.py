@@ -22,6 +22,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from client.generation import common_prefix
 from common.ops.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 from common.runtime.sessions import TooManySessions
 
@@ -148,12 +149,3 @@ class PromptCache:
 def at_session_limit(exc: BaseException) -> bool:
     """A node's refusal for its session limit: in process, or over gRPC (RESOURCE_EXHAUSTED)."""
     return isinstance(exc, TooManySessions) or getattr(getattr(exc, "code", None), "name", "") == "RESOURCE_EXHAUSTED"
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
