@@ -28,6 +28,7 @@ def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
         draft_seconds=s.draft_seconds,
         target_seconds=s.target_seconds,
         network_seconds=s.network_seconds,
+        cached_prompt_tokens=s.cached_prompt_tokens,
     )
 
 

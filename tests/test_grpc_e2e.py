@@ -298,6 +298,7 @@ def test_a_gateways_prompt_cache_keeps_a_finished_sequence_and_the_output_exact(
         ids, _, final = run_generate(address, request)
         assert ids == in_process["specexec"].generate(turn, SamplingParams(**SAMPLINGS["seeded"])).token_ids
         assert final.finish_reason == "length" and open_sessions(nodes["target"]) == 1
+        assert final.stats.cached_prompt_tokens == len(turn) - 2
     finally:
         proc.stop()
     assert wait_for_sessions(nodes["target"], "target", 0, within=5) == 0

@@ -276,7 +276,7 @@ class GenerateFinal(_message.Message):
     def __init__(self, finish_reason: _Optional[str] = ..., stats: _Optional[_Union[GenerationStats, _Mapping]] = ...) -> None: ...
 
 class GenerationStats(_message.Message):
-    __slots__ = ("new_tokens", "target_steps", "tokens_per_step", "tokens_per_second", "wall_seconds", "draft_seconds", "target_seconds", "network_seconds")
+    __slots__ = ("new_tokens", "target_steps", "tokens_per_step", "tokens_per_second", "wall_seconds", "draft_seconds", "target_seconds", "network_seconds", "cached_prompt_tokens")
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEPS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_STEP_FIELD_NUMBER: _ClassVar[int]
@@ -285,6 +285,7 @@ class GenerationStats(_message.Message):
     DRAFT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     TARGET_SECONDS_FIELD_NUMBER: _ClassVar[int]
     NETWORK_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     new_tokens: int
     target_steps: int
     tokens_per_step: float
@@ -293,4 +294,5 @@ class GenerationStats(_message.Message):
     draft_seconds: float
     target_seconds: float
     network_seconds: float
-    def __init__(self, new_tokens: _Optional[int] = ..., target_steps: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., network_seconds: _Optional[float] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, new_tokens: _Optional[int] = ..., target_steps: _Optional[int] = ..., tokens_per_step: _Optional[float] = ..., tokens_per_second: _Optional[float] = ..., wall_seconds: _Optional[float] = ..., draft_seconds: _Optional[float] = ..., target_seconds: _Optional[float] = ..., network_seconds: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
