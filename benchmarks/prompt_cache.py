@@ -13,19 +13,15 @@ time, as a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import subprocess
 import sys
-import time
-import urllib.request
 from pathlib import Path
-from typing import Any
 
 from client.bench.harness import free_port, stop_processes
 from client.bench.home_lab import model_dir, pinned
-from client.bench.load import wait_http
+from client.bench.load import stream_messages, wait_http
 from client.remote import wait_until_serving
 from common.options import node_command
 
@@ -43,40 +39,12 @@ def first_message(path: str, chars: int) -> str:
     return f"Here is a Python module:\n```python\n{code}\n```\nWhat does it do? Answer in one sentence."
 
 
-def stream_messages(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
-    """One streaming chat completion, greedy: time to first text, whole time, usage and text."""
-    with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
-        model = json.load(response)["data"][0]["id"]
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}  # fmt: skip
-    request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
-    start = time.perf_counter()
-    out: dict[str, Any] = {"ttft": 0.0, "text": ""}
-    with urllib.request.urlopen(request, timeout=1800) as response:
-        for raw in response:
-            line = raw.decode().strip()
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            event = json.loads(line[6:])
-            if event.get("usage"):
-                usage = event["usage"]
-                out["prompt"], out["tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
-                out["cached"] = usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)
-            for choice in event.get("choices", []):
-                piece = choice.get("delta", {}).get("content")
-                if piece:
-                    out["ttft"] = out["ttft"] or time.perf_counter() - start
-                    out["text"] += piece
-    out["seconds"] = time.perf_counter() - start
-    return out
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
     parser.add_argument("--chars", type=int, default=2400, help="characters of each source file in the first message")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path)
@@ -85,7 +53,7 @@ def main() -> int:
     procs = []
     try:
         addrs = {}
-        for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), "int8")):
+        for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
             port = free_port()
             cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), "torch"), port, args.dtype, 64,
                                ["--max-sessions", "8"], quantize, lookahead=True)  # fmt: skip

@@ -4,7 +4,11 @@ sequence's next generation is still the target alone's."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import openai
 import pytest
@@ -19,6 +23,8 @@ from common.runtime.sessions import TooManySessions
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 class FakeSequence:
@@ -203,3 +209,18 @@ def test_the_openai_endpoint_reports_cached_prompt_tokens(cached_gen):
     finally:
         server.stop()
         cached_gen.close()
+
+
+def test_the_prompt_cache_benchmark_runs(model_dirs, tmp_path):
+    """benchmarks/prompt_cache.py on the tiny pair: every turn after the first finds its history."""
+    out = tmp_path / "prompt-cache.md"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.prompt_cache", "--target-model", str(model_dirs["target"]),
+         "--draft-model", str(model_dirs["truncated"]), "--dtype", "float32", "--draft-quantize", "none",
+         "--chars", "300", "--max-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| client/")]
+    assert [int(r[1]) for r in rows] == [1, 2, 3, 4] * 2
+    assert all(int(r[3]) > int(r[2]) // 2 for r in rows if r[1] != "1")  # cached: most of each later prompt

@@ -157,15 +157,24 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 600) -> None:
 
 
 def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[float, float, int, str]:
-    """One streaming chat completion, greedy: (time to first text, total seconds, tokens, text)."""
+    """One streaming chat completion of one user message, greedy: (time to first text, total
+    seconds, tokens, text)."""
+    got = stream_messages(url, [{"role": "user", "content": prompt}], max_tokens)
+    return got["ttft"], got["seconds"], got["tokens"], got["text"]
+
+
+def stream_messages(url: str, messages: list[dict[str, str]], max_tokens: int) -> dict[str, Any]:
+    """One streaming chat completion, greedy: time to first text (`ttft`), whole time (`seconds`),
+    the usage's `prompt`, `tokens` and `cached` prompt tokens, and the `text`."""
     with urllib.request.urlopen(url + "/v1/models", timeout=10) as response:
         model = json.load(response)["data"][0]["id"]
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    start = time.perf_counter()
-    first, tokens, text = 0.0, 0, []
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}  # fmt: skip
     request = urllib.request.Request(url + "/v1/chat/completions", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})  # fmt: skip
+    start = time.perf_counter()
+    out: dict[str, Any] = {"ttft": 0.0, "prompt": 0, "tokens": 0, "cached": 0}
+    text = []
     with urllib.request.urlopen(request, timeout=1800) as response:  # an HTTP error raises, with its body
         for raw in response:
             line = raw.decode().strip()
@@ -173,13 +182,16 @@ def stream_chat(url: str, prompt: str, max_tokens: int) -> tuple[float, float, i
                 continue
             event = json.loads(line[6:])
             if event.get("usage"):
-                tokens = event["usage"]["completion_tokens"]
+                usage = event["usage"]
+                out["prompt"], out["tokens"] = usage["prompt_tokens"], usage["completion_tokens"]
+                out["cached"] = (usage.get("prompt_tokens_details") or {}).get("cached_tokens", 0)
             for choice in event.get("choices", []):
                 piece = choice.get("delta", {}).get("content")
                 if piece:
-                    first = first or time.perf_counter() - start
+                    out["ttft"] = out["ttft"] or time.perf_counter() - start
                     text.append(piece)
-    return first, time.perf_counter() - start, tokens, "".join(text)
+    out["seconds"], out["text"] = time.perf_counter() - start, "".join(text)
+    return out
 
 
 def round_of(
