@@ -45,6 +45,8 @@ def main() -> int:
     parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
+                        help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")
     parser.add_argument("--chars", type=int, default=2400, help="characters of each source file in the first message")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path)
@@ -53,10 +55,12 @@ def main() -> int:
     procs = []
     try:
         addrs = {}
+        llama = args.backend == "llama.cpp"
         for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
             port = free_port()
-            cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), "torch"), port, args.dtype, 64,
-                               ["--max-sessions", "8"], quantize, lookahead=True)  # fmt: skip
+            cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), args.backend), port, args.dtype, 64,
+                               ["--max-sessions", "8", "--backend", args.backend], "none" if llama else quantize,
+                               lookahead=True)  # fmt: skip
             argv, env = pinned(cmd, cores)
             procs.append(subprocess.Popen(argv, env=env))
             addrs[role] = f"127.0.0.1:{port}"

@@ -309,6 +309,23 @@ def test_specexec_on_llama_cpp_f32_equals_its_autoregressive_output(ggufs, setti
     assert runs["specexec"].stats.target_steps < runs["autoregressive"].stats.target_steps
 
 
+def test_a_kept_sequences_next_turn_on_llama_cpp_equals_its_autoregressive_output(ggufs):
+    """The prompt cache on llama.cpp: a chat's next turn on the kept sessions (both nodes rolled back
+    to the shared prefix) equals the target alone on the whole turn."""
+    sampling = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.8, top_p=0.9, seed=5)
+    gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), tree=TreeParams(budget=16), backend="llama.cpp",
+                         kv_type="f32", max_sessions=2)  # fmt: skip
+    alone = SpecExec.local(None, str(ggufs["F32"]), mode="autoregressive", backend="llama.cpp", kv_type="f32")
+    gen.use_prompt_cache(1)
+    first = gen.generate(PROMPT, sampling)
+    turn = [*PROMPT, *first.token_ids, 40, 41, 42]
+    second = gen.generate(turn, sampling)
+    assert second.stats.cached_prompt_tokens == len(PROMPT) + len(first.token_ids)
+    assert second.token_ids == alone.generate(turn, sampling).token_ids
+    gen.close()
+    assert len(gen.target.sessions) == 0
+
+
 @pytest.mark.parametrize(("qtype", "n_gpu_layers", "tie"), [
     pytest.param("Q8_0", 0, 0.05, id="q8_0-cpu"), pytest.param("F32", 99, 0.2, id="f32-gpu", marks=NO_GPU)])  # fmt: skip
 def test_tree_passes_differ_from_one_token_passes_only_at_near_ties(ggufs, qtype, n_gpu_layers, tie):
