@@ -21,6 +21,7 @@ from client.faults import NodeFault, NodeUnavailable
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair
+from common.runtime.sessions import TooManySessions
 
 PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
 
@@ -33,6 +34,9 @@ CATCH_UP = TreeParams.chain(1)  # what that background call asks for: the KV; it
 # Steps on the target alone run as one call of at most this many tokens (`Sequence._alone_run`), and
 # within a quarter of the call's deadline at the pace last measured.
 RUN_MAX = 16
+# A draft node with no session free (its --max-sessions, other generations' sessions) is up: this
+# sequence runs on the target alone and asks it again after this many seconds.
+DRAFT_FULL_RETRY = 2.0
 log = logging.getLogger("specexec.client")
 
 
@@ -346,6 +350,8 @@ class Sequence:
         self._catch_up: tuple[Future[Any], int] | None = None  # in flight; the epoch it was sent in
         self._pace: float | None = None  # seconds per token of the last step on the target alone
         self._run_fault: NodeFault | None = None  # the last run on the target alone's, until a step recovers
+        self._draft_full_until = 0.0  # the draft had no session free: not asked again before this
+        self._told_full = False
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -417,7 +423,7 @@ class Sequence:
         sequence holds a session opened since the draft last came up."""
         assert self.link is not None
         info = self.link.ready(self.recovery)
-        if info is None or len(self.tokens) > info.max_context:
+        if info is None or len(self.tokens) > info.max_context or time.monotonic() < self._draft_full_until:
             return False
         epoch = self.link.epoch
         if self._draft_epoch == epoch:
@@ -433,6 +439,9 @@ class Sequence:
             self._draft_kv = 0
         except NodeFault as exc:
             self._draft_failed(exc, epoch, stats)
+            return False
+        except TooManySessions as exc:
+            self._draft_full(exc)
             return False
         self._draft_epoch = epoch
         return True
@@ -493,8 +502,20 @@ class Sequence:
         except NodeFault as exc:
             self._draft_failed(exc, epoch, stats)
             return False
+        except TooManySessions as exc:
+            self._draft_full(exc)
+            return False
         self._draft_kv = self._length["draft"]
         return True
+
+    def _draft_full(self, exc: TooManySessions) -> None:
+        """The draft node is up but has no session for this sequence: it goes on with the target
+        alone, and asks again after DRAFT_FULL_RETRY seconds (the draft stays up for the others)."""
+        self._draft_epoch, self._draft_full_until = -1, time.monotonic() + DRAFT_FULL_RETRY
+        if not self._told_full:
+            self._told_full = True
+            self.recovery.notify(f"draft node has no session free ({exc}); this generation runs on the "
+                                 "target alone until it has")  # fmt: skip
 
     def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
         assert self.link is not None

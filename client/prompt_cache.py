@@ -95,9 +95,7 @@ class PromptCache:
         while True:
             try:
                 return self.open_sequence(prompt)
-            except Exception as exc:
-                if not at_session_limit(exc):
-                    raise
+            except TooManySessions:
                 with self._lock:
                     if not self._idle:
                         raise
@@ -144,8 +142,3 @@ class PromptCache:
         stale = [s for s, t in self._idle if now - t > self.max_idle]
         self._idle = [(s, t) for s, t in self._idle if now - t <= self.max_idle]
         return stale
-
-
-def at_session_limit(exc: BaseException) -> bool:
-    """A node's refusal for its session limit: in process, or over gRPC (RESOURCE_EXHAUSTED)."""
-    return isinstance(exc, TooManySessions) or getattr(getattr(exc, "code", None), "name", "") == "RESOURCE_EXHAUSTED"

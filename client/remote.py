@@ -32,6 +32,7 @@ from common.rpc.wire import (
     tree_params_to_proto,
     tree_to_proto,
 )
+from common.runtime.sessions import TooManySessions
 
 DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -140,7 +141,15 @@ class _RemoteNode:
         return self._info
 
     def open_session(self, prompt: list[int]) -> str:
-        sid = self._rpc(self.stub.OpenSession, pb.OpenSessionRequest(prompt=prompt)).session_id
+        """Refused for the node's session limit, it raises what an engine in this process would:
+        `TooManySessions` (the decode loop runs on without a full draft; a gateway relays it as
+        RESOURCE_EXHAUSTED)."""
+        try:
+            sid = self._rpc(self.stub.OpenSession, pb.OpenSessionRequest(prompt=prompt)).session_id
+        except NodeError as exc:
+            if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                raise TooManySessions(str(exc)) from exc
+            raise
         self._steps[sid] = 0
         return sid
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from client.api import Chat, SpecExec, collect
-from client.generation import Recovery
+from client.generation import GenerationStats, Recovery
 from client.remote import connect, open_channel
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -75,9 +75,9 @@ class DraftNode:
         self.proc: Proc | None = None
         self.starts = 0
 
-    def start(self, model: Path) -> None:
+    def start(self, model: Path, *extra: str) -> None:
         self.starts += 1
-        args = node_args("draft_node", model, self.address)
+        args = [*node_args("draft_node", model, self.address), *extra]
         self.proc = Proc(f"draft-{self.address.rsplit(':')[-1]}-{self.starts}", args, self.env, self.logs)
         self.proc.wait_serving(self.address)
 
@@ -176,6 +176,30 @@ def test_auto_budget_plans_once_a_late_draft_brings_its_curve(target, draft, mod
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, SEEDED)
     assert out.stats.budgets and max(out.stats.budgets) <= tree.budget
     assert kinds(notices) == ["down", "up"]
+
+
+@pytest.mark.parametrize("extra", [1, 40], ids=["in line", "caught up in the background"])
+def test_a_draft_with_no_session_free_leaves_a_generation_on_the_target_alone(target, draft, model_dirs, extra):
+    """The draft is up but at its --max-sessions (another generation holds its one session): a new
+    generation runs on the target alone, exactly, with one notice, and the draft stays up for the
+    one that holds it; once that closes, the next generation drafts. A prompt of 32 tokens or more
+    opens its draft session in the background (`Sequence._open_apart`): refused there too."""
+    draft.start(model_dirs["truncated"], "--max-sessions", "1")
+    notices: list[str] = []
+    gen = connect(draft.address, target, tree=TreeParams(budget=8), recovery=recovery(notices))
+    holder = gen.sequence([80, 81, 82, 83])
+    steps = holder.steps(SHORT, gen.tree, GenerationStats())
+    next(steps)
+    assert holder.draft_session
+    prompt = [*PROMPT, *range(90, 90 + extra)]
+    out = gen.generate(prompt, SHORT)
+    assert out.token_ids == reference_decode(model_dirs["target"], prompt, SHORT)
+    assert not out.stats.budgets and [n for n in notices if "no session free" in n] == notices[-1:]
+    assert next(steps).tokens  # the holder still drafts
+    steps.close()
+    holder.close()
+    again = gen.generate(prompt, SHORT)
+    assert again.token_ids == out.token_ids and again.stats.budgets
 
 
 def test_a_mismatched_draft_is_refused_at_connect(target, draft, odd_model):
