@@ -15,6 +15,7 @@ import pytest
 from client.remote import NodeError, RemoteTarget, connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
+from common.runtime.sessions import TooManySessions
 from tests.helpers import free_port, reference_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,10 +60,9 @@ def test_concurrent_clients_get_their_solo_outputs(nodes, model_dirs):
 def test_sessions_beyond_the_cap_are_refused_and_all_are_freed(nodes):
     target = RemoteTarget(nodes["target"])
     sessions = [target.open_session([1, 2, 3]) for _ in range(CLIENTS)]
-    with pytest.raises(NodeError) as err:
+    with pytest.raises(TooManySessions, match=f"the limit is {CLIENTS}") as err:
         target.open_session([1, 2, 3])
-    assert err.value.code == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert f"the limit is {CLIENTS}" in str(err.value)
+    assert isinstance(err.value.__cause__, NodeError) and err.value.__cause__.code == grpc.StatusCode.RESOURCE_EXHAUSTED
     for sid in sessions:
         assert target.close_session(sid)
     from common.pb.specexec.v1 import specexec_pb2 as pb
