@@ -120,6 +120,21 @@ def add_repack_arg(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _int_at_least(text: str, low: int) -> int:
+    value = int(text)
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be >= {low}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    return _int_at_least(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _int_at_least(text, 0)
+
+
 def _buckets(text: str) -> tuple[int, ...]:
     try:
         return parse_buckets(text)

@@ -24,7 +24,7 @@ from client.bench.report import plot, write_report
 from client.bench.stats import check_exactness, project, rank, summarize
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 from common.model.quantized_linear import QUANTIZE_CHOICES
-from common.options import add_offload_args, offload_plan
+from common.options import add_offload_args, offload_plan, positive_int
 
 DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
 
@@ -115,13 +115,6 @@ def bench_settings(args: argparse.Namespace) -> tuple[str, ...]:
 def bandwidth_gbps(cost_model: str) -> float:
     """'bandwidth[:GBps]' -> GB/s."""
     return float(cost_model.split(":")[1]) if ":" in cost_model else DEFAULT_BANDWIDTH_GBPS
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def add_bench_parser(sub: Any) -> None:

@@ -41,6 +41,7 @@ from common.options import (
     add_quantize_arg,
     add_server_security_args,
     log_settings,
+    non_negative_int,
     server_security,
 )
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -78,13 +79,6 @@ def cmd_chat(args: argparse.Namespace) -> int:
     finally:
         chat.close()
     return 0
-
-
-def non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
