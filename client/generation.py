@@ -21,7 +21,7 @@ from client.faults import NodeFault, NodeUnavailable
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair
-from common.runtime.sessions import TooManySessions
+from common.runtime.sessions import TooManySessions, common_prefix
 
 PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
 
@@ -120,16 +120,6 @@ class GenerationStats:
             "shared_steps": self.shared_steps,
             "cached_prompt_tokens": self.cached_prompt_tokens,
         }
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def tree_params_for(mode: str, params: TreeParams) -> TreeParams | None:

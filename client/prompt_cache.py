@@ -22,9 +22,8 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from client.generation import common_prefix
 from common.ops.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
-from common.runtime.sessions import TooManySessions
+from common.runtime.sessions import TooManySessions, common_prefix
 
 if TYPE_CHECKING:
     from client.generation import Sequence

@@ -181,6 +181,16 @@ def add_kv_cache_arg(parser: argparse.ArgumentParser, default: str) -> None:
     )
 
 
+def add_prefix_sharing_arg(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--no-prefix-sharing",
+        dest="prefix_sharing",
+        action="store_false",
+        help="compute every session's prompt in full; by default a new session takes the KV of the longest "
+        "prompt prefix (a system prompt, a shared history) that an open session of the same client holds",
+    )
+
+
 def add_regroup_arg(parser: argparse.ArgumentParser, waits_for: str) -> None:
     parser.add_argument(
         "--batch-regroup-ms",
@@ -338,6 +348,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         batch_regroup_ms=regroup_ms,
         prefill_chunk=prefill_chunk,
+        share_prefixes=getattr(args, "prefix_sharing", True),
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

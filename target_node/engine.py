@@ -15,7 +15,12 @@ from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import VerifyResult
 from common.model.loaded import LoadedModel
 from common.model.profiling import interpolate
-from common.ops.metrics import observe_preemptions, observe_prefill_chunk, observe_verify_pass
+from common.ops.metrics import (
+    observe_preemptions,
+    observe_prefill_chunk,
+    observe_shared_prefix,
+    observe_verify_pass,
+)
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepCancelled, StepTiming, check_step
@@ -85,6 +90,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         regroup: float = DEFAULT_REGROUP,
         prefill_chunk: int | None = None,
         kv_cache_tokens: int | None = None,
+        share_prefixes: bool = True,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
@@ -93,9 +99,11 @@ class TargetEngine(NodeEngine[TargetSession]):
         passes shared by sessions (common.runtime.batching); `prefill_chunk`: the pending committed
         tokens (a prompt) a pass runs for one session while others are open (`chain_limit`; None:
         from the forward-time curve); `kv_cache_tokens`: the KV cells a llama.cpp target's sessions
-        share; `limits` are NodeEngine's."""
+        share; `share_prefixes`: a new session takes the KV of the prompt prefix an open one holds
+        (`_share_prefix`); `limits` are NodeEngine's."""
         super().__init__(loaded, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
+        self.share_prefixes = share_prefixes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
@@ -169,7 +177,27 @@ class TargetEngine(NodeEngine[TargetSession]):
             per_call = {} if self.all_logits_max_nodes is None else {"all_logits_max_nodes": self.all_logits_max_nodes}
             return TorchTargetSession(self.loaded.model, prompt, **limits, **per_call)
 
-        return self.sessions.add(make, owner, session_id)
+        return self.sessions.add(lambda: self._share_prefix(make(), owner), owner, session_id)
+
+    def _share_prefix(self, session: TargetSession, owner: str) -> TargetSession:
+        """A new session takes the KV of the longest prompt prefix one of its owner's sessions holds
+        (`TargetSession.copy_prefix`), and its first pass runs only the rest: a system prompt or a
+        common history is computed once, not once per request. Its owner's only: a session is
+        found by the owner that opened it (a gateway is one owner for all its requests)."""
+        prompt = len(session.committed)
+        if not self.share_prefixes:
+            observe_shared_prefix(prompt, 0)
+            return session
+        with self._lock:  # no pass changes a source's cache meanwhile
+            best, length = None, 0
+            for source in self.sessions.owned(owner):
+                n = session.shared_prefix(source)
+                if n > length:
+                    best, length = source, n
+            if best is not None:
+                session.copy_prefix(best, length)
+        observe_shared_prefix(prompt, length)
+        return session
 
     def verify(
         self,

@@ -44,6 +44,15 @@ class LlamaTargetSession(TargetSession):
     def _truncate_cache(self, length: int) -> None:
         self.ctx.truncate(length)
 
+    def _can_copy_from(self, source: TargetSession) -> bool:
+        """Lanes of one shared context share cells: the copy is llama.cpp's sequence copy, which adds
+        this lane's id to the prefix's cells and copies no data."""
+        return isinstance(source, LlamaTargetSession) and source.ctx.ctx is self.ctx.ctx
+
+    def _copy_cache(self, source: TargetSession, length: int) -> None:
+        assert isinstance(source, LlamaTargetSession)
+        self.ctx.share(source.ctx, length)
+
     def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, None, int]:
         self.ctx.held = False  # its pass runs it as one of its members
         return None, None, self.ctx.length  # llama.cpp lays out its own pass

@@ -4,7 +4,14 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import add_kv_cache_arg, add_node_args, add_offload_args, add_regroup_arg, node_main
+from common.options import (
+    add_kv_cache_arg,
+    add_node_args,
+    add_offload_args,
+    add_prefix_sharing_arg,
+    add_regroup_arg,
+    node_main,
+)
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
 from target_node.engine import TargetEngine
@@ -18,6 +25,7 @@ ROLE = NodeRole(
     "specexec.v1.TargetService",
     engine_options=lambda config: {
         "kv_cache_tokens": config.kv_cache_tokens,
+        "share_prefixes": config.share_prefixes,
         "regroup": config.batch_regroup_ms / 1000,
         **config.batching(),
     },
@@ -30,6 +38,7 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_offload_args(parser)
     add_kv_cache_arg(parser, "two sessions' worth, 2 x (--max-context + --max-tree + 1)")
     add_regroup_arg(parser, "for the other sessions running on the target alone (a Decode call) to queue their next pass")
+    add_prefix_sharing_arg(parser)
     return parser
 
 

@@ -17,6 +17,7 @@ import numpy as np
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeStructure
 from common.decoding.types import VerifyResult
+from common.runtime.sessions import common_prefix
 
 
 def accept_path(tree: TokenTree, draw: Callable[[int], int]) -> tuple[list[int], int]:
@@ -163,6 +164,29 @@ class TargetSession:
         self._truncate_cache(length - 1)
 
     def _truncate_cache(self, length: int) -> None:
+        raise NotImplementedError
+
+    def shared_prefix(self, source: TargetSession) -> int:
+        """Committed tokens of this new session whose KV `source` holds and could lend it (0 where
+        the backend cannot copy between the two)."""
+        if self.cached_length or not self._can_copy_from(source):
+            return 0
+        held = source.committed[: source.cached_length]
+        return min(common_prefix(self.committed, held), len(self.committed) - 1)
+
+    def copy_prefix(self, source: TargetSession, length: int) -> None:
+        """Take `source`'s KV of the first `length` committed tokens, which both sessions share
+        (`shared_prefix`), instead of computing it: a system prompt, or a conversation's history
+        that a new request branches from, runs once for every session that starts with it, as in
+        vLLM's prefix caching. Under the model lock: no pass runs on either cache meanwhile."""
+        if not 0 < length <= self.shared_prefix(source):
+            raise ValueError(f"cannot share {length} tokens with a session that holds {self.shared_prefix(source)}")
+        self._copy_cache(source, length)
+
+    def _can_copy_from(self, source: TargetSession) -> bool:
+        return False
+
+    def _copy_cache(self, source: TargetSession, length: int) -> None:
         raise NotImplementedError
 
     def verify(self, tree: TokenTree, params: SamplingParams, max_tokens: int) -> VerifyResult:

@@ -48,6 +48,13 @@ class TorchTargetSession(TargetSession):
     def _truncate_cache(self, length: int) -> None:
         self.cache.truncate(length)
 
+    def _can_copy_from(self, source: TargetSession) -> bool:
+        return isinstance(source, TorchTargetSession) and source.model is self.model
+
+    def _copy_cache(self, source: TargetSession, length: int) -> None:
+        assert isinstance(source, TorchTargetSession)
+        self.cache.copy_prefix(source.cache, length)
+
     @staticmethod
     def run_together(steps: list[tuple[TargetSession, TreeTicket]]) -> list[Callable[[int], int] | None]:
         """One pass for several sessions' trees and chunks (`run_trees`); each tree's draw."""

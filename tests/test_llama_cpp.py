@@ -922,3 +922,14 @@ def test_the_gpu_machines_generation_and_load_scripts_run_on_a_tiny_random_gguf(
         ("batched, waiting for none away", 0, 2), ("batched, waiting for none away", 4, 2),
         ("one session per pass", 0, 2), ("one session per pass", 4, 2)}  # fmt: skip
     assert all(r["steps"] == 2 * r["clients"] and r["passes"] >= 2 for r in runs)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_llama_sessions_sharing_a_prefix_give_what_they_get_alone(ggufs, setting):
+    """On one shared context a prefix is shared by sequence copy, no data copied: the sessions'
+    cells stay apart as the session they shared with rolls back into the prefix, goes on and closes."""
+    from tests.test_prefix_sharing import check_sharing
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
+    check_sharing(lambda **kw: llama_engine(loaded, batch_window=1.0, **kw), sampling)

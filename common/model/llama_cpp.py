@@ -573,6 +573,16 @@ class TreeContext:
             c._leaf_free += self._leaves.tolist()
             self._leaves = self._leaves[:0]
 
+    def share(self, source: TreeContext, length: int) -> None:
+        """Take `source`'s committed cells [0, length) as this empty lane's own (both lanes on one
+        context): the cells gain this lane's sequence id, and neither lane's later changes touch the
+        other's, since a removal takes one id off a cell and frees it only when no id is left."""
+        if source.ctx is not self.ctx or not 0 <= length <= source.length or self.length:
+            raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
+        with self.ctx.lock:
+            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
+            self.length = length
+
     def truncate(self, length: int) -> None:
         """Forget the KV of committed tokens from `length` on."""
         if length < self.length:

@@ -106,6 +106,11 @@ PREFILL_CHUNKS = Counter(
     "target: chunks of sessions' long prompts run ahead of their trees (chunked prefill; a pass may run several)",
 )
 PREFILL_CHUNK_TOKENS = Counter("specexec:prefill_chunk_tokens", "target: prompt tokens run in such chunks")
+SESSION_PROMPT_TOKENS = Counter("specexec:session_prompt_tokens", "target: prompt tokens of the sessions opened")
+SESSION_SHARED_TOKENS = Counter(
+    "specexec:session_shared_prompt_tokens",
+    "target: prompt tokens whose KV a new session took from an open session's (prefix sharing) instead of computing",
+)
 DRAFT_PASS_SESSIONS = Histogram(
     "specexec:draft_pass_sessions",
     "draft: sessions whose forwards (catch-up chains, expansion batches) shared one pass",
@@ -252,6 +257,11 @@ def observe_verify_pass(pass_sessions: int, pass_tokens: int, seconds: float) ->
 def observe_prefill_chunk(tokens: int) -> None:
     PREFILL_CHUNKS.inc()
     PREFILL_CHUNK_TOKENS.inc(tokens)
+
+
+def observe_shared_prefix(prompt_tokens: int, shared_tokens: int) -> None:
+    SESSION_PROMPT_TOKENS.inc(prompt_tokens)
+    SESSION_SHARED_TOKENS.inc(shared_tokens)
 
 
 def observe_preemptions(count: int) -> None:

@@ -9,10 +9,12 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Generic, TypeVar
+
+import numpy as np
 
 S = TypeVar("S")
 
@@ -82,6 +84,11 @@ class SessionTable(Generic[S]):
             self._sessions[session_id] = (entry[0], self._clock(), owner)
             return entry[0]
 
+    def owned(self, owner: str = "") -> list[S]:
+        """The sessions `owner` opened, for one that shares its prompt's prefix with a new one."""
+        with self._lock:
+            return [session for session, _, o in self._sessions.values() if o == owner]
+
     def remove(self, session_id: str, owner: str = "") -> bool:
         with self._lock:
             entry = self._sessions.get(session_id)
@@ -107,6 +114,13 @@ class SessionTable(Generic[S]):
             for sid in stale:
                 self.on_expire(sid)
         return len(stale)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    differ = np.flatnonzero(np.asarray(a[:n], dtype=np.int64) != np.asarray(b[:n], dtype=np.int64))
+    return int(differ[0]) if differ.size else n
 
 
 class StepOutOfOrder(RuntimeError):

@@ -1,0 +1,87 @@
+"""Prefix sharing on the target: a new session takes the KV of the longest prompt prefix an open
+session of its owner holds, and its output is still exactly what it gets computing its prompt in
+full, whatever the session it shared with does next."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from prometheus_client import REGISTRY
+
+from common.decoding.sampling import SamplingParams
+from common.decoding.tree import TokenTree
+from target_node.engine import TargetEngine
+from tests.test_batching import at_once, random_tree
+
+SETTINGS = {
+    "greedy": SamplingParams(max_new_tokens=8),
+    "seeded": SamplingParams(max_new_tokens=8, temperature=0.9, top_p=0.95, seed=11),
+}
+
+
+def branching_sessions(engine: TargetEngine, sampling: SamplingParams) -> tuple[list[list[int]], list[int]]:
+    """One session runs three steps; three more open on its system prompt, on a branch of its
+    history and on the whole of it; the first rolls back into the shared part, takes another turn
+    and closes; then the three run steps at once. Returns every step's tokens, and how many prompt
+    tokens each of the three found cached when it opened."""
+    vocab = engine.loaded.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(5)
+    system = torch.randint(0, vocab, (20,), generator=gen).tolist()
+    out: list[list[int]] = []
+
+    def tree(sid: str) -> TokenTree:
+        return random_tree(engine.sessions.get(sid).committed[-1], 6, vocab, gen)
+
+    first = engine.open_session([*system, 1, 2, 3])
+    for _ in range(3):
+        out.append(engine.verify(first, tree(first), sampling, 4).tokens)
+    history = list(engine.sessions.get(first).committed)
+    prompts = [[*system, 4, 5], [*history[:-2], 7, 8, 9], history]
+    sids = [engine.open_session(p) for p in prompts]
+    cached = [engine.sessions.get(s).cached_length for s in sids]
+    turn = [vocab - 1, vocab - 2]
+    out.append(engine.verify(first, TokenTree.root_only(turn[-1]), sampling, 4, append=turn, truncate_to=10).tokens)
+    engine.close_session(first)
+    for _ in range(2):
+        trees = [tree(s) for s in sids]
+        got = at_once([lambda s=s, t=t: engine.verify(s, t, sampling, 4) for s, t in zip(sids, trees, strict=True)])
+        out += [r.tokens for r in got]
+    return out, cached
+
+
+def check_sharing(make: Callable[..., TargetEngine], sampling: SamplingParams) -> None:
+    tokens = REGISTRY.get_sample_value("specexec:session_shared_prompt_tokens_total") or 0.0
+    shared, cached = branching_sessions(make(), sampling)
+    alone, none = branching_sessions(make(share_prefixes=False), sampling)
+    assert shared == alone
+    assert none == [0, 0, 0]
+    history_len = len(alone[0]) + len(alone[1]) + len(alone[2]) + 23
+    assert cached == [20, history_len - 2, history_len - 1]
+    after = REGISTRY.get_sample_value("specexec:session_shared_prompt_tokens_total")
+    assert after == tokens + sum(cached)
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_sessions_sharing_a_prefix_give_what_they_get_alone(loaded, setting):
+    def make(**kwargs: Any) -> TargetEngine:
+        return TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=8, batch_window=1.0, **kwargs)
+
+    check_sharing(make, SETTINGS[setting])
+
+
+def test_a_prefix_is_shared_with_the_same_owner_only_and_the_longest_wins(loaded):
+    engine = TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=8)
+    base = list(range(10, 40))
+    opened = [(engine.open_session(p, owner=o), o) for p, o in
+              [(base[:12], "alice"), (base, "alice"), ([*base, 1], "alice"), ([*base, 1], "bob")]]  # fmt: skip
+    assert all(engine.sessions.get(s, o).cached_length == 0 for s, o in opened)  # none held KV yet
+    for sid, owner in opened:
+        root = engine.sessions.get(sid, owner).committed[-1]
+        engine.verify(sid, TokenTree.root_only(root), SETTINGS["greedy"], 1, owner=owner)
+    carol = engine.sessions.get(engine.open_session([*base, 1, 5], owner="carol"), owner="carol")
+    alice = engine.sessions.get(engine.open_session([*base, 1, 5], owner="alice"), owner="alice")
+    assert carol.cached_length == 0
+    assert alice.cached_length == len(base) + 1  # [*base, 1]'s KV, not base's
