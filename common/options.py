@@ -42,6 +42,7 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--max-sessions (its 256 sequence ids, one per session and one per leaf in a shared pass; 255 at most)",
     )
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
+    add_prefix_sharing_arg(parser)
     parser.add_argument(
         "--batch-window-ms",
         type=float,
@@ -348,7 +349,7 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         kv_cache_tokens=getattr(args, "kv_cache_tokens", None),
         batch_regroup_ms=regroup_ms,
         prefill_chunk=prefill_chunk,
-        share_prefixes=getattr(args, "prefix_sharing", True),
+        share_prefixes=args.prefix_sharing,
         insecure=args.insecure,
         security=server_security(args),
         metrics_port=args.metrics_port,

@@ -25,7 +25,7 @@ from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_
 from common.model.llama_search import SearchPool, Work, run_batch
 from common.model.loaded import LoadedModel
 from common.model.transformer import Segment
-from common.ops.metrics import observe_draft_pass, observe_preemptions
+from common.ops.metrics import observe_draft_pass, observe_preemptions, observe_shared_prefix
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS, PassBatcher
 from common.runtime.engine import NodeEngine
 from common.runtime.sessions import StepTiming, check_step, timed_lock
@@ -156,7 +156,20 @@ class DraftEngine(NodeEngine[DraftSession]):
                                          self._submit_search(sid), self.pool, limit)  # fmt: skip
             return DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward, limit)
 
-        return self.sessions.add(make, owner, sid)
+        return self.sessions.add(lambda: self._share_prefix(make(), owner), owner, sid)
+
+    def _share_prefix(self, session: DraftSession, owner: str) -> DraftSession:
+        """The new session takes the KV of the longest prompt prefix one of its owner's sessions
+        holds, as on the target (TargetEngine._share_prefix): a new conversation on a known system
+        prompt catches up on its own tokens only."""
+        shared = 0
+        if self.share_prefixes:
+            best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)  # a guess: they change
+            if best is not None and session.shared_prefix(best):
+                with self._request(), best.lock:  # no request or idle step changes it meanwhile
+                    shared = session.copy_prefix(best)
+        observe_shared_prefix(self.role, len(session.committed), shared)
+        return session
 
     def _submit_search(self, sid: str) -> Callable[[Work], Tensor]:
         def submit(work: Work) -> Tensor:

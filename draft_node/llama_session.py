@@ -55,6 +55,15 @@ class LlamaDraftSession(DraftSession):
         self._submit = submit
         self._chain_limit = chain_limit or (lambda: max_context)
 
+    def _can_copy_from(self, source: DraftSession) -> bool:
+        """Lanes of one shared pool share cells by sequence copy, no data copied."""
+        return isinstance(source, LlamaDraftSession) and source.cache.ctx is self.cache.ctx
+
+    def copy_prefix(self, source: DraftSession) -> int:
+        """Under the pool's lock too: another session's build may take `source`'s KV (`evict`)."""
+        with self.cache.ctx.lock:
+            return super().copy_prefix(source)
+
     @contextmanager
     def working(self) -> Iterator[None]:
         """While it runs no other session's build takes this one's nodes or KV; a search that lost

@@ -20,6 +20,7 @@ ROLE = NodeRole(
         "lookahead": config.lookahead,
         "regroup": config.batch_regroup_ms / 1000,
         "kv_cache_tokens": config.kv_cache_tokens,
+        "share_prefixes": config.share_prefixes,
         **config.batching(),
     },
 )

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from common.decoding.tree import MAX_TREE_DEPTH, TreeParams
 from common.model.transformer import ForwardInterrupted, Segment, Transformer, attention_bias
+from common.runtime.sessions import common_prefix
 from draft_node.lookahead import Interrupted
 from draft_node.tree_builder import BuiltTree, TreeBuilder
 
@@ -120,6 +121,26 @@ class DraftSession:
         self.cache.truncate(length)
         self._last = None
         self._search = None
+
+    def shared_prefix(self, source: DraftSession) -> int:
+        """Committed tokens of this new session whose KV `source` holds and could lend it (0 where
+        the backend cannot copy between the two). Under `source.lock`."""
+        if self.cache.length or not self._can_copy_from(source):
+            return 0
+        held = source.committed[: min(source.cache.length, len(source.committed))]
+        return min(common_prefix(self.committed, held), len(self.committed) - 1)
+
+    def copy_prefix(self, source: DraftSession) -> int:
+        """Take `source`'s KV of the prompt prefix both hold instead of computing it, as the target
+        does (target_node.session); returns its length. Under `source.lock`: no request or idle step
+        changes `source` meanwhile."""
+        length = self.shared_prefix(source)
+        if length:
+            self.cache.copy_prefix(source.cache, length)  # type: ignore[arg-type]
+        return length
+
+    def _can_copy_from(self, source: DraftSession) -> bool:
+        return type(source) is DraftSession and source.model is self.model
 
     def _check_truncate(self, length: int) -> None:
         if not 1 <= length <= len(self.committed):

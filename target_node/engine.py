@@ -90,7 +90,6 @@ class TargetEngine(NodeEngine[TargetSession]):
         regroup: float = DEFAULT_REGROUP,
         prefill_chunk: int | None = None,
         kv_cache_tokens: int | None = None,
-        share_prefixes: bool = True,
         **limits: Any,
     ) -> None:
         """`all_logits_max_nodes`: the largest tree whose every node gets its logits in one LM-head
@@ -99,11 +98,9 @@ class TargetEngine(NodeEngine[TargetSession]):
         passes shared by sessions (common.runtime.batching); `prefill_chunk`: the pending committed
         tokens (a prompt) a pass runs for one session while others are open (`chain_limit`; None:
         from the forward-time curve); `kv_cache_tokens`: the KV cells a llama.cpp target's sessions
-        share; `share_prefixes`: a new session takes the KV of the prompt prefix an open one holds
-        (`_share_prefix`); `limits` are NodeEngine's."""
+        share; `limits` are NodeEngine's."""
         super().__init__(loaded, max_batch_tokens=max_batch_tokens, prefill_chunk=prefill_chunk, **limits)
         self.all_logits_max_nodes = all_logits_max_nodes
-        self.share_prefixes = share_prefixes
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
@@ -184,19 +181,13 @@ class TargetEngine(NodeEngine[TargetSession]):
         (`TargetSession.copy_prefix`), and its first pass runs only the rest: a system prompt or a
         common history is computed once, not once per request. Its owner's only: a session is
         found by the owner that opened it (a gateway is one owner for all its requests)."""
-        prompt = len(session.committed)
-        if not self.share_prefixes:
-            observe_shared_prefix(prompt, 0)
-            return session
-        with self._lock:  # no pass changes a source's cache meanwhile
-            best, length = None, 0
-            for source in self.sessions.owned(owner):
-                n = session.shared_prefix(source)
-                if n > length:
-                    best, length = source, n
-            if best is not None:
-                session.copy_prefix(best, length)
-        observe_shared_prefix(prompt, length)
+        shared = 0
+        if self.share_prefixes:
+            with self._lock:  # no pass changes a source's cache meanwhile
+                best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)
+                if best is not None and (shared := session.shared_prefix(best)):
+                    session.copy_prefix(best, shared)
+        observe_shared_prefix(self.role, len(session.committed), shared)
         return session
 
     def verify(

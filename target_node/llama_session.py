@@ -51,7 +51,7 @@ class LlamaTargetSession(TargetSession):
 
     def _copy_cache(self, source: TargetSession, length: int) -> None:
         assert isinstance(source, LlamaTargetSession)
-        self.ctx.share(source.ctx, length)
+        self.ctx.copy_prefix(source.ctx, length)
 
     def _layout(self, tree: TokenTree, structure: TreeStructure) -> tuple[None, None, int]:
         self.ctx.held = False  # its pass runs it as one of its members

@@ -8,7 +8,6 @@ from common.options import (
     add_kv_cache_arg,
     add_node_args,
     add_offload_args,
-    add_prefix_sharing_arg,
     add_regroup_arg,
     node_main,
 )
@@ -38,7 +37,6 @@ def build_parser(parser: argparse.ArgumentParser | None = None) -> argparse.Argu
     add_offload_args(parser)
     add_kv_cache_arg(parser, "two sessions' worth, 2 x (--max-context + --max-tree + 1)")
     add_regroup_arg(parser, "for the other sessions running on the target alone (a Decode call) to queue their next pass")
-    add_prefix_sharing_arg(parser)
     return parser
 
 

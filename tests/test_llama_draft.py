@@ -579,3 +579,15 @@ def test_a_session_finding_every_shared_lane_held_gets_a_context_of_its_own(gguf
     assert extra.build_tree(PLAIN)[0].tree.size == 13
     del held[0]
     assert LlamaDraftSession(model, PROMPT, max_context=64, max_tree=12, pool=pool).cache.pool is pool
+
+
+@pytest.mark.parametrize("lookahead", [False, True], ids=["plain", "lookahead"])
+def test_llama_draft_sessions_sharing_a_prefix_build_the_trees_they_build_alone(ggufs, lookahead):
+    """On one shared pool a prefix is shared by sequence copy: the sessions' searches stay apart as
+    the session they shared with rolls back into the prefix, goes on and closes."""
+    from common.model.llama_cpp import load_gguf
+    from draft_node.engine import DraftEngine
+    from tests.test_prefix_sharing import check_draft_sharing
+
+    loaded = load_gguf(ggufs["draft"], kv_type="f32")
+    check_draft_sharing(lambda **kw: DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead, **kw))

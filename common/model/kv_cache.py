@@ -50,6 +50,15 @@ class KVCache:
         for layer in (*self.k, *self.v):
             layer[:, dst] = layer[:, src]
 
+    def copy_prefix(self, source: KVCache, length: int) -> None:
+        """Slots [0, length) of `source` become this cache's committed ones: a prefix two sessions
+        share, copied at memory speed (a 1.5B bf16 model's 28 KiB a token) instead of computed."""
+        if not 0 <= length <= min(source.length, self.capacity):
+            raise ValueError(f"cannot copy {length} slots from a cache holding {source.length}")
+        for mine, theirs in zip((*self.k, *self.v), (*source.k, *source.v), strict=True):
+            mine[:, :length].copy_(theirs[:, :length])
+        self.length = length
+
     def truncate(self, length: int) -> None:
         if not 0 <= length <= self.capacity:
             raise ValueError(f"cache length {length} outside [0, {self.capacity}]")

@@ -573,7 +573,7 @@ class TreeContext:
             c._leaf_free += self._leaves.tolist()
             self._leaves = self._leaves[:0]
 
-    def share(self, source: TreeContext, length: int) -> None:
+    def copy_prefix(self, source: TreeContext, length: int) -> None:
         """Take `source`'s committed cells [0, length) as this empty lane's own (both lanes on one
         context): the cells gain this lane's sequence id, and neither lane's later changes touch the
         other's, since a removal takes one id off a cell and frees it only when no id is left."""

@@ -106,10 +106,11 @@ PREFILL_CHUNKS = Counter(
     "target: chunks of sessions' long prompts run ahead of their trees (chunked prefill; a pass may run several)",
 )
 PREFILL_CHUNK_TOKENS = Counter("specexec:prefill_chunk_tokens", "target: prompt tokens run in such chunks")
-SESSION_PROMPT_TOKENS = Counter("specexec:session_prompt_tokens", "target: prompt tokens of the sessions opened")
+SESSION_PROMPT_TOKENS = Counter("specexec:session_prompt_tokens", "prompt tokens of the sessions opened", ["role"])
 SESSION_SHARED_TOKENS = Counter(
     "specexec:session_shared_prompt_tokens",
-    "target: prompt tokens whose KV a new session took from an open session's (prefix sharing) instead of computing",
+    "prompt tokens whose KV a new session took from an open session's (prefix sharing) instead of computing",
+    ["role"],
 )
 DRAFT_PASS_SESSIONS = Histogram(
     "specexec:draft_pass_sessions",
@@ -259,9 +260,9 @@ def observe_prefill_chunk(tokens: int) -> None:
     PREFILL_CHUNK_TOKENS.inc(tokens)
 
 
-def observe_shared_prefix(prompt_tokens: int, shared_tokens: int) -> None:
-    SESSION_PROMPT_TOKENS.inc(prompt_tokens)
-    SESSION_SHARED_TOKENS.inc(shared_tokens)
+def observe_shared_prefix(role: str, prompt_tokens: int, shared_tokens: int) -> None:
+    SESSION_PROMPT_TOKENS.labels(role).inc(prompt_tokens)
+    SESSION_SHARED_TOKENS.labels(role).inc(shared_tokens)
 
 
 def observe_preemptions(count: int) -> None:

@@ -59,7 +59,7 @@ class NodeConfig:
     kv_cache_tokens: int | None = None  # llama.cpp: the KV cells a node's sessions share
     batch_regroup_ms: float = DEFAULT_REGROUP * 1000  # a pass's wait for sessions between two of their passes
     prefill_chunk: int | None = None  # a long prompt's tokens per pass while other sessions are open
-    share_prefixes: bool = True  # target: a new session takes the KV of a prompt prefix an open one holds
+    share_prefixes: bool = True  # a new session takes the KV of a prompt prefix an open one holds
     insecure: bool = False
     security: ServerSecurity = field(default_factory=ServerSecurity)
     metrics_port: str | None = None

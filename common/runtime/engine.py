@@ -38,12 +38,16 @@ class NodeEngine(Generic[S]):
         idle_timeout: float = 300.0,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         prefill_chunk: int | None = None,
+        share_prefixes: bool = True,
     ) -> None:
-        """`max_batch_tokens`: rows a pass shared by sessions takes; `prefill_chunk`: see `chain_limit`."""
+        """`max_batch_tokens`: rows a pass shared by sessions takes; `prefill_chunk`: see `chain_limit`;
+        `share_prefixes`: a new session takes the KV of the longest prompt prefix an open session of
+        its owner holds (each engine's `_share_prefix`)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         self.max_batch_tokens = max_batch_tokens
         self.prefill_chunk = prefill_chunk
+        self.share_prefixes = share_prefixes
         self.loaded = loaded
         self.max_context = min(max_context, loaded.max_context)
         self.max_tree = max_tree
