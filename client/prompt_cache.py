@@ -2,17 +2,18 @@
 
 A chat client sends the whole conversation every turn, and an editor plugin resends its context:
 without this, every request reads its whole prompt again on both nodes, seconds on a CPU for a long
-history. As llama.cpp's server keeps each slot's cache for the next prompt and vLLM its prefix
-blocks, `PromptCache` keeps up to `size` idle sequences. A request takes the one sharing the
-longest prefix with its prompt, if that prefix is at least half of the prompt or of the idle
-sequence's tokens (the next turn of its conversation): `Sequence.reset_to` rolls both nodes back
-to it, so they read only the rest. Otherwise it opens a new sequence: a cached conversation is not
-given up for a shared system prompt.
+history. As llama.cpp's server keeps each slot's cache for the next prompt, `PromptCache` keeps up
+to `size` idle sequences. A request that starts with a kept request's whole prompt (the next turn
+of its conversation, or the same prompt again) takes that sequence: `Sequence.reset_to` rolls both
+nodes back to the tokens they share, so they read only the rest. Any other request opens a new
+sequence, and the nodes give its sessions the KV of the longest prefix an open session holds (a
+system prompt, a history that an edited message branches from: `TargetEngine._share_prefix`), as
+vLLM's prefix cache does: a kept conversation is never cut back for another's sake.
 
-Idle sequences hold sessions on both nodes. They give them up, oldest first, when a request would
-otherwise pass a node's session limit (or a node refuses one for it: other clients count too), and
-after `max_idle` seconds (before a node's idle timeout frees them, which would cost a reopen from
-the history on the next turn).
+Idle sequences hold sessions on both nodes. They give them up when a request would otherwise pass a
+node's session limit (or a node refuses one for it: other clients count too), those sharing the
+least with the new prompt first, then the oldest; and after `max_idle` seconds (before a node's
+idle timeout frees them, which would cost a reopen from the history on the next turn).
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class PromptCache:
         self.size, self.max_idle, self.session_limit = size, max_idle, session_limit
         self._clock = clock
         self._lock = threading.Lock()
-        self._idle: list[tuple[Sequence, float]] = []  # oldest first, with when each went idle
+        self._idle: list[tuple[Sequence, float, int]] = []  # oldest first: when each went idle, its last prompt's length
+        self._prompts: dict[int, int] = {}  # id of an active sequence -> its prompt's length
         self._active = 0
         self.queries = 0  # prompt tokens asked for
         self.hits = 0  # of them, tokens whose KV a kept sequence already held
@@ -65,10 +67,10 @@ class PromptCache:
             stale = self._take_stale()
             best, shared = self._best(prompt)
             if best is not None:
-                self._idle = [(s, t) for s, t in self._idle if s is not best]
+                self._idle = [entry for entry in self._idle if entry[0] is not best]
             elif self.session_limit:
                 while self._idle and self._active + len(self._idle) >= self.session_limit:
-                    stale.append(self._idle.pop(0)[0])
+                    stale.append(self._give_way(prompt))
             self._active += 1
             self.queries += len(prompt)
             self.hits += shared
@@ -79,8 +81,10 @@ class PromptCache:
                 sequence.close()
             if best is not None:
                 best.reset_to(prompt)
-                return best, shared
-            return self._open(prompt), 0
+            sequence = best if best is not None else self._open(prompt)
+            with self._lock:
+                self._prompts[id(sequence)] = len(prompt)
+            return sequence, shared
         except BaseException:
             with self._lock:
                 self._active -= 1
@@ -98,17 +102,18 @@ class PromptCache:
                 with self._lock:
                     if not self._idle:
                         raise
-                    oldest = self._idle.pop(0)[0]
-                oldest.close()
+                    least = self._give_way(prompt)
+                least.close()
 
     def release(self, sequence: Sequence, reusable: bool) -> None:
         """Done with `sequence`: kept for a later prompt if `reusable` (its generation ended as it
         should) and there is room, else closed."""
         with self._lock:
             self._active -= 1
+            prompt = self._prompts.pop(id(sequence), 0)
             closing = [] if reusable and self.size else [sequence]
             if not closing:
-                self._idle.append((sequence, self._clock()))
+                self._idle.append((sequence, self._clock(), prompt))
                 while len(self._idle) > self.size:
                     closing.append(self._idle.pop(0)[0])
         for s in closing:
@@ -118,7 +123,7 @@ class PromptCache:
         """Close every idle sequence (their sessions on both nodes)."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for sequence, _ in idle:
+        for sequence, _, _ in idle:
             sequence.close()
 
     def __len__(self) -> int:
@@ -126,18 +131,25 @@ class PromptCache:
             return len(self._idle)
 
     def _best(self, prompt: list[int]) -> tuple[Sequence | None, int]:
-        """The idle sequence sharing the longest prefix with `prompt` (the newest of equals), if it
-        is worth taking. Called under the lock."""
+        """The idle sequence whose last prompt `prompt` starts with, sharing the longest prefix with
+        it (the newest of equals). Called under the lock."""
         best, shared = None, 0
-        for sequence, _ in reversed(self._idle):
+        for sequence, _, asked in reversed(self._idle):
             n = common_prefix(sequence.tokens, prompt)
-            if n > shared and 2 * n >= min(len(prompt), len(sequence.tokens)):
+            if n > shared and n >= asked:
                 best, shared = sequence, n
         return best, shared
+
+    def _give_way(self, prompt: list[int]) -> Sequence:
+        """The idle sequence to close for room: the one sharing the least with `prompt` (the nodes
+        may share the prefix of the others with its sessions), the oldest of equals; removed.
+        Called under the lock."""
+        shares = [common_prefix(sequence.tokens, prompt) for sequence, _, _ in self._idle]
+        return self._idle.pop(shares.index(min(shares)))[0]
 
     def _take_stale(self) -> list[Sequence]:
         """Idle sequences past `max_idle`, removed. Called under the lock."""
         now = self._clock()
-        stale = [s for s, t in self._idle if now - t > self.max_idle]
-        self._idle = [(s, t) for s, t in self._idle if now - t <= self.max_idle]
+        stale = [s for s, t, _ in self._idle if now - t > self.max_idle]
+        self._idle = [entry for entry in self._idle if now - entry[1] <= self.max_idle]
         return stale

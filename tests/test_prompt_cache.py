@@ -79,15 +79,29 @@ def test_a_prompt_takes_the_kept_sequence_it_continues():
     assert (cache.queries, cache.hits) == (19, 6)
 
 
-def test_a_shared_system_prompt_alone_does_not_take_a_kept_conversation():
-    """A prefix under half of both the prompt and the kept tokens (a system prompt) opens a new
-    sequence: the kept conversation stays for its own next turn."""
+def test_a_prompt_that_does_not_continue_a_kept_request_opens_a_sequence_of_its_own():
+    """A shared system prompt, or an earlier turn edited, opens a new sequence (the nodes share the
+    prefix with it): the kept conversation stays for its own next turn. The same prompt again (a
+    regenerated answer) takes it."""
     cache, opened = fake_cache(size=4)
     kept = finish(cache, [1, 2, 3, 4, 5, 6], [7, 8])
-    sequence, cached = cache.acquire([1, 2, 9, 9, 9, 9])
-    assert sequence is opened[-1] and sequence is not kept and cached == 0 and not kept.resets
-    shorter, cached = cache.acquire([1, 2, 3, 4])  # a prefix of the kept tokens: half of the prompt or more
-    assert shorter is kept and cached == 4
+    for prompt in ([1, 2, 9, 9, 9, 9], [1, 2, 3, 4, 5]):
+        sequence, cached = cache.acquire(prompt)
+        assert sequence is opened[-1] and sequence is not kept and cached == 0 and not kept.resets
+        cache.release(sequence, reusable=True)
+    again, cached = cache.acquire([1, 2, 3, 4, 5, 6])
+    assert again is kept and cached == 6 and kept.resets == [[1, 2, 3, 4, 5, 6]]
+
+
+def test_kept_sequences_sharing_least_with_a_new_prompt_make_room_first():
+    """At the nodes' session limit, the kept sequence a new prompt shares most with stays open, for
+    the nodes to share its prefix; the others close, oldest first."""
+    cache, _ = fake_cache(size=4, session_limit=3)
+    a, b, c = (finish(cache, p, [0]) for p in ([1, 1, 1], [2, 2, 2], [3, 3, 3]))
+    cache.acquire([2, 2, 9])
+    assert a.closed and not b.closed and not c.closed
+    cache.acquire([3, 3, 9])
+    assert b.closed and not c.closed and len(cache) == 1
 
 
 def test_idle_sequences_give_up_their_sessions_by_size_age_and_the_nodes_limit():
@@ -126,7 +140,7 @@ def test_a_sequence_that_fails_to_open_or_reset_is_not_counted_active():
     assert cache._active == 0
     broken = FakeSequence([1, 2, 3])
     broken.reset_to = lambda tokens: (_ for _ in ()).throw(ConnectionError("node down"))  # type: ignore[method-assign]
-    cache._idle.append((broken, time.monotonic()))  # type: ignore[arg-type]
+    cache._idle.append((broken, time.monotonic(), 2))  # type: ignore[arg-type]
     with pytest.raises(ConnectionError):
         cache.acquire([1, 2, 3, 4])
     assert broken.closed and cache._active == 0 and len(cache) == 0
@@ -192,6 +206,29 @@ def test_a_chats_next_turn_on_a_kept_sequence_is_the_target_alones(cached_gen, m
     assert len(gen.target.sessions) == 1  # one sequence, kept and taken again
     gen.close()
     assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+
+
+def shared_tokens(role: str) -> float:
+    return REGISTRY.get_sample_value("specexec:session_shared_prompt_tokens_total", {"role": role}) or 0.0
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.9, seed=5)], ids=["greedy", "seeded"])
+def test_a_new_conversation_on_a_kept_ones_system_prompt_shares_its_kv_exactly(cached_gen, model_dirs, sampling):
+    """A second conversation on the first one's system prompt opens sequences of its own, whose
+    sessions take the system prompt's KV from the kept one's on both nodes; its answer is the
+    target alone's, and the first conversation stays kept."""
+    gen = cached_gen
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, **sampling)
+    system = list(range(30, 50))
+    gen.generate([*system, 1, 2], params)
+    before = {role: shared_tokens(role) for role in ("target", "draft")}
+    prompt = [*system, 3, 4]
+    second = gen.generate(prompt, params)
+    assert second.stats.cached_prompt_tokens == 0
+    assert {role: shared_tokens(role) - before[role] for role in before} == {"target": 20, "draft": 20}
+    assert second.token_ids == reference_decode(model_dirs["target"], prompt, params)
+    assert len(gen.target.sessions) == 2
+    gen.close()
 
 
 def test_the_openai_endpoint_reports_cached_prompt_tokens(cached_gen):
