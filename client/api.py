@@ -269,7 +269,8 @@ class SpecExec:
         ids = self.encode(prompt)
         cache = self.prompt_cache
         if cache is None:
-            sequence, cached = self.sequence(ids, recovery), 0
+            sequence = self.sequence(ids, recovery)
+            cached = sequence.shared_prompt_tokens
         else:
             sequence, cached = cache.acquire(ids)
             sequence.recovery = recovery or self.recovery

@@ -52,6 +52,7 @@ class DraftBackend(Protocol):
 class TargetBackend(Protocol):
     def info(self) -> NodeInfo: ...
     def open_session(self, prompt: list[int]) -> str: ...
+    def shared_tokens(self, session_id: str) -> int: ...
     def verify(
         self,
         session_id: str,
@@ -91,7 +92,7 @@ class GenerationStats:
     reused_draft_seconds: float = 0.0  # of draft_seconds, the steps' whose tree was re-rooted
     draft_failures: int = 0
     shared_steps: int = 0  # steps whose target pass also verified other sessions' trees
-    cached_prompt_tokens: int = 0  # prompt tokens a kept sequence already held (client.prompt_cache)
+    cached_prompt_tokens: int = 0  # prompt tokens the target held: a kept sequence's (client.prompt_cache) or shared
 
     @property
     def tokens_per_step(self) -> float:
@@ -329,6 +330,8 @@ class Sequence:
         self.link = link if draft is not None else None
         self.tokens = list(prompt)
         self.target_session = target.open_session(prompt)
+        # Prompt tokens whose KV the target's new session took from one of its others (prefix sharing).
+        self.shared_prompt_tokens = target.shared_tokens(self.target_session)
         self.draft_session = ""
         self._draft_epoch = -1  # the link's epoch the draft session was opened in
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.

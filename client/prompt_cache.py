@@ -57,10 +57,11 @@ class PromptCache:
         self._prompts: dict[int, int] = {}  # id of an active sequence -> its prompt's length
         self._active = 0
         self.queries = 0  # prompt tokens asked for
-        self.hits = 0  # of them, tokens whose KV a kept sequence already held
+        self.hits = 0  # of them, tokens whose KV the target already held
 
     def acquire(self, prompt: list[int]) -> tuple[Sequence, int]:
-        """A sequence holding `prompt`, and how many of its tokens the nodes already hold."""
+        """A sequence holding `prompt`, and how many of its tokens the target already holds (in a
+        kept sequence, or shared by its node from another session)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         with self._lock:
@@ -72,29 +73,31 @@ class PromptCache:
                 while self._idle and self._active + len(self._idle) >= self.session_limit:
                     stale.append(self._give_way(prompt))
             self._active += 1
-            self.queries += len(prompt)
-            self.hits += shared
-        PREFIX_CACHE_QUERIES.inc(len(prompt))
-        PREFIX_CACHE_HITS.inc(shared)
         try:
             for sequence in stale:
                 sequence.close()
             if best is not None:
                 best.reset_to(prompt)
-            sequence = best if best is not None else self._open(prompt)
-            with self._lock:
-                self._prompts[id(sequence)] = len(prompt)
-            return sequence, shared
+            else:
+                best = self._open(prompt)
+                shared = best.shared_prompt_tokens  # the nodes' prefix sharing
         except BaseException:
             with self._lock:
                 self._active -= 1
             if best is not None:
                 best.close()
             raise
+        with self._lock:
+            self._prompts[id(best)] = len(prompt)
+            self.queries += len(prompt)
+            self.hits += shared
+        PREFIX_CACHE_QUERIES.inc(len(prompt))
+        PREFIX_CACHE_HITS.inc(shared)
+        return best, shared
 
     def _open(self, prompt: list[int]) -> Sequence:
         """A new sequence; where a node refuses it for its session limit (other clients' sessions
-        count too), kept ones give theirs up, oldest first, until it opens or none is left."""
+        count too), kept ones give theirs up (`_give_way`) until it opens or none is left."""
         while True:
             try:
                 return self.open_sequence(prompt)

@@ -125,6 +125,7 @@ class _RemoteNode:
         self.metadata = ((CLIENT_KEY, client_key or secrets.token_hex(16)), *self.security.metadata())
         self.step_timeout, self.call_timeout = step_timeout, call_timeout
         self._steps: dict[str, int] = {}
+        self._shared: dict[str, int] = {}  # each open session's prompt tokens it took from another
         self._info: NodeInfo | None = None
 
     def _rpc(self, fn: Any, request: Any, timeout: float | None = None) -> Any:
@@ -145,16 +146,22 @@ class _RemoteNode:
         `TooManySessions` (the decode loop runs on without a full draft; a gateway relays it as
         RESOURCE_EXHAUSTED)."""
         try:
-            sid = self._rpc(self.stub.OpenSession, pb.OpenSessionRequest(prompt=prompt)).session_id
+            opened = self._rpc(self.stub.OpenSession, pb.OpenSessionRequest(prompt=prompt))
         except NodeError as exc:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TooManySessions(str(exc)) from exc
             raise
-        self._steps[sid] = 0
-        return sid
+        self._steps[opened.session_id] = 0
+        self._shared[opened.session_id] = opened.cached_tokens
+        return opened.session_id
+
+    def shared_tokens(self, session_id: str) -> int:
+        """Prompt tokens whose KV the session took from another when it opened (prefix sharing)."""
+        return self._shared.get(session_id, 0)
 
     def close_session(self, session_id: str) -> bool:
         self._steps.pop(session_id, None)
+        self._shared.pop(session_id, None)
         return self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).closed
 
     def close(self) -> None:

@@ -71,6 +71,7 @@ class DraftSession:
             raise ValueError(f"prompt has {len(prompt)} tokens, over the context limit of {max_context}")
         self.max_context = max_context
         self.committed: list[int] = list(prompt)
+        self.shared_tokens = 0  # prompt tokens whose KV it took from another session (`copy_prefix`)
         self.max_tree = max_tree
         self.search_nodes = max(min(LOOKAHEAD_FACTOR * max_tree, max_search), max_tree)
         self.tree_nodes = self.tree_nodes_for(max_tree, lookahead, max_search)  # the most a builder keeps
@@ -137,6 +138,7 @@ class DraftSession:
         length = self.shared_prefix(source)
         if length:
             self.cache.copy_prefix(source.cache, length)  # type: ignore[arg-type]
+            self.shared_tokens = length
         return length
 
     def _can_copy_from(self, source: DraftSession) -> bool:

@@ -63,6 +63,7 @@ class TargetSession:
         self.eos = frozenset(eos_token_ids)
         self.committed: list[int] = list(prompt)
         self.step = 0
+        self.shared_tokens = 0  # prompt tokens whose KV it took from another session (`copy_prefix`)
 
     def verify_changes(
         self,
@@ -182,6 +183,7 @@ class TargetSession:
         if not 0 < length <= self.shared_prefix(source):
             raise ValueError(f"cannot share {length} tokens with a session that holds {self.shared_prefix(source)}")
         self._copy_cache(source, length)
+        self.shared_tokens = length
 
     def _can_copy_from(self, source: TargetSession) -> bool:
         return False

@@ -715,7 +715,11 @@ def test_decode_chaos(nodes, case):
 @given(case=build_cases())
 def test_build_tree_mutated(nodes, case):
     def compare(a, b):
-        assert a.tree == b.tree and a.draft_forwards == b.draft_forwards
+        """The fresh session takes its prompt's KV from the one before it (prefix sharing), written by
+        a pass of another shape: its log-probabilities may differ in the last bits."""
+        assert (a.tree.tokens, a.tree.parents, a.draft_forwards) == (b.tree.tokens, b.tree.parents, b.draft_forwards)
+        logprobs = [np.frombuffer(t.tree.logprobs, dtype=np.float32) for t in (a, b)]
+        np.testing.assert_allclose(*logprobs, rtol=1e-5, atol=1e-5)
 
     response = run_mutated(nodes["draft"], "BuildTree", case, build_request, compare)
     committed = case.prompt[: case.base.get("truncate_to", len(case.prompt))] + case.base["new_tokens"]

@@ -4,6 +4,9 @@ full, whatever the session it shared with does next."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -16,6 +19,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeParams
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
+from tests.helpers import ROOT
 from tests.test_batching import at_once, random_tree
 
 Tree = tuple[list[int], list[int], list[float]]  # tokens, parents, cumulative log-probabilities
@@ -133,3 +137,19 @@ def test_draft_sessions_sharing_a_prefix_build_the_trees_they_build_alone(loaded
         return DraftEngine(loaded["truncated"], max_context=128, max_tree=16, lookahead=lookahead, **kwargs)
 
     check_draft_sharing(make)
+
+
+def test_the_prefix_sharing_benchmark_runs(model_dirs, tmp_path):
+    """benchmarks/prefix_sharing.py on the tiny pair: later conversations take the system prompt's
+    KV on both nodes of the pair that shares, none on the other, and answer the same."""
+    out = tmp_path / "prefix-sharing.md"
+    run = subprocess.run(
+        [sys.executable, "-m", "benchmarks.prefix_sharing", "--target-model", str(model_dirs["target"]),
+         "--draft-model", str(model_dirs["truncated"]), "--dtype", "float32", "--draft-quantize", "none",
+         "--chars", "300", "--questions", "2", "--max-tokens", "4", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    )  # fmt: skip
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
+    prompt, target, draft, same = int(rows[0][1]), int(rows[0][2]), int(rows[0][3]), rows[0][-1]
+    assert prompt // 2 < target < prompt and prompt // 2 < draft < prompt and same == "yes |"

@@ -32,6 +32,7 @@ class FakeSequence:
         self.tokens = list(tokens)
         self.closed = False
         self.resets: list[list[int]] = []
+        self.shared_prompt_tokens = 0
 
     def reset_to(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)
@@ -224,7 +225,7 @@ def test_a_new_conversation_on_a_kept_ones_system_prompt_shares_its_kv_exactly(c
     before = {role: shared_tokens(role) for role in ("target", "draft")}
     prompt = [*system, 3, 4]
     second = gen.generate(prompt, params)
-    assert second.stats.cached_prompt_tokens == 0
+    assert second.stats.cached_prompt_tokens == 20
     assert {role: shared_tokens(role) - before[role] for role in before} == {"target": 20, "draft": 20}
     assert second.token_ids == reference_decode(model_dirs["target"], prompt, params)
     assert len(gen.target.sessions) == 2

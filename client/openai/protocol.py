@@ -383,7 +383,8 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model}
 
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
-        """`cached_tokens`: prompt tokens the nodes held from an earlier request (the prompt cache)."""
+        """`cached_tokens`: prompt tokens the target held, from an earlier request (the prompt cache) or
+        another session (prefix sharing)."""
         prompt = len(self.job.prompt_ids)
         return {
             "prompt_tokens": prompt,

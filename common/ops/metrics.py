@@ -157,7 +157,9 @@ REQUEST_SUCCESS = Counter("specexec:request_success", "finished generations", ["
 PROMPT_TOKENS = Counter("specexec:prompt_tokens", "prompt tokens of finished and running generations")
 GENERATION_TOKENS = Counter("specexec:generation_tokens", "tokens generated")
 PREFIX_CACHE_QUERIES = Counter("specexec:prefix_cache_queries", "prompt tokens looked up in the prompt cache")
-PREFIX_CACHE_HITS = Counter("specexec:prefix_cache_hits", "prompt tokens a kept sequence already held")
+PREFIX_CACHE_HITS = Counter(
+    "specexec:prefix_cache_hits", "prompt tokens the target already held: in a kept sequence, or shared from another session"
+)
 E2E_SECONDS = Histogram(
     "specexec:e2e_request_latency_seconds", "generation time, first to last token", buckets=LATENCY_BUCKETS
 )

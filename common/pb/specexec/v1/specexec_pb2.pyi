@@ -103,10 +103,12 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "cached_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)

@@ -1,0 +1,136 @@
+"""New conversations on one system prompt, with and without the nodes' prefix sharing.
+
+An editor plugin or an agent sends the same long system prompt (its instructions and the open file)
+with every new question. Two node pairs, the target on core 1 and the draft on core 0 as in the home
+lab, one of them started with `--no-prefix-sharing`, each behind a gateway keeping finished requests
+(`--prompt-cache 4`, the default). Question k opens a new conversation, first on one pair, then on
+the other. Reports each conversation's prompt tokens, the tokens whose KV the target and the draft
+took from a kept session (their `specexec:session_shared_prompt_tokens`), time to first token and
+whole time, as a markdown table.
+
+    python -m benchmarks.prefix_sharing --out docs/epyc/prefix-sharing.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+from client.bench.harness import free_port, stop_processes
+from client.bench.home_lab import model_dir, pinned
+from client.bench.load import stream_messages, wait_http
+from client.remote import wait_until_serving
+from common.options import node_command
+
+ROOT = Path(__file__).resolve().parent.parent
+QUESTIONS = (
+    "Which function decides what to keep? One sentence.",
+    "What happens when a node refuses a session? One sentence.",
+    "Name one thing this module does not do. One sentence.",
+    "Suggest a better name for the class, in one sentence.",
+    "Is the lock held while closing sequences? One sentence.",
+)
+CONTESTANTS = (("sharing", []), ("no sharing", ["--no-prefix-sharing"]))
+
+
+def system_prompt(chars: int) -> str:
+    code = (ROOT / "client/prompt_cache.py").read_text()[:chars]
+    return ("You are a coding assistant inside an editor. Answer briefly and precisely, quote names "
+            f"exactly, and say so when the file does not tell.\nThe open file:\n```python\n{code}\n```")  # fmt: skip
+
+
+def shared_tokens(metrics_url: str) -> dict[str, float]:
+    """A node's prompt tokens taken from other sessions so far, by role (Prometheus text format)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("specexec:session_shared_prompt_tokens_total{"):
+            role = line.split('role="', 1)[1].split('"', 1)[0]
+            out[role] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def start_pair(args: argparse.Namespace, extra: list[str], procs: list[subprocess.Popen]) -> tuple[str, dict[str, str]]:
+    """A target and a draft node, and a gateway over them: the gateway's URL and each node's /metrics."""
+    addrs, metrics = {}, {}
+    llama = args.backend == "llama.cpp"
+    for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
+        port, metrics_port = free_port(), free_port()
+        cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), args.backend), port, args.dtype, 64,
+                           ["--max-sessions", "8", "--backend", args.backend, "--metrics-port", str(metrics_port),
+                            *extra], "none" if llama else quantize, lookahead=True)  # fmt: skip
+        argv, env = pinned(cmd, cores)
+        procs.append(subprocess.Popen(argv, env=env))
+        addrs[role], metrics[role] = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
+        wait_until_serving(addrs[role], timeout=1800, alive=lambda p=procs[-1]: p.poll() is None)
+    port = free_port()
+    cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", addrs["target"], "--draft", addrs["draft"],
+           "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--no-planner-memory", "--log-level", "warning"]  # fmt: skip
+    argv, env = pinned(cmd, (0,))
+    procs.append(subprocess.Popen(argv, env=env))
+    url = f"http://127.0.0.1:{port}"
+    wait_http(url + "/health", procs[-1])
+    return url, metrics
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
+    parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
+                        help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")
+    parser.add_argument("--chars", type=int, default=2400, help="characters of the open file in the system prompt")
+    parser.add_argument("--questions", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1))
+    parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--out", type=Path)
+    args = parser.parse_args()
+    os.sched_setaffinity(0, {0})
+    procs: list[subprocess.Popen] = []
+    rows = []
+    try:
+        pairs = {name: start_pair(args, extra, procs) for name, extra in CONTESTANTS}
+        for url, _ in pairs.values():  # untimed: first-call costs stay out of the figures
+            stream_messages(url, [{"role": "user", "content": "Hi"}], 4)
+        system = {"role": "system", "content": system_prompt(args.chars)}
+        for k, question in enumerate(QUESTIONS[: args.questions]):
+            for name, (url, metrics) in pairs.items():
+                before = {role: shared_tokens(m).get(role, 0.0) for role, m in metrics.items()}
+                got = stream_messages(url, [system, {"role": "user", "content": question}], args.max_tokens)
+                shared = {role: int(shared_tokens(m).get(role, 0.0) - before[role]) for role, m in metrics.items()}
+                rows.append({"conversation": k + 1, "contestant": name, **got, **shared})
+                print(f"conversation {k + 1} {name}: {got['prompt']} prompt tokens, target took {shared['target']}, "
+                      f"draft {shared['draft']}; first token {got['ttft']:.2f} s, whole {got['seconds']:.2f} s",
+                      flush=True)  # fmt: skip
+    finally:
+        stop_processes(procs)
+    lines = ["| conversation | prompt tokens | shared, target | shared, draft | first token, sharing (s) "
+             "| without (s) | x | whole, sharing (s) | without (s) | same text |",
+             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    later = []
+    for i in range(0, len(rows), 2):
+        on, off = rows[i], rows[i + 1]
+        if on["conversation"] > 1:
+            later.append(off["ttft"] / on["ttft"])
+        lines.append(f"| {on['conversation']} | {on['prompt']} | {on['target']} | {on['draft']} | {on['ttft']:.2f} "
+                     f"| {off['ttft']:.2f} | {off['ttft'] / on['ttft']:.2f} | {on['seconds']:.2f} "
+                     f"| {off['seconds']:.2f} | {'yes' if on['text'] == off['text'] else 'no'} |")  # fmt: skip
+    if later:
+        lines.append(f"\nConversations 2 and later: first token {statistics.geometric_mean(later):.2f}x sooner "
+                     "with prefix sharing (geometric mean).")  # fmt: skip
+    table = "\n".join(lines) + "\n"
+    print(table)
+    if args.out:
+        args.out.write_text(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
