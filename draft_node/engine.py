@@ -167,7 +167,7 @@ class DraftEngine(NodeEngine[DraftSession]):
             best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)  # a guess: they change
             if best is not None and session.shared_prefix(best):
                 with self._request(), best.lock:  # no request or idle step changes it meanwhile
-                    shared = session.copy_prefix(best)
+                    shared = session.copy_prefix(best)  # as much as it still holds
         observe_shared_prefix(self.role, len(session.committed), shared)
         return session
 

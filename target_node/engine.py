@@ -185,8 +185,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         if self.share_prefixes:
             with self._lock:  # no pass changes a source's cache meanwhile
                 best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)
-                if best is not None and (shared := session.shared_prefix(best)):
-                    session.copy_prefix(best, shared)
+                if best is not None:
+                    shared = session.copy_prefix(best)
         observe_shared_prefix(self.role, len(session.committed), shared)
         return session
 

@@ -4,13 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from common.options import (
-    add_kv_cache_arg,
-    add_node_args,
-    add_offload_args,
-    add_regroup_arg,
-    node_main,
-)
+from common.options import add_kv_cache_arg, add_node_args, add_offload_args, add_regroup_arg, node_main
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.bootstrap import NodeRole
 from target_node.engine import TargetEngine

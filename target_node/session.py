@@ -175,15 +175,16 @@ class TargetSession:
         held = source.committed[: source.cached_length]
         return min(common_prefix(self.committed, held), len(self.committed) - 1)
 
-    def copy_prefix(self, source: TargetSession, length: int) -> None:
-        """Take `source`'s KV of the first `length` committed tokens, which both sessions share
-        (`shared_prefix`), instead of computing it: a system prompt, or a conversation's history
-        that a new request branches from, runs once for every session that starts with it, as in
-        vLLM's prefix caching. Under the model lock: no pass runs on either cache meanwhile."""
-        if not 0 < length <= self.shared_prefix(source):
-            raise ValueError(f"cannot share {length} tokens with a session that holds {self.shared_prefix(source)}")
-        self._copy_cache(source, length)
-        self.shared_tokens = length
+    def copy_prefix(self, source: TargetSession) -> int:
+        """Take `source`'s KV of the prompt prefix both sessions hold (`shared_prefix`) instead of
+        computing it: a system prompt, or a conversation's history that a new request branches
+        from, runs once for every session that starts with it, as in vLLM's prefix caching. Returns
+        its length. Under the model lock: no pass runs on either cache meanwhile."""
+        length = self.shared_prefix(source)
+        if length:
+            self._copy_cache(source, length)
+            self.shared_tokens = length
+        return length
 
     def _can_copy_from(self, source: TargetSession) -> bool:
         return False
