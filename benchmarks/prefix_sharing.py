@@ -6,7 +6,9 @@ lab, one of them started with `--no-prefix-sharing`, each behind a gateway keepi
 (`--prompt-cache 4`, the default). Question k opens a new conversation, first on one pair, then on
 the other. Reports each conversation's prompt tokens, the tokens whose KV the target and the draft
 took from a kept session (their `specexec:session_shared_prompt_tokens`), time to first token and
-whole time, as a markdown table.
+whole time, as a markdown table. Then a burst (`--burst K`): K conversations at once on a system
+prompt no session holds yet (another file), on each pair in turn: where passes are compute-bound,
+the first computes the prefix and the others wait for it and take it.
 
     python -m benchmarks.prefix_sharing --out docs/epyc/prefix-sharing.md
 """
@@ -18,8 +20,11 @@ import os
 import statistics
 import subprocess
 import sys
+import threading
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from client.bench.harness import free_port, stop_processes
 from client.bench.home_lab import model_dir, pinned
@@ -38,8 +43,8 @@ QUESTIONS = (
 CONTESTANTS = (("sharing", []), ("no sharing", ["--no-prefix-sharing"]))
 
 
-def system_prompt(chars: int) -> str:
-    code = (ROOT / "client/prompt_cache.py").read_text()[:chars]
+def system_prompt(chars: int, path: str = "client/prompt_cache.py") -> str:
+    code = (ROOT / path).read_text()[:chars]
     return ("You are a coding assistant inside an editor. Answer briefly and precisely, quote names "
             f"exactly, and say so when the file does not tell.\nThe open file:\n```python\n{code}\n```")  # fmt: skip
 
@@ -54,6 +59,18 @@ def shared_tokens(metrics_url: str) -> dict[str, float]:
             role = line.split('role="', 1)[1].split('"', 1)[0]
             out[role] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def burst(url: str, system: dict[str, str], questions: tuple[str, ...], max_tokens: int) -> list[dict[str, Any]]:
+    """The conversations released together; each one's `stream_messages` result."""
+    barrier = threading.Barrier(len(questions))
+
+    def ask(question: str) -> dict[str, Any]:
+        barrier.wait()
+        return stream_messages(url, [system, {"role": "user", "content": question}], max_tokens)
+
+    with ThreadPoolExecutor(len(questions)) as pool:
+        return list(pool.map(ask, questions))
 
 
 def start_pair(args: argparse.Namespace, extra: list[str], procs: list[subprocess.Popen]) -> tuple[str, dict[str, str]]:
@@ -90,6 +107,8 @@ def main() -> int:
     parser.add_argument("--chars", type=int, default=2400, help="characters of the open file in the system prompt")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--max-tokens", type=int, default=32)
+    parser.add_argument("--burst", type=int, default=4, choices=range(0, len(QUESTIONS) + 1),
+                        help="conversations released together on a new system prompt (0: none)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
@@ -109,6 +128,13 @@ def main() -> int:
                 print(f"conversation {k + 1} {name}: {got['prompt']} prompt tokens, target took {shared['target']}, "
                       f"draft {shared['draft']}; first token {got['ttft']:.2f} s, whole {got['seconds']:.2f} s",
                       flush=True)  # fmt: skip
+        bursts = {}
+        if args.burst:
+            other = {"role": "system", "content": system_prompt(args.chars, "client/text.py")}
+            for name, (url, _) in pairs.items():
+                bursts[name] = burst(url, other, QUESTIONS[: args.burst], args.max_tokens)
+                print(f"burst {name}: first tokens " + ", ".join(f"{r['ttft']:.2f}" for r in bursts[name]) + " s",
+                      flush=True)  # fmt: skip
     finally:
         stop_processes(procs)
     lines = ["| conversation | prompt tokens | shared, target | shared, draft | first token, sharing (s) "
@@ -125,6 +151,14 @@ def main() -> int:
     if later:
         lines.append(f"\nConversations 2 and later: first token {statistics.geometric_mean(later):.2f}x sooner "
                      "with prefix sharing (geometric mean).")  # fmt: skip
+    if bursts:
+        lines += [f"\n{args.burst} conversations at once on a new system prompt:\n",
+                  "| contestant | prompt tokens | first token, each (s) | median | last | whole, last (s) |",
+                  "|---|---|---|---|---|---|"]  # fmt: skip
+        for name, runs in bursts.items():
+            ttft = sorted(r["ttft"] for r in runs)
+            lines.append(f"| {name} | {runs[0]['prompt']} | {', '.join(f'{t:.2f}' for t in ttft)} "
+                         f"| {statistics.median(ttft):.2f} | {ttft[-1]:.2f} | {max(r['seconds'] for r in runs):.2f} |")  # fmt: skip
     table = "\n".join(lines) + "\n"
     print(table)
     if args.out:

@@ -28,6 +28,11 @@ from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
 WAIT_DUE_SWITCH = "SPECEXEC_WAIT_DUE"  # "0": a pass waits for no session that is away (the A/B)
+# A fresh session waits for a prompt prefix of at least this many tokens that another session in its
+# pass is computing, where passes are compute-bound: two prompt chunks in a pass cost at least
+# COMPUTE_BOUND times one (a CPU: about 2; a GPU's flat curve: about 1).
+DEFER_MIN_TOKENS = 32
+COMPUTE_BOUND = 1.5
 
 
 @dataclass(eq=False)
@@ -46,6 +51,7 @@ class VerifyJob:
     stopped: Callable[[], bool] = lambda: False  # the caller went away or its deadline passed
     continues: bool = False  # a later pass of a Decode call: the call's step, checked at its first
     max_chain: int = MAX_BATCH_TOKENS  # pending committed tokens a pass runs for it, at most
+    owner: str = ""  # the session's, whose other sessions may lend it a prompt prefix
     arrived: float = field(default_factory=time.perf_counter)
     ticket: TreeTicket | None = None  # prepared, its pending chain in chunks over several passes
     result: VerifyResult | None = None
@@ -184,11 +190,37 @@ class TargetEngine(NodeEngine[TargetSession]):
         shared = 0
         if self.share_prefixes:
             with self._lock:  # no pass changes a source's cache meanwhile
-                best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)
-                if best is not None:
-                    shared = session.copy_prefix(best)
+                shared = self._take_prefix(session, owner)
         observe_shared_prefix(self.role, len(session.committed), shared)
         return session
+
+    def _take_prefix(self, session: TargetSession, owner: str) -> int:
+        """Copy the longest prompt prefix an open session of `owner` holds; its length. Under the model lock."""
+        best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)
+        return 0 if best is None else session.copy_prefix(best)
+
+    def _waits_for_prefix(self, job: VerifyJob, prefilling: list[TargetSession]) -> bool:
+        """Whether a fresh session's first pass waits for a session ahead of it in this pass to
+        compute a prompt prefix they share, to take it then (`copy_prefix`) instead of computing
+        it too: a burst of requests on one long system prompt computes it once. Only where the
+        passes are compute-bound (a CPU's curve), where its chunk beside the other's would slow
+        the pass down; on a flat curve (a GPU) it costs nothing to compute it at once. Otherwise
+        the session takes what an open session holds by now. Under the model lock."""
+        session = job.session
+        if not self.share_prefixes or session.cached_length or job.ticket is not None:
+            return False
+        coming = max((session.shared_prefix_with(s) for s in prefilling), default=0)
+        held = max((session.shared_prefix(s) for s in self.sessions.owned(job.owner)), default=0)
+        if coming > held and coming >= DEFER_MIN_TOKENS and self._compute_bound():
+            return True
+        if held:
+            observe_shared_prefix(self.role, 0, self._take_prefix(session, job.owner))
+        return False
+
+    def _compute_bound(self) -> bool:
+        """Whether a pass of two prompt chunks costs well over one of one (no curve: a CPU's, assumed)."""
+        curve, chunk = list(self.forward_curve), self.chain_limit()
+        return not curve or interpolate(curve, 2 * chunk) >= COMPUTE_BOUND * interpolate(curve, chunk)
 
     def verify(
         self,
@@ -209,7 +241,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
         job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
-                        continues=continues, max_chain=self.chain_limit())  # fmt: skip
+                        continues=continues, max_chain=self.chain_limit(), owner=owner)  # fmt: skip
         job.stopped = cancelled or job.stopped
         result = self.batcher.submit(job).result
         assert result is not None
@@ -253,11 +285,14 @@ class TargetEngine(NodeEngine[TargetSession]):
         alone. A job whose long pending chain takes this pass stays undone, for the next one."""
         limit = self.chain_limit(alone=len(jobs) == 1 and len(self.sessions) <= 1)
         steps: list[tuple[VerifyJob, TreeTicket]] = []
+        prefilling = [j.session for j in jobs if j.ticket is not None and j.session.pending]
         for job in jobs:
             try:
                 if job.ticket is None:
                     # A Decode call's later passes keep its step: a request that came between ends the call.
                     check_step(job.session.step - job.continues, job.step_id)
+                    if self._waits_for_prefix(job, [s for s in prefilling if s is not job.session]):
+                        continue  # undone: the next pass takes it again
                     ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
                                                  append=job.append, max_chain=limit)  # fmt: skip
                 else:
@@ -273,6 +308,8 @@ class TargetEngine(NodeEngine[TargetSession]):
             else:
                 job.ticket = ticket
                 steps.append((job, ticket))
+                if job.session.pending:
+                    prefilling.append(job.session)
         for group in self._passes(steps):
             self._run_group(group, limit)
         if self.shared is not None and self.shared.evictions > self._evictions:

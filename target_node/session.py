@@ -167,13 +167,22 @@ class TargetSession:
     def _truncate_cache(self, length: int) -> None:
         raise NotImplementedError
 
+    @property
+    def pending(self) -> int:
+        """Committed tokens still to run before the next tree (a prompt's, a new turn's)."""
+        return len(self.committed) - 1 - self.cached_length
+
     def shared_prefix(self, source: TargetSession) -> int:
         """Committed tokens of this new session whose KV `source` holds and could lend it (0 where
         the backend cannot copy between the two)."""
+        return self.shared_prefix_with(source, held=True)
+
+    def shared_prefix_with(self, source: TargetSession, held: bool = False) -> int:
+        """What `shared_prefix` will be once `source` has run its pending tokens (`held`: now)."""
         if self.cached_length or not self._can_copy_from(source):
             return 0
-        held = source.committed[: source.cached_length]
-        return min(common_prefix(self.committed, held), len(self.committed) - 1)
+        tokens = source.committed[: source.cached_length if held else len(source.committed) - 1]
+        return min(common_prefix(self.committed, tokens), len(self.committed) - 1)
 
     def copy_prefix(self, source: TargetSession) -> int:
         """Take `source`'s KV of the prompt prefix both sessions hold (`shared_prefix`) instead of

@@ -933,3 +933,11 @@ def test_llama_sessions_sharing_a_prefix_give_what_they_get_alone(ggufs, setting
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
     sampling = SamplingParams(max_new_tokens=8, **SETTINGS[setting])
     check_sharing(lambda **kw: llama_engine(loaded, batch_window=1.0, **kw), sampling)
+
+
+def test_a_llama_burst_on_one_long_prefix_computes_it_once(ggufs):
+    from tests.test_prefix_sharing import check_burst
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    check_burst(lambda **kw: llama_engine(loaded, max_context=128, batch_window=1.0, prefill_chunk=16,
+                                          kv_cache_tokens=1024, **kw), SamplingParams(max_new_tokens=8))  # fmt: skip

@@ -80,6 +80,36 @@ def test_sessions_sharing_a_prefix_give_what_they_get_alone(loaded, setting):
     check_sharing(make, SETTINGS[setting])
 
 
+def check_burst(make: Callable[..., TargetEngine], sampling: SamplingParams) -> None:
+    """Sessions opened at once on a long common prefix, none holding KV yet: the first computes it
+    in chunks, the others wait for it and take it; each answer is what it gets computing its own."""
+    engine = make()
+    vocab = engine.loaded.model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(8)
+    system = torch.randint(0, vocab, (100,), generator=gen).tolist()
+    prompts = [[*system, 1 + i, 2 + i] for i in range(3)]
+    trees = [random_tree(p[-1], 6, vocab, gen) for p in prompts]
+
+    def burst(engine: TargetEngine) -> tuple[list[list[int]], list[int]]:
+        sids = [engine.open_session(p) for p in prompts]
+        got = at_once([lambda s=s, t=t: engine.verify(s, t, sampling, 4) for s, t in zip(sids, trees, strict=True)])
+        return [r.tokens for r in got], [engine.sessions.get(s).shared_tokens for s in sids]
+
+    shared, took = burst(engine)
+    alone, none = burst(make(share_prefixes=False))
+    assert shared == alone
+    assert sorted(took) == [0, 100, 100] and none == [0, 0, 0]
+
+
+@pytest.mark.parametrize("setting", SETTINGS)
+def test_a_burst_on_one_long_prefix_computes_it_once(loaded, setting):
+    def make(**kwargs: Any) -> TargetEngine:
+        return TargetEngine(loaded["target"], max_context=256, max_tree=64, max_sessions=8, batch_window=1.0,
+                            prefill_chunk=16, **kwargs)  # fmt: skip
+
+    check_burst(make, SETTINGS[setting])
+
+
 def test_a_prefix_is_shared_with_the_same_owner_only_and_the_longest_wins(loaded):
     engine = TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=8)
     base = list(range(10, 40))
@@ -146,10 +176,12 @@ def test_the_prefix_sharing_benchmark_runs(model_dirs, tmp_path):
     run = subprocess.run(
         [sys.executable, "-m", "benchmarks.prefix_sharing", "--target-model", str(model_dirs["target"]),
          "--draft-model", str(model_dirs["truncated"]), "--dtype", "float32", "--draft-quantize", "none",
-         "--chars", "300", "--questions", "2", "--max-tokens", "4", "--out", str(out)],
+         "--chars", "300", "--questions", "2", "--burst", "2", "--max-tokens", "4", "--out", str(out)],
         capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
     assert run.returncode == 0, run.stderr[-3000:]
     rows = [line.split(" | ") for line in out.read_text().splitlines() if line.startswith("| 2 |")]
     prompt, target, draft, same = int(rows[0][1]), int(rows[0][2]), int(rows[0][3]), rows[0][-1]
     assert prompt // 2 < target < prompt and prompt // 2 < draft < prompt and same == "yes |"
+    bursts = [line for line in out.read_text().splitlines() if line.startswith(("| sharing |", "| no sharing |"))]
+    assert len(bursts) == 2
