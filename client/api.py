@@ -269,8 +269,7 @@ class SpecExec:
         ids = self.encode(prompt)
         cache = self.prompt_cache
         if cache is None:
-            sequence = self.sequence(ids, recovery)
-            cached = sequence.shared_prompt_tokens
+            sequence, cached = self.sequence(ids, recovery), 0
         else:
             sequence, cached = cache.acquire(ids)
             sequence.recovery = recovery or self.recovery

@@ -52,7 +52,6 @@ class DraftBackend(Protocol):
 class TargetBackend(Protocol):
     def info(self) -> NodeInfo: ...
     def open_session(self, prompt: list[int]) -> str: ...
-    def shared_tokens(self, session_id: str) -> int: ...
     def verify(
         self,
         session_id: str,
@@ -330,8 +329,6 @@ class Sequence:
         self.link = link if draft is not None else None
         self.tokens = list(prompt)
         self.target_session = target.open_session(prompt)
-        # Prompt tokens whose KV the target's new session took from one of its others (prefix sharing).
-        self.shared_prompt_tokens = target.shared_tokens(self.target_session)
         self.draft_session = ""
         self._draft_epoch = -1  # the link's epoch the draft session was opened in
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.
@@ -637,6 +634,7 @@ class Sequence:
         stats.shared_steps += result.pass_sessions > 1
         stats.accepted_per_step.append(result.accepted)
         stats.new_tokens += len(result.tokens)
+        stats.cached_prompt_tokens = max(stats.cached_prompt_tokens, result.shared_tokens)
 
     def close(self) -> None:
         """Free both sessions; a node that is down has lost them anyway (its idle timeout covers the

@@ -23,7 +23,6 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from common.ops.metrics import PREFIX_CACHE_HITS, PREFIX_CACHE_QUERIES
 from common.runtime.sessions import TooManySessions, common_prefix
 
 if TYPE_CHECKING:
@@ -60,8 +59,8 @@ class PromptCache:
         self.hits = 0  # of them, tokens whose KV the target already held
 
     def acquire(self, prompt: list[int]) -> tuple[Sequence, int]:
-        """A sequence holding `prompt`, and how many of its tokens the target already holds (in a
-        kept sequence, or shared by its node from another session)."""
+        """A sequence holding `prompt`, and how many of its tokens the target holds in it (0 for a
+        new one: its node may still share a prefix with it, `GenerationStats.cached_prompt_tokens`)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         with self._lock:
@@ -80,7 +79,6 @@ class PromptCache:
                 best.reset_to(prompt)
             else:
                 best = self._open(prompt)
-                shared = best.shared_prompt_tokens  # the nodes' prefix sharing
         except BaseException:
             with self._lock:
                 self._active -= 1
@@ -91,8 +89,6 @@ class PromptCache:
             self._prompts[id(best)] = len(prompt)
             self.queries += len(prompt)
             self.hits += shared
-        PREFIX_CACHE_QUERIES.inc(len(prompt))
-        PREFIX_CACHE_HITS.inc(shared)
         return best, shared
 
     def _open(self, prompt: list[int]) -> Sequence:

@@ -125,7 +125,6 @@ class _RemoteNode:
         self.metadata = ((CLIENT_KEY, client_key or secrets.token_hex(16)), *self.security.metadata())
         self.step_timeout, self.call_timeout = step_timeout, call_timeout
         self._steps: dict[str, int] = {}
-        self._shared: dict[str, int] = {}  # each open session's prompt tokens it took from another
         self._info: NodeInfo | None = None
 
     def _rpc(self, fn: Any, request: Any, timeout: float | None = None) -> Any:
@@ -152,16 +151,10 @@ class _RemoteNode:
                 raise TooManySessions(str(exc)) from exc
             raise
         self._steps[opened.session_id] = 0
-        self._shared[opened.session_id] = opened.cached_tokens
         return opened.session_id
-
-    def shared_tokens(self, session_id: str) -> int:
-        """Prompt tokens whose KV the session took from another when it opened (prefix sharing)."""
-        return self._shared.get(session_id, 0)
 
     def close_session(self, session_id: str) -> bool:
         self._steps.pop(session_id, None)
-        self._shared.pop(session_id, None)
         return self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id)).closed
 
     def close(self) -> None:
@@ -303,6 +296,7 @@ def _verify_result(r: pb.VerifyResponse) -> VerifyResult:
         r.forward_seconds + r.queue_seconds,
         pass_sessions=max(r.pass_sessions, 1),
         pass_tokens=r.pass_tokens,
+        shared_tokens=r.cached_tokens,
     )
 
 

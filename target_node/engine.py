@@ -52,6 +52,7 @@ class VerifyJob:
     continues: bool = False  # a later pass of a Decode call: the call's step, checked at its first
     max_chain: int = MAX_BATCH_TOKENS  # pending committed tokens a pass runs for it, at most
     owner: str = ""  # the session's, whose other sessions may lend it a prompt prefix
+    shared: int = 0  # prompt tokens its session took from another at its first pass
     arrived: float = field(default_factory=time.perf_counter)
     ticket: TreeTicket | None = None  # prepared, its pending chain in chunks over several passes
     result: VerifyResult | None = None
@@ -180,41 +181,33 @@ class TargetEngine(NodeEngine[TargetSession]):
             per_call = {} if self.all_logits_max_nodes is None else {"all_logits_max_nodes": self.all_logits_max_nodes}
             return TorchTargetSession(self.loaded.model, prompt, **limits, **per_call)
 
-        return self.sessions.add(lambda: self._share_prefix(make(), owner), owner, session_id)
+        session_id = self.sessions.add(make, owner, session_id)
+        observe_shared_prefix(self.role, len(prompt), 0)
+        return session_id
 
-    def _share_prefix(self, session: TargetSession, owner: str) -> TargetSession:
-        """A new session takes the KV of the longest prompt prefix one of its owner's sessions holds
-        (`TargetSession.copy_prefix`), and its first pass runs only the rest: a system prompt or a
-        common history is computed once, not once per request. Its owner's only: a session is
-        found by the owner that opened it (a gateway is one owner for all its requests)."""
-        shared = 0
-        if self.share_prefixes:
-            with self._lock:  # no pass changes a source's cache meanwhile
-                shared = self._take_prefix(session, owner)
-        observe_shared_prefix(self.role, len(session.committed), shared)
-        return session
+    def _share_prefix(self, job: VerifyJob, prefilling: list[TargetSession]) -> bool:
+        """At a new session's first pass: take the KV of the longest prompt prefix one of its
+        owner's sessions holds (`TargetSession.copy_prefix`), and run only the rest: a system
+        prompt or a common history is computed once, not once per request. Its owner's only: a
+        session is found by the owner that opened it (a gateway is one owner for all its requests).
+        Here, not at open, as no pass runs then: an open would wait for the model lock.
 
-    def _take_prefix(self, session: TargetSession, owner: str) -> int:
-        """Copy the longest prompt prefix an open session of `owner` holds; its length. Under the model lock."""
-        best = max(self.sessions.owned(owner), key=session.shared_prefix, default=None)
-        return 0 if best is None else session.copy_prefix(best)
-
-    def _waits_for_prefix(self, job: VerifyJob, prefilling: list[TargetSession]) -> bool:
-        """Whether a fresh session's first pass waits for a session ahead of it in this pass to
-        compute a prompt prefix they share, to take it then (`copy_prefix`) instead of computing
-        it too: a burst of requests on one long system prompt computes it once. Only where the
-        passes are compute-bound (a CPU's curve), where its chunk beside the other's would slow
-        the pass down; on a flat curve (a GPU) it costs nothing to compute it at once. Otherwise
-        the session takes what an open session holds by now. Under the model lock."""
+        Returns True where the session waits instead, for a session ahead of it in this pass that
+        is computing a longer prefix they share: a burst of requests on one long system prompt
+        computes it once. Only where passes are compute-bound (a CPU's curve), where its chunk
+        beside the other's would slow the pass down; on a flat curve (a GPU) it costs nothing to
+        compute it at once. Under the model lock."""
         session = job.session
         if not self.share_prefixes or session.cached_length or job.ticket is not None:
             return False
         coming = max((session.shared_prefix_with(s) for s in prefilling), default=0)
-        held = max((session.shared_prefix(s) for s in self.sessions.owned(job.owner)), default=0)
+        best = max(self.sessions.owned(job.owner), key=session.shared_prefix, default=None)
+        held = 0 if best is None else session.shared_prefix(best)
         if coming > held and coming >= DEFER_MIN_TOKENS and self._compute_bound():
             return True
-        if held:
-            observe_shared_prefix(self.role, 0, self._take_prefix(session, job.owner))
+        if best is not None and held:
+            job.shared = session.copy_prefix(best)
+            observe_shared_prefix(self.role, 0, job.shared)
         return False
 
     def _compute_bound(self) -> bool:
@@ -291,7 +284,7 @@ class TargetEngine(NodeEngine[TargetSession]):
                 if job.ticket is None:
                     # A Decode call's later passes keep its step: a request that came between ends the call.
                     check_step(job.session.step - job.continues, job.step_id)
-                    if self._waits_for_prefix(job, [s for s in prefilling if s is not job.session]):
+                    if self._share_prefix(job, [s for s in prefilling if s is not job.session]):
                         continue  # undone: the next pass takes it again
                     ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
                                                  append=job.append, max_chain=limit)  # fmt: skip
@@ -376,7 +369,7 @@ class TargetEngine(NodeEngine[TargetSession]):
     def _complete(job: VerifyJob, result: VerifyResult) -> None:
         if not job.continues:
             job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
-        job.succeed(result)
+        job.succeed(replace(result, shared_tokens=job.shared) if job.shared else result)
 
 
 def _rows(ticket: TreeTicket) -> int:

@@ -100,4 +100,5 @@ def _response(result: VerifyResult, timing: StepTiming) -> pb.VerifyResponse:
         queue_seconds=timing.queue_seconds,
         pass_sessions=result.pass_sessions,
         pass_tokens=result.pass_tokens,
+        cached_tokens=result.shared_tokens,
     )

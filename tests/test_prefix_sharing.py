@@ -34,7 +34,7 @@ def branching_sessions(engine: TargetEngine, sampling: SamplingParams) -> tuple[
     """One session runs three steps; three more open on its system prompt, on a branch of its
     history and on the whole of it; the first rolls back into the shared part, takes another turn
     and closes; then the three run steps at once. Returns every step's tokens, and how many prompt
-    tokens each of the three found cached when it opened."""
+    tokens each of the three took from another session at its first pass."""
     vocab = engine.loaded.model.cfg.vocab_size
     gen = torch.Generator().manual_seed(5)
     system = torch.randint(0, vocab, (20,), generator=gen).tolist()
@@ -49,7 +49,11 @@ def branching_sessions(engine: TargetEngine, sampling: SamplingParams) -> tuple[
     history = list(engine.sessions.get(first).committed)
     prompts = [[*system, 4, 5], [*history[:-2], 7, 8, 9], history]
     sids = [engine.open_session(p) for p in prompts]
-    cached = [engine.sessions.get(s).cached_length for s in sids]
+    cached = []
+    for sid in sids:  # each takes its prefix at its first pass, and says so in that step's result
+        result = engine.verify(sid, tree(sid), sampling, 4)
+        out.append(result.tokens)
+        cached.append(result.shared_tokens)
     turn = [vocab - 1, vocab - 2]
     out.append(engine.verify(first, TokenTree.root_only(turn[-1]), sampling, 4, append=turn, truncate_to=10).tokens)
     engine.close_session(first)
@@ -113,16 +117,18 @@ def test_a_burst_on_one_long_prefix_computes_it_once(loaded, setting):
 def test_a_prefix_is_shared_with_the_same_owner_only_and_the_longest_wins(loaded):
     engine = TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=8)
     base = list(range(10, 40))
-    opened = [(engine.open_session(p, owner=o), o) for p, o in
-              [(base[:12], "alice"), (base, "alice"), ([*base, 1], "alice"), ([*base, 1], "bob")]]  # fmt: skip
-    assert all(engine.sessions.get(s, o).cached_length == 0 for s, o in opened)  # none held KV yet
-    for sid, owner in opened:
+
+    def first_step(sid: str, owner: str) -> int:
         root = engine.sessions.get(sid, owner).committed[-1]
-        engine.verify(sid, TokenTree.root_only(root), SETTINGS["greedy"], 1, owner=owner)
-    carol = engine.sessions.get(engine.open_session([*base, 1, 5], owner="carol"), owner="carol")
-    alice = engine.sessions.get(engine.open_session([*base, 1, 5], owner="alice"), owner="alice")
-    assert carol.cached_length == 0
-    assert alice.cached_length == len(base) + 1  # [*base, 1]'s KV, not base's
+        return engine.verify(sid, TokenTree.root_only(root), SETTINGS["greedy"], 1, owner=owner).shared_tokens
+
+    opened = [(engine.open_session(p, owner=o), o) for p, o in
+              [(base[:12], "alice"), (base, "alice"), ([*base, 1], "bob")]]  # fmt: skip
+    assert [first_step(s, o) for s, o in opened] == [0, 12, 0]  # base's takes base[:12]'s KV
+    alice = engine.open_session([*base, 1, 5], owner="alice")
+    carol = engine.open_session([*base, 1, 5], owner="carol")
+    assert first_step(carol, "carol") == 0
+    assert first_step(alice, "alice") == len(base)  # base's KV (30 tokens), not base[:12]'s
 
 
 def branching_drafts(engine: DraftEngine) -> tuple[list[Tree], list[int]]:

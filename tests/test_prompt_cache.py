@@ -32,7 +32,6 @@ class FakeSequence:
         self.tokens = list(tokens)
         self.closed = False
         self.resets: list[list[int]] = []
-        self.shared_prompt_tokens = 0
 
     def reset_to(self, tokens: list[int]) -> None:
         self.tokens = list(tokens)

@@ -29,6 +29,7 @@ class VerifyResult:
     node_seconds: float | None = None  # the node's own (queue, forward) as it reported it; None in process
     pass_sessions: int = 1  # sessions whose trees shared the forward pass (common.runtime.batching)
     pass_tokens: int = 0  # tree tokens of that pass, every session's; 0: not reported
+    shared_tokens: int = 0  # prompt tokens whose KV the step took from another session (prefix sharing)
 
 
 class TokenizerMismatch(ValueError):

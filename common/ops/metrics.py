@@ -156,9 +156,10 @@ REQUESTS_RUNNING = Gauge("specexec:num_requests_running", "generations in progre
 REQUEST_SUCCESS = Counter("specexec:request_success", "finished generations", ["finished_reason"])
 PROMPT_TOKENS = Counter("specexec:prompt_tokens", "prompt tokens of finished and running generations")
 GENERATION_TOKENS = Counter("specexec:generation_tokens", "tokens generated")
-PREFIX_CACHE_QUERIES = Counter("specexec:prefix_cache_queries", "prompt tokens looked up in the prompt cache")
+PREFIX_CACHE_QUERIES = Counter("specexec:prefix_cache_queries", "prompt tokens of the requests")
 PREFIX_CACHE_HITS = Counter(
-    "specexec:prefix_cache_hits", "prompt tokens the target already held: in a kept sequence, or shared from another session"
+    "specexec:prefix_cache_hits",
+    "prompt tokens of finished requests the target already held: a kept sequence's, or another session's (prefix sharing)",
 )
 E2E_SECONDS = Histogram(
     "specexec:e2e_request_latency_seconds", "generation time, first to last token", buckets=LATENCY_BUCKETS
@@ -369,6 +370,7 @@ def track_generation(
     REQUESTS_RUNNING.inc()
     if prompt_tokens:
         PROMPT_TOKENS.inc(prompt_tokens)
+        PREFIX_CACHE_QUERIES.inc(prompt_tokens)
     outcome = "cancelled"
     try:
         for chunk in chunks:
@@ -395,6 +397,8 @@ def track_generation(
         if finish is not None:
             REQUEST_SUCCESS.labels(finish).inc()
             E2E_SECONDS.observe(seconds)
+            if stats is not None:
+                PREFIX_CACHE_HITS.inc(stats.cached_prompt_tokens)
         fields: dict[str, Any] = {
             "request": request_id,
             "endpoint": endpoint,

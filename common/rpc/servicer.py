@@ -49,11 +49,9 @@ class NodeServicer:
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionResponse:
-        engine, owner = self._engine(), client_key(context)
-        sid = engine.open_session(list(request.prompt), owner)
-        shared = engine.shared_tokens(sid, owner)
-        session_event("opened", sid, prompt_tokens=len(request.prompt), shared_tokens=shared)
-        return pb.OpenSessionResponse(session_id=sid, cached_tokens=shared)
+        sid = self._engine().open_session(list(request.prompt), client_key(context))
+        session_event("opened", sid, prompt_tokens=len(request.prompt))
+        return pb.OpenSessionResponse(session_id=sid)
 
     @rpc_method
     def CloseSession(

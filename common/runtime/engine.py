@@ -127,7 +127,3 @@ class NodeEngine(Generic[S]):
 
     def close_session(self, session_id: str, owner: str = "") -> bool:
         return self.sessions.remove(session_id, owner)
-
-    def shared_tokens(self, session_id: str, owner: str = "") -> int:
-        """Prompt tokens whose KV the session took from another when it opened (prefix sharing)."""
-        return self.sessions.get(session_id, owner).shared_tokens  # type: ignore[attr-defined]

@@ -103,12 +103,10 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id", "cached_tokens")
+    __slots__ = ("session_id",)
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    cached_tokens: int
-    def __init__(self, session_id: _Optional[str] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
@@ -204,7 +202,7 @@ class DecodeRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., last_token: _Optional[int] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., max_tokens: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., steps: _Optional[int] = ...) -> None: ...
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("tokens", "accepted", "finish_reason", "forward_seconds", "queue_seconds", "pass_sessions", "pass_tokens")
+    __slots__ = ("tokens", "accepted", "finish_reason", "forward_seconds", "queue_seconds", "pass_sessions", "pass_tokens", "cached_tokens")
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
@@ -212,6 +210,7 @@ class VerifyResponse(_message.Message):
     QUEUE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PASS_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     PASS_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     tokens: _containers.RepeatedScalarFieldContainer[int]
     accepted: int
     finish_reason: str
@@ -219,7 +218,8 @@ class VerifyResponse(_message.Message):
     queue_seconds: float
     pass_sessions: int
     pass_tokens: int
-    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., pass_sessions: _Optional[int] = ..., pass_tokens: _Optional[int] = ...) -> None: ...
+    cached_tokens: int
+    def __init__(self, tokens: _Optional[_Iterable[int]] = ..., accepted: _Optional[int] = ..., finish_reason: _Optional[str] = ..., forward_seconds: _Optional[float] = ..., queue_seconds: _Optional[float] = ..., pass_sessions: _Optional[int] = ..., pass_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class GatewayInfo(_message.Message):
     __slots__ = ("draft", "target")
