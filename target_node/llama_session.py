@@ -9,7 +9,7 @@ import numpy as np
 
 from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
-from common.model.llama_cpp import LlamaContext, LlamaCppModel, run_trees, tree_leaves
+from common.model.llama_cpp import LlamaContext, LlamaCppModel, committed_cells, run_trees, tree_leaves
 from target_node.session import TargetSession, TreeTicket, accept_path
 
 
@@ -135,7 +135,9 @@ class LlamaTargetSession(TargetSession):
             return not steps
         trees = [t.tree for _, t in [*steps, (self, ticket)] if not t.chunk]
         leaves = sum(tree_leaves(t.parents).size for t in trees)
-        cells = sum(s._cells_needed(t) for s, t in steps) + self._cells_needed(ticket)  # type: ignore[attr-defined]
+        members: list[tuple[LlamaTargetSession, TreeTicket]] = [*steps, (self, ticket)]  # type: ignore[list-item]
+        new = sum(s._cells_needed(t) - s.ctx.length for s, t in members)
+        cells = committed_cells([s.ctx for s, _ in members]) + new  # a prefix lanes share counts once
         return sum(t.size for t in trees) <= ctx.n_batch and leaves <= ctx.leaf_ids and cells <= ctx.n_ctx
 
     def _cells_needed(self, ticket: TreeTicket) -> int:

@@ -941,3 +941,48 @@ def test_a_llama_burst_on_one_long_prefix_computes_it_once(ggufs):
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
     check_burst(lambda **kw: llama_engine(loaded, max_context=128, batch_window=1.0, prefill_chunk=16,
                                           kv_cache_tokens=1024, **kw), SamplingParams(max_new_tokens=8))  # fmt: skip
+
+
+def test_the_pools_books_count_a_shared_prefix_once():
+    """Cells lanes share by sequence copy count once, also after the lane they came from rolls back
+    into them and writes new ones, and after it gives its KV up."""
+    from common.model.llama_cpp import CommittedCells, committed_cells
+
+    a, b, c = CommittedCells(), CommittedCells(), CommittedCells()
+    for lane in (a, b, c):
+        lane._start_cells()
+    a.length = 100
+    b._share_cells(a, 80)
+    b.length = 90  # b's own cells after the shared ones
+    assert committed_cells([a, b]) == 110
+    a.length = 50
+    a.length = 120  # [50, 120) are new cells; b still holds the old [50, 80)
+    assert committed_cells([a, b]) == 50 + 30 + 10 + 70
+    c._share_cells(a, 100)
+    assert committed_cells([a, b, c]) == 160
+    a.length = 0  # evicted: what b and c hold stays
+    assert committed_cells([a, b, c]) == 50 + 30 + 10 + 50
+
+
+def test_llama_sessions_sharing_a_prefix_fit_a_pool_their_lengths_overfill(ggufs):
+    """Three sessions on a 100-token prefix in a pool of 200 cells: their lengths add up to over
+    300, the cells they take to about 110, so no session gives its KV up; the answers are the
+    unshared ones'."""
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    vocab = loaded.model.cfg.vocab_size
+    system = torch.randint(0, vocab, (100,), generator=torch.Generator().manual_seed(9)).tolist()
+    sampling = SamplingParams(max_new_tokens=8)
+
+    def run(**kwargs: Any) -> tuple[list[list[int]], Any]:
+        engine = llama_engine(loaded, max_context=128, **kwargs)
+        out = []
+        for i in range(3):
+            sid = engine.open_session([*system, 1 + i, 2 + i])
+            for _ in range(2):
+                root = engine.sessions.get(sid).committed[-1]
+                out.append(engine.verify(sid, TokenTree.root_only(root), sampling, 4).tokens)
+        return out, engine.shared
+
+    shared, pool = run(kv_cache_tokens=200)
+    alone, _ = run(kv_cache_tokens=1024, share_prefixes=False)
+    assert shared == alone and pool.evictions == 0

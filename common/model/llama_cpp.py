@@ -31,7 +31,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -410,15 +410,15 @@ class LlamaContext:
             for lane in members:
                 lane.used_at = self._clock
             lanes = list(self._open)
-            free = self.n_ctx - sum(lane.length for lane in lanes)
+            free = self.n_ctx - committed_cells(lanes)
             idle = sorted((lane for lane in lanes if lane.length and all(lane is not m for m in members)),
                           key=lambda lane: (lane.held, lane.used_at))  # fmt: skip
             for lane in idle:
                 if free >= need:
                     break
                 self.lib.llama_memory_seq_rm(self._mem, lane.seq, -1, -1)
-                free += lane.length
                 lane.length = 0
+                free = self.n_ctx - committed_cells(lanes)  # a prefix it shared stays with the others
                 self.evictions += 1
             if free < need:
                 raise LlamaCppError(f"the KV cache's {self.n_ctx} tokens cannot hold this pass's {need} new ones "
@@ -517,7 +517,72 @@ class LlamaContext:
             self.close()
 
 
-class TreeContext:
+class CommittedCells:
+    """A lane's committed cells, [0, `length`), as runs that each come from one origin: the lane's
+    own chains and kept paths, or a prefix another lane shared with it (`copy_prefix`, which adds
+    this lane's id to those cells). The pool's books count each shared cell once
+    (`committed_cells`). Every change of `length` goes through its setter: growing extends the
+    lane's own run; shrinking cuts the runs and starts a new own origin, as cells written at those
+    positions later are new ones, whatever other lanes still hold the old."""
+
+    def _start_cells(self) -> None:
+        self._runs: list[list[Any]] = []  # [origin, end] in order; each run starts where the last ended
+        self._own = object()
+        self._length = 0
+
+    @property
+    def length(self) -> int:
+        """Committed tokens with KV."""
+        return self._length
+
+    @length.setter
+    def length(self, n: int) -> None:
+        if n > self._length:
+            if self._runs and self._runs[-1][0] is self._own:
+                self._runs[-1][1] = n
+            else:
+                self._runs.append([self._own, n])
+        elif n < self._length:
+            kept, start = [], 0
+            for origin, end in self._runs:
+                if start >= n:
+                    break
+                kept.append([origin, min(end, n)])
+                start = end
+            self._runs, self._own = kept, object()
+        self._length = n
+
+    def _share_cells(self, source: CommittedCells, n: int) -> None:
+        """After `source`'s cells [0, n) gained this empty lane's id."""
+        self.length = 0
+        self._runs = [[origin, min(end, n)] for origin, end in source._runs_below(n)]
+        self._length = n
+
+    def _runs_below(self, n: int) -> list[list[Any]]:
+        out, start = [], 0
+        for origin, end in self._runs:
+            if start >= n:
+                break
+            out.append([origin, end])
+            start = end
+        return out
+
+
+def committed_cells(lanes: Iterable[CommittedCells]) -> int:
+    """KV cells the lanes' committed tokens take, each shared cell once: every lane holding an
+    origin's cells holds a prefix of its run, so the run's cells are from its start to the furthest
+    end any lane holds."""
+    spans: dict[int, list[int]] = {}
+    for lane in lanes:
+        start = 0
+        for origin, end in lane._runs:
+            span = spans.setdefault(id(origin), [start, end])
+            span[1] = max(span[1], end)
+            start = end
+    return sum(end - start for start, end in spans.values())
+
+
+class TreeContext(CommittedCells):
     """One session's lane on a `LlamaContext`: its sequence `seq` holds the committed tokens with
     KV (`length` of them), and its trees are laid out in the cells after them."""
 
@@ -525,7 +590,7 @@ class TreeContext:
         self.ctx, self.seq, self.n_ctx, self.owns = ctx, seq, n_ctx, owns
         self.max_nodes = max_tree + 1
         self.leaves_max = ctx.leaf_ids
-        self.length = 0
+        self._start_cells()
         self.used_at = 0
         self.held = False  # a prompt half run in chunks: its KV is taken last
         self._leaves = np.zeros(0, dtype=np.int32)  # the last tree's leaf ids
@@ -581,7 +646,7 @@ class TreeContext:
             raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
         with self.ctx.lock:
             self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
-            self.length = length
+            self._share_cells(source, length)
 
     def truncate(self, length: int) -> None:
         """Forget the KV of committed tokens from `length` on."""

@@ -29,7 +29,15 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from common.model.llama_cpp import MAX_SEQUENCES, MAX_TREE_LEAVES, LlamaContext, LlamaCppError, LlamaCppModel
+from common.model.llama_cpp import (
+    MAX_SEQUENCES,
+    MAX_TREE_LEAVES,
+    CommittedCells,
+    LlamaContext,
+    LlamaCppError,
+    LlamaCppModel,
+    committed_cells,
+)
 from common.model.loaded import ForwardInterrupted
 
 # The draft's expansion batches are 16 rows by default: a larger batch runs in pieces of this many
@@ -167,18 +175,24 @@ class SearchPool:
         its passes, so builds at once could otherwise hold the pool between them). Their committed
         tokens run again at their next build; a build that lost its KV ends its growth there."""
         self._reap()
-        free = self.ctx.n_ctx - sum(s.cells for s in self._live())
+        live = self._live()
+        free = self.ctx.n_ctx - self.cells(live)
         outside = self._lru(members, lambda s: s.cells > 0)
         for other in sorted(outside, key=lambda s: s.busy > 0):
             if free >= need:
                 break
-            free += other.cells
             other.evict()
+            free = self.ctx.n_ctx - self.cells(live)  # a prefix it shared stays with the others
             self.evictions += 1
         if free < need:
             raise LlamaCppError(f"the draft's KV cache of {self.ctx.n_ctx} tokens cannot hold {need} new ones "
                                 f"beside its sessions' {self.ctx.n_ctx - free} (raise --kv-cache-tokens)")  # fmt: skip
         return free
+
+    @staticmethod
+    def cells(searches: list[SearchContext]) -> int:
+        """KV cells the searches hold: committed (each shared cell once) and their nodes'."""
+        return committed_cells(searches) + sum(s.nodes for s in searches)
 
     def _lru(self, members: list[SearchContext], which: Callable[[SearchContext], bool]) -> list[SearchContext]:
         """The searches besides `members` that `which` picks, least recently used first."""
@@ -186,7 +200,7 @@ class SearchPool:
         return sorted(picked, key=lambda s: s.used_at)
 
 
-class SearchContext:
+class SearchContext(CommittedCells):
     """A draft session's search on a `SearchPool` (draft_node.llama_session): its lane's sequence
     `seq` holds the committed tokens with KV (`length` of them); each expanded node holds an id of
     its own. Nodes are named by their tree KV slot, as in the torch draft's cache, so one
@@ -197,7 +211,7 @@ class SearchContext:
             raise ValueError(f"a llama.cpp search holds 1 to {MAX_TREE_LEAVES} nodes, got {max_nodes}")
         self.pool, self.ctx, self.seq = pool, pool.ctx, seq
         self.n_ctx = n_ctx
-        self.length = 0  # committed tokens with KV
+        self._start_cells()  # `length`: committed tokens with KV
         self.nodes = 0  # expanded nodes held
         self.busy = 0  # how deep inside `SearchPool.working`
         self.reserved = 0  # ids this build may hold
@@ -284,7 +298,7 @@ class SearchContext:
             raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
         with self.ctx.lock:
             self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
-            self.length = length
+            self._share_cells(source, length)
 
     def evict(self) -> None:
         """Every node and every committed token's KV go (another session needs the cells)."""
