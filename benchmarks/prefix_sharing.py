@@ -26,11 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from client.bench.gateway_lab import add_pair_args, start_gateway, start_nodes
 from client.bench.harness import free_port, stop_processes
-from client.bench.home_lab import model_dir, pinned
-from client.bench.load import stream_messages, wait_http
-from client.remote import wait_until_serving
-from common.options import node_command
+from client.bench.load import stream_messages
 
 ROOT = Path(__file__).resolve().parent.parent
 QUESTIONS = (
@@ -74,36 +72,15 @@ def burst(url: str, system: dict[str, str], questions: tuple[str, ...], max_toke
 
 
 def start_pair(args: argparse.Namespace, extra: list[str], procs: list[subprocess.Popen]) -> tuple[str, dict[str, str]]:
-    """A target and a draft node, and a gateway over them: the gateway's URL and each node's /metrics."""
-    addrs, metrics = {}, {}
-    llama = args.backend == "llama.cpp"
-    for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
-        port, metrics_port = free_port(), free_port()
-        cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), args.backend), port, args.dtype, 64,
-                           ["--max-sessions", "8", "--backend", args.backend, "--metrics-port", str(metrics_port),
-                            *extra], "none" if llama else quantize, lookahead=True)  # fmt: skip
-        argv, env = pinned(cmd, cores)
-        procs.append(subprocess.Popen(argv, env=env))
-        addrs[role], metrics[role] = f"127.0.0.1:{port}", f"http://127.0.0.1:{metrics_port}/metrics"
-        wait_until_serving(addrs[role], timeout=1800, alive=lambda p=procs[-1]: p.poll() is None)
-    port = free_port()
-    cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", addrs["target"], "--draft", addrs["draft"],
-           "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--no-planner-memory", "--log-level", "warning"]  # fmt: skip
-    argv, env = pinned(cmd, (0,))
-    procs.append(subprocess.Popen(argv, env=env))
-    url = f"http://127.0.0.1:{port}"
-    wait_http(url + "/health", procs[-1])
-    return url, metrics
+    """Two nodes with their /metrics, and a gateway over them: its URL and each node's /metrics URL."""
+    ports = {role: free_port() for role in ("target", "draft")}
+    addrs = start_nodes(args, extra, procs, {role: ["--metrics-port", str(port)] for role, port in ports.items()})
+    return start_gateway(addrs, [], procs), {role: f"http://127.0.0.1:{port}/metrics" for role, port in ports.items()}
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
-    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
-                        help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")
+    add_pair_args(parser)
     parser.add_argument("--chars", type=int, default=2400, help="characters of the open file in the system prompt")
     parser.add_argument("--questions", type=int, default=len(QUESTIONS), choices=range(1, len(QUESTIONS) + 1))
     parser.add_argument("--max-tokens", type=int, default=32)

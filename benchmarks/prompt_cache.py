@@ -19,11 +19,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from client.bench.harness import free_port, stop_processes
-from client.bench.home_lab import model_dir, pinned
-from client.bench.load import stream_messages, wait_http
-from client.remote import wait_until_serving
-from common.options import node_command
+from client.bench.gateway_lab import add_pair_args, start_gateway, start_nodes
+from client.bench.harness import stop_processes
+from client.bench.load import stream_messages
 
 ROOT = Path(__file__).resolve().parent.parent
 FILES = ("client/prompt_cache.py", "client/text.py")
@@ -41,40 +39,17 @@ def first_message(path: str, chars: int) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
-    parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
-    parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
-    parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
-                        help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")
+    add_pair_args(parser)
     parser.add_argument("--chars", type=int, default=2400, help="characters of each source file in the first message")
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     os.sched_setaffinity(0, {0})
-    procs = []
+    procs: list[subprocess.Popen] = []
     try:
-        addrs = {}
-        llama = args.backend == "llama.cpp"
-        for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
-            port = free_port()
-            cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), args.backend), port, args.dtype, 64,
-                               ["--max-sessions", "8", "--backend", args.backend], "none" if llama else quantize,
-                               lookahead=True)  # fmt: skip
-            argv, env = pinned(cmd, cores)
-            procs.append(subprocess.Popen(argv, env=env))
-            addrs[role] = f"127.0.0.1:{port}"
-            wait_until_serving(addrs[role], timeout=1800, alive=lambda p=procs[-1]: p.poll() is None)
-        urls = {}
-        for name, size in (("prompt cache", 4), ("no prompt cache", 0)):
-            port = free_port()
-            cmd = [sys.executable, "-m", "client.cli.main", "serve", "--target", addrs["target"], "--draft",
-                   addrs["draft"], "--openai", f"127.0.0.1:{port}", "--budget", "auto", "--no-planner-memory",
-                   "--prompt-cache", str(size), "--log-level", "warning"]  # fmt: skip
-            argv, env = pinned(cmd, (0,))
-            procs.append(subprocess.Popen(argv, env=env))
-            urls[name] = f"http://127.0.0.1:{port}"
-            wait_http(urls[name] + "/health", procs[-1])
+        addrs = start_nodes(args, [], procs)
+        urls = {name: start_gateway(addrs, ["--prompt-cache", str(size)], procs)
+                for name, size in (("prompt cache", 4), ("no prompt cache", 0))}  # fmt: skip
         for url in urls.values():  # untimed: first-call costs stay out of the figures
             stream_messages(url, [{"role": "user", "content": "Hi"}], 4)
         rows = []
