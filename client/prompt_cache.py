@@ -56,7 +56,7 @@ class PromptCache:
         self._prompts: dict[int, int] = {}  # id of an active sequence -> its prompt's length
         self._active = 0
         self.queries = 0  # prompt tokens asked for
-        self.hits = 0  # of them, tokens whose KV the target already held
+        self.hits = 0  # of them, tokens a kept sequence already held
 
     def acquire(self, prompt: list[int]) -> tuple[Sequence, int]:
         """A sequence holding `prompt`, and how many of its tokens the target holds in it (0 for a

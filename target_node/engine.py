@@ -185,12 +185,13 @@ class TargetEngine(NodeEngine[TargetSession]):
         observe_shared_prefix(self.role, len(prompt), 0)
         return session_id
 
-    def _share_prefix(self, job: VerifyJob, prefilling: list[TargetSession]) -> bool:
+    def _share_prefix(self, job: VerifyJob, prefilling: list[VerifyJob]) -> bool:
         """At a new session's first pass: take the KV of the longest prompt prefix one of its
         owner's sessions holds (`TargetSession.copy_prefix`), and run only the rest: a system
         prompt or a common history is computed once, not once per request. Its owner's only: a
         session is found by the owner that opened it (a gateway is one owner for all its requests).
-        Here, not at open, as no pass runs then: an open would wait for the model lock.
+        Here, in the thread that runs passes: taking the model lock at open would wait for the pass
+        in flight.
 
         Returns True where the session waits instead, for a session ahead of it in this pass that
         is computing a longer prefix they share: a burst of requests on one long system prompt
@@ -200,7 +201,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         session = job.session
         if not self.share_prefixes or session.cached_length or job.ticket is not None:
             return False
-        coming = max((session.shared_prefix_with(s) for s in prefilling), default=0)
+        ahead = [j.session for j in prefilling if j.owner == job.owner and j.session is not session]
+        coming = max((session.shared_prefix_with(s) for s in ahead), default=0)
         best = max(self.sessions.owned(job.owner), key=session.shared_prefix, default=None)
         held = 0 if best is None else session.shared_prefix(best)
         if coming > held and coming >= DEFER_MIN_TOKENS and self._compute_bound():
@@ -278,13 +280,13 @@ class TargetEngine(NodeEngine[TargetSession]):
         alone. A job whose long pending chain takes this pass stays undone, for the next one."""
         limit = self.chain_limit(alone=len(jobs) == 1 and len(self.sessions) <= 1)
         steps: list[tuple[VerifyJob, TreeTicket]] = []
-        prefilling = [j.session for j in jobs if j.ticket is not None and j.session.pending]
+        prefilling = [j for j in jobs if j.ticket is not None and j.session.pending]
         for job in jobs:
             try:
                 if job.ticket is None:
                     # A Decode call's later passes keep its step: a request that came between ends the call.
                     check_step(job.session.step - job.continues, job.step_id)
-                    if self._share_prefix(job, [s for s in prefilling if s is not job.session]):
+                    if self._share_prefix(job, prefilling):
                         continue  # undone: the next pass takes it again
                     ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
                                                  append=job.append, max_chain=limit)  # fmt: skip
@@ -302,7 +304,7 @@ class TargetEngine(NodeEngine[TargetSession]):
                 job.ticket = ticket
                 steps.append((job, ticket))
                 if job.session.pending:
-                    prefilling.append(job.session)
+                    prefilling.append(job)
         for group in self._passes(steps):
             self._run_group(group, limit)
         if self.shared is not None and self.shared.evictions > self._evictions:

@@ -114,6 +114,26 @@ def test_a_burst_on_one_long_prefix_computes_it_once(loaded, setting):
     check_burst(make, SETTINGS[setting])
 
 
+def test_a_session_waits_for_its_own_owners_prefix_only(loaded, monkeypatch):
+    """Another client's session computing the same prefix is not waited for: its KV would not be
+    lent."""
+    engine = TargetEngine(loaded["target"], max_context=256, max_tree=64, max_sessions=8, batch_window=1.0,
+                          prefill_chunk=16)  # fmt: skip
+    prompt = list(range(10, 110))
+    waits: list[tuple[str, bool]] = []
+    real = TargetEngine._share_prefix
+
+    def recording(self: TargetEngine, job: Any, prefilling: list[Any]) -> bool:
+        waits.append((job.owner, real(self, job, prefilling)))
+        return waits[-1][1]
+
+    monkeypatch.setattr(TargetEngine, "_share_prefix", recording)
+    sids = [(engine.open_session(prompt, owner=o), o) for o in ("alice", "bob")]
+    at_once([lambda s=s, o=o: engine.verify(s, TokenTree.root_only(prompt[-1]), SETTINGS["greedy"], 1, owner=o)
+             for s, o in sids])  # fmt: skip
+    assert not any(waited for _, waited in waits) and {o for o, _ in waits} == {"alice", "bob"}
+
+
 def test_a_prefix_is_shared_with_the_same_owner_only_and_the_longest_wins(loaded):
     engine = TargetEngine(loaded["target"], max_context=128, max_tree=64, max_sessions=8)
     base = list(range(10, 40))
