@@ -552,20 +552,23 @@ class CommittedCells:
             self._runs, self._own = kept, object()
         self._length = n
 
-    def _share_cells(self, source: CommittedCells, n: int) -> None:
-        """After `source`'s cells [0, n) gained this empty lane's id."""
-        self.length = 0
-        self._runs = [[origin, min(end, n)] for origin, end in source._runs_below(n)]
-        self._length = n
+    ctx: LlamaContext
+    seq: int
 
-    def _runs_below(self, n: int) -> list[list[Any]]:
-        out, start = [], 0
-        for origin, end in self._runs:
-            if start >= n:
-                break
-            out.append([origin, end])
-            start = end
-        return out
+    def copy_prefix(self, source: CommittedCells, length: int) -> None:
+        """Take `source`'s committed cells [0, length) as this empty lane's own (both lanes on one
+        context): the cells gain this lane's sequence id, and neither lane's later changes touch the
+        other's, since a removal takes one id off a cell and frees it only when no id is left."""
+        if source.ctx is not self.ctx or not 0 <= length <= source.length or self.length:
+            raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
+        with self.ctx.lock:
+            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
+            self._share_cells(source, length)
+
+    def _share_cells(self, source: CommittedCells, n: int) -> None:
+        """The books of `copy_prefix`: `source`'s runs, cut to [0, n)."""
+        self._runs, self._length = [list(run) for run in source._runs], source.length
+        self.length = n
 
 
 def committed_cells(lanes: Iterable[CommittedCells]) -> int:
@@ -637,16 +640,6 @@ class TreeContext(CommittedCells):
                     c.lib.llama_memory_seq_rm(c._mem, leaf, -1, -1)
             c._leaf_free += self._leaves.tolist()
             self._leaves = self._leaves[:0]
-
-    def copy_prefix(self, source: TreeContext, length: int) -> None:
-        """Take `source`'s committed cells [0, length) as this empty lane's own (both lanes on one
-        context): the cells gain this lane's sequence id, and neither lane's later changes touch the
-        other's, since a removal takes one id off a cell and frees it only when no id is left."""
-        if source.ctx is not self.ctx or not 0 <= length <= source.length or self.length:
-            raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
-        with self.ctx.lock:
-            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
-            self._share_cells(source, length)
 
     def truncate(self, length: int) -> None:
         """Forget the KV of committed tokens from `length` on."""

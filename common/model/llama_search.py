@@ -292,14 +292,6 @@ class SearchContext(CommittedCells):
                 self.ctx.lib.llama_memory_seq_rm(self.ctx._mem, self.seq, length, -1)
             self.length = length
 
-    def copy_prefix(self, source: SearchContext, length: int) -> None:
-        """`source`'s committed cells [0, length) become this empty lane's (`TreeContext.copy_prefix`)."""
-        if source.ctx is not self.ctx or not 0 <= length <= source.length or self.length:
-            raise ValueError(f"cannot share {length} cells of a lane holding {source.length} with this one")
-        with self.ctx.lock:
-            self.ctx.lib.llama_memory_seq_cp(self.ctx._mem, source.seq, self.seq, 0, length)
-            self._share_cells(source, length)
-
     def evict(self) -> None:
         """Every node and every committed token's KV go (another session needs the cells)."""
         self.truncate(0)
