@@ -17,10 +17,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from client.budget import BudgetPlanner, RegimeStats, regime
-from client.faults import NodeFault, NodeUnavailable
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair
+from common.runtime.faults import NodeFault, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions, common_prefix
 
 PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
@@ -218,6 +218,26 @@ class DraftLink:
             self._failed_at = time.monotonic()
             self.info = None
 
+    def session_lost(self, epoch: int) -> bool:
+        """A draft call found its session gone (NOT_FOUND): the node evicted it at its session limit,
+        it expired, or the node restarted unseen. True if the draft still answers as the model it was:
+        the sequence reopens a session of its own, and the draft stays up for the other sequences.
+        Otherwise it counts as down (`lost`), and its comeback is checked in full."""
+        held = self.info
+        if epoch != self.epoch or held is None:
+            return True  # the link has moved on already: the sequence reopens at the current epoch
+        try:
+            info = self.draft.info()
+        except Exception:
+            self.lost(epoch)
+            return False
+        if (info.model_id, info.tokenizer_fingerprint, info.vocab_size) != (
+            held.model_id, held.tokenizer_fingerprint, held.vocab_size,
+        ):
+            self.lost(epoch)
+            return False
+        return True
+
     def _probe(self, notify: Callable[[str], None]) -> Exception | None:
         """Read and check the draft's info; returns why a draft that answered is refused. Whatever it
         answered: a mismatch, a refusal of this client's credentials, an error of its own; the target
@@ -342,6 +362,7 @@ class Sequence:
         self._run_fault: NodeFault | None = None  # the last run on the target alone's, until a step recovers
         self._draft_full_until = 0.0  # the draft had no session free: not asked again before this
         self._told_full = False
+        self._replayed = False  # the target session was reopened from the tokens since the last result
 
     def reset_to(self, tokens: list[int]) -> None:
         """Make the sequence `tokens`, keeping the KV of the common prefix on both nodes."""
@@ -509,6 +530,10 @@ class Sequence:
 
     def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
         assert self.link is not None
+        if isinstance(exc, SessionLost) and self.link.session_lost(epoch):
+            log.info("%s; this sequence reopens its draft session", exc)
+            self._draft_epoch = -1
+            return
         stats.draft_failures += 1
         self.link.lost(epoch)
         self.recovery.notify(f"{exc}; continuing with the target alone")
@@ -569,6 +594,7 @@ class Sequence:
             while True:
                 try:
                     self._reopen("target")
+                    self._replayed = True
                     break
                 except NodeFault:
                     if time.monotonic() > deadline:
@@ -601,6 +627,9 @@ class Sequence:
                     now = time.perf_counter()
                     draft_s, target_s = mid - start, now - mid
                     start = mid = now
+                    if self._replayed and stats.target_steps == 0:  # the prompt was computed again after all
+                        stats.cached_prompt_tokens = 0
+                    self._replayed = False
                     self._account(result, drafted, draft_s, target_s, stats)
                     if steady and generated > 0 and not result.finish_reason:
                         if drafted is not None:

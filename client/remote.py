@@ -13,7 +13,6 @@ from typing import Any
 import grpc
 
 from client.api import SpecExec
-from client.faults import NodeUnavailable, SessionLost
 from client.generation import Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
@@ -32,6 +31,7 @@ from common.rpc.wire import (
     tree_params_to_proto,
     tree_to_proto,
 )
+from common.runtime.faults import NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions
 
 DEFAULT_STEP_TIMEOUT = 120.0

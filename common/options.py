@@ -16,7 +16,7 @@ from common.ops.logs import FORMATS, LEVELS, LogSettings
 from common.rpc.bootstrap import EngineLimits, NodeConfig, NodeRole, serve_node
 from common.rpc.security import ClientSecurity, ServerSecurity
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS
-from common.runtime.sessions import DEFAULT_MAX_SESSIONS
+from common.runtime.sessions import DEFAULT_EVICT_AFTER, DEFAULT_MAX_SESSIONS
 
 DTYPES = ("float32", "bfloat16", "float16")
 
@@ -69,6 +69,15 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     )
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
+    )
+    parser.add_argument(
+        "--evict-after",
+        type=float,
+        default=DEFAULT_EVICT_AFTER,
+        metavar="SECONDS",
+        help="at --max-sessions, a new session takes the place of the least recently used one idle this long "
+        "(its client replays it on a fresh session if it comes back); 0 evicts any idle one, -1 refuses "
+        f"the new session instead (default {DEFAULT_EVICT_AFTER:g})",
     )
     add_insecure_arg(parser)
     add_server_security_args(parser)
@@ -340,7 +349,8 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         kv_type=args.kv_type,
         compile_buckets=compile_buckets(args),
         offload=offload_plan(args),
-        limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout),
+        limits=EngineLimits(args.max_context, args.max_tree, args.max_sessions, args.idle_timeout,
+                            None if args.evict_after < 0 else args.evict_after),
         profile=args.profile,
         reprofile=args.reprofile,
         lookahead=getattr(args, "lookahead", False),

@@ -248,11 +248,10 @@ class DraftEngine(NodeEngine[DraftSession]):
         step_id: int | None = None,
         timing: StepTiming | None = None,
     ) -> DraftedTree:
-        session = self.sessions.get(session_id, owner)
         check_token_ids(new_tokens, self.loaded.model.cfg.vocab_size, "new_tokens")
         if params.budget > self.max_tree:
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
-        with self._request(), timed_lock(session.lock, timing):
+        with self.sessions.use(session_id, owner) as session, self._request(), timed_lock(session.lock, timing):
             check_step(session.step, step_id)
             with self.passes.working(session_id):
                 session.update(new_tokens, truncate_to)

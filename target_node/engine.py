@@ -111,6 +111,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         self.batcher: PassBatcher[VerifyJob] = PassBatcher(
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
+        self.sessions.on_drop(lambda session_id, why: self.batcher.forget(session_id))  # no pass waits for it
         self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
         self._evictions = 0  # its lanes' KV taken so far, as reported to the metrics
         if kv_cache_tokens is not None and not loaded.on_llama_cpp:
@@ -232,13 +233,13 @@ class TargetEngine(NodeEngine[TargetSession]):
         continues: bool = False,
     ) -> VerifyResult:
         """Verify one tree, in the next pass the model runs (with other sessions' trees, if any wait)."""
-        session = self.sessions.get(session_id, owner)
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
-        job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
-                        continues=continues, max_chain=self.chain_limit(), owner=owner)  # fmt: skip
-        job.stopped = cancelled or job.stopped
-        result = self.batcher.submit(job).result
+        with self.sessions.use(session_id, owner) as session:
+            job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
+                            continues=continues, max_chain=self.chain_limit(), owner=owner)  # fmt: skip
+            job.stopped = cancelled or job.stopped
+            result = self.batcher.submit(job).result
         assert result is not None
         return result
 
@@ -263,7 +264,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         if steps < 1:
             raise ValueError(f"steps must be >= 1, got {steps}")
         root, left, first = last_token, max_tokens, True
-        with self.batcher.working(session_id):  # between two passes, the next pass waits for this one
+        # Never evicted between two passes; between two passes, the next pass waits for this one.
+        with self.sessions.use(session_id, owner), self.batcher.working(session_id):
             for _ in range(steps):
                 if cancelled is not None and cancelled():
                     return

@@ -11,7 +11,6 @@ import grpc_testing
 import pytest
 
 from client.api import SpecExec
-from client.faults import NodeUnavailable
 from client.generation import RUN_MAX, GenerationStats, Recovery, Sequence
 from client.remote import RemoteTarget
 from common.decoding.sampling import SamplingParams
@@ -21,6 +20,7 @@ from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.server import Server
 from common.rpc.servicer import CLIENT_KEY
 from common.rpc.wire import tree_to_proto
+from common.runtime.faults import NodeUnavailable
 from common.runtime.sessions import StepOutOfOrder
 from target_node.engine import TargetEngine
 from target_node.service import TargetServicer

@@ -9,9 +9,9 @@ import threading
 import time
 from pathlib import Path
 
-from client.faults import NodeFault
 from client.generation import Recovery
 from client.remote import RemoteTarget, connect
+from common.runtime.faults import NodeFault
 from tests.helpers import ROOT, Proc, free_port
 
 

@@ -986,3 +986,32 @@ def test_llama_sessions_sharing_a_prefix_fit_a_pool_their_lengths_overfill(ggufs
     shared, pool = run(kv_cache_tokens=200)
     alone, _ = run(kv_cache_tokens=1024, share_prefixes=False)
     assert shared == alone and pool.evictions == 0
+
+
+def test_a_llama_lane_evicted_at_the_session_limit_serves_the_new_session(ggufs):
+    """On a shared context a session is a lane: the evicted session's lane and cells go to the new
+    one, whose tokens are what they are on a context nobody used before."""
+    from common.runtime.sessions import SessionNotFound
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    params = SamplingParams(max_new_tokens=8, **SETTINGS["seeded"])
+
+    def run(engine: Any, sid: str, last: int) -> list[int]:
+        out: list[int] = []
+        for _ in range(3):
+            out += engine.verify(sid, TokenTree.root_only(last), params, 8).tokens
+            last = out[-1]
+        return out
+
+    engine = llama_engine(loaded, max_sessions=2, evict_after=0.0)
+    assert engine.shared is not None
+    first = engine.open_session(PROMPT)
+    run(engine, first, PROMPT[-1])
+    second = engine.open_session([9, 8, 7])
+    run(engine, second, 7)
+    third = engine.open_session([5, 6, 7, 8])  # the first's place
+    with pytest.raises(SessionNotFound, match="evicted"):
+        run(engine, first, 3)
+    got = run(engine, third, 8)
+    fresh = llama_engine(loaded, max_sessions=2)
+    assert got == run(fresh, fresh.open_session([5, 6, 7, 8]), 8)

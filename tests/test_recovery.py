@@ -8,10 +8,10 @@ from typing import Any
 import pytest
 
 from client.api import SpecExec, collect
-from client.faults import NodeUnavailable
 from client.generation import CATCH_UP, CATCH_UP_ALONE, GenerationStats, Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
+from common.runtime.faults import NodeUnavailable
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import reference_decode

@@ -22,7 +22,6 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.cli.main import main as cli_main
-from client.faults import NodeUnavailable
 from client.remote import NodeAuthError, RemoteDraft, RemoteTarget, connect, open_channel
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -30,6 +29,7 @@ from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.security import ClientSecurity, read_token
 from common.rpc.server import check_listen
+from common.runtime.faults import NodeUnavailable
 from tests.helpers import Proc, free_port, reference_decode
 
 pytestmark = pytest.mark.slow

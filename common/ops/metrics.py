@@ -68,7 +68,9 @@ NODE = Info("specexec:node", "the model this node serves")
 OPEN_SESSIONS = Gauge("specexec:open_sessions", "sessions open on this node (each holds a KV cache)")
 MAX_SESSIONS = Gauge("specexec:max_sessions", "the node's session limit (--max-sessions)")
 SESSION_EVENTS = Counter(
-    "specexec:session_events", "sessions opened, closed by their client, or expired idle", ["event"]
+    "specexec:session_events",
+    "sessions opened, closed by their client, expired idle, or evicted at the session limit",
+    ["event"],
 )
 PREEMPTIONS = Counter(
     "specexec:num_preemptions", "sessions whose KV cache was taken to make room (recomputed at their next step)"
@@ -205,7 +207,7 @@ def track_engine(engine: Any) -> None:
 
 
 def session_event(name: str, session: str, **fields: Any) -> None:
-    """`name` is opened, closed or expired."""
+    """`name` is opened, closed, expired or evicted."""
     SESSION_EVENTS.labels(name).inc()
     event(log, f"session_{name}", session=session, **fields)
 

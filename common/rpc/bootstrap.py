@@ -24,7 +24,7 @@ from common.ops.metrics import start_metrics_server
 from common.rpc.security import ServerSecurity
 from common.rpc.server import Server, check_listen, split_listen, start_reaper
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS
-from common.runtime.sessions import DEFAULT_MAX_SESSIONS
+from common.runtime.sessions import DEFAULT_EVICT_AFTER, DEFAULT_MAX_SESSIONS
 
 
 @dataclass(frozen=True)
@@ -33,6 +33,7 @@ class EngineLimits:
     max_tree: int | None = None  # None: 1024, or llama.cpp's tree_limit (its 256 sequence ids)
     max_sessions: int = DEFAULT_MAX_SESSIONS
     idle_timeout: float = 300.0
+    evict_after: float | None = DEFAULT_EVICT_AFTER
 
 
 @dataclass(frozen=True)

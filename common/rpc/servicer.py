@@ -32,8 +32,9 @@ class NodeServicer:
         """Called once the model is loaded; until then every RPC answers UNAVAILABLE."""
         self.engine, self.model_dir = engine, model_dir
         track_engine(engine)
-        timeout = engine.sessions.idle_timeout
-        engine.sessions.on_expire = lambda sid: session_event("expired", sid, idle_timeout_s=timeout)
+        table = engine.sessions
+        engine.sessions.on_drop(lambda sid, why: session_event(why, sid, idle_timeout_s=table.idle_timeout)
+                                if why == "expired" else session_event(why, sid, evict_after_s=table.evict_after))  # fmt: skip
 
     def _engine(self) -> Any:
         if self.engine is None:

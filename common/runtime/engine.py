@@ -11,7 +11,7 @@ from common.decoding.types import NodeInfo
 from common.model.loaded import LoadedModel
 from common.model.profiling import cached_forward_curve, interpolate
 from common.runtime.batching import MAX_BATCH_TOKENS
-from common.runtime.sessions import DEFAULT_MAX_SESSIONS, SessionTable
+from common.runtime.sessions import DEFAULT_EVICT_AFTER, DEFAULT_MAX_SESSIONS, SessionTable
 
 S = TypeVar("S")
 
@@ -36,13 +36,15 @@ class NodeEngine(Generic[S]):
         max_tree: int = 1024,
         max_sessions: int = DEFAULT_MAX_SESSIONS,
         idle_timeout: float = 300.0,
+        evict_after: float | None = DEFAULT_EVICT_AFTER,
         max_batch_tokens: int = MAX_BATCH_TOKENS,
         prefill_chunk: int | None = None,
         share_prefixes: bool = True,
     ) -> None:
         """`max_batch_tokens`: rows a pass shared by sessions takes; `prefill_chunk`: see `chain_limit`;
         `share_prefixes`: a new session takes the KV of the longest prompt prefix an open session of
-        its owner holds (each engine's `_share_prefix`)."""
+        its owner holds (each engine's `_share_prefix`); `evict_after`: seconds idle after which a
+        session makes room for a new one at `max_sessions` (None: refuse the new one)."""
         if prefill_chunk is not None and prefill_chunk < 1:
             raise ValueError(f"prefill chunk must be >= 1 token, got {prefill_chunk}")
         self.max_batch_tokens = max_batch_tokens
@@ -51,7 +53,7 @@ class NodeEngine(Generic[S]):
         self.loaded = loaded
         self.max_context = min(max_context, loaded.max_context)
         self.max_tree = max_tree
-        self.sessions: SessionTable[S] = SessionTable(max_sessions, idle_timeout)
+        self.sessions: SessionTable[S] = SessionTable(max_sessions, idle_timeout, evict_after=evict_after)
         self._lock = threading.Lock()
         self.forward_curve: tuple[tuple[int, float], ...] = ()
 

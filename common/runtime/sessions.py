@@ -1,7 +1,12 @@
 """A bounded table of per-generation sessions with idle expiry.
 
 Each session holds a KV cache, so the table is what bounds a node's memory: a cap on the number of
-sessions and an idle timeout that frees the caches of clients that vanished without closing.
+sessions and an idle timeout that frees the caches of clients that vanished without closing. At the
+cap a new session takes the place of the least recently used one that has been idle `evict_after`
+seconds, as llama.cpp's server and vLLM give a cached prefix's memory to a new request: sessions kept
+for a chat's next turn (a gateway's prompt cache) or left by a client that is still thinking must not
+lock out every other client. Its owner's next call on it finds it gone (NOT_FOUND), and the client
+replays the committed tokens on a fresh session, as after a node restart.
 """
 
 from __future__ import annotations
@@ -16,12 +21,19 @@ from typing import Generic, TypeVar
 
 import numpy as np
 
+from common.runtime.faults import SessionLost
+
 S = TypeVar("S")
 
 DEFAULT_MAX_SESSIONS = 8  # a node's open sessions at once, unless --max-sessions says otherwise
+# Seconds a session is idle before a new one may take its place at the cap. A running generation
+# calls each node at least once a step (well under a second), or once per run of up to 16 tokens on
+# the target alone; a draft the planner leaves out for a while is the longest gap, and losing it
+# costs only a catch-up.
+DEFAULT_EVICT_AFTER = 10.0
 
 
-class SessionNotFound(KeyError):
+class SessionNotFound(SessionLost, KeyError):
     def __str__(self) -> str:
         return str(self.args[0])
 
@@ -36,33 +48,52 @@ class SessionTable(Generic[S]):
         max_sessions: int,
         idle_timeout: float,
         clock: Callable[[], float] = time.monotonic,
-        on_expire: Callable[[str], None] | None = None,
+        evict_after: float | None = DEFAULT_EVICT_AFTER,
     ):
+        """`evict_after`: seconds idle after which a session may make room for a new one at the cap
+        (None: the cap refuses new sessions instead)."""
         if max_sessions < 1:
             raise ValueError(f"max_sessions must be >= 1, got {max_sessions}")
+        if evict_after is not None and evict_after < 0:
+            raise ValueError(f"evict_after must be >= 0 seconds, got {evict_after}")
         self.max_sessions = max_sessions
         self.idle_timeout = idle_timeout
+        self.evict_after = evict_after
         self._clock = clock
-        self.on_expire = on_expire  # told each expired id, e.g. by the node's metrics
+        self._listeners: list[Callable[[str, str], None]] = []
         self._lock = threading.Lock()
-        self._sessions: dict[str, tuple[S, float, str]] = {}
+        self._sessions: dict[str, tuple[S, float, str]] = {}  # id -> session, last used, owner
+        self._busy: dict[str, int] = {}  # ids with calls in flight, and how many
         self._building: set[str] = set()  # ids reserved by sessions under construction
+
+    def on_drop(self, listener: Callable[[str, str], None]) -> None:
+        """`listener(session_id, why)` hears of each session the table drops itself: "expired" (idle
+        past the timeout) or "evicted" (made room at the cap); the node's metrics and batcher listen."""
+        self._listeners.append(listener)
 
     def add(self, make: Callable[[], S], owner: str = "", session_id: str | None = None) -> str:
         """The slot is reserved before `make` builds the session: a request the cap refuses must not
         allocate a KV cache first, and concurrent opens must not all allocate one and then fail."""
         with self._lock:
-            self._expire_locked()
+            dropped = self._expire_locked()
             taken = len(self._sessions) + len(self._building)
             if taken >= self.max_sessions:
-                raise TooManySessions(
-                    f"{taken} sessions are open, the limit is {self.max_sessions}; "
-                    "close one or wait for idle ones to expire"
-                )
+                victim = self._least_recently_used()
+                if victim is None:
+                    raise TooManySessions(
+                        f"{taken} sessions are open, the limit is {self.max_sessions}, and none has been "
+                        f"idle {self.evict_after:g} s; close one or wait"
+                        if self.evict_after is not None
+                        else f"{taken} sessions are open, the limit is {self.max_sessions}; "
+                        "close one or wait for idle ones to expire"
+                    )
+                del self._sessions[victim]
+                dropped.append((victim, "evicted"))
             sid = session_id or secrets.token_hex(8)
             if sid in self._sessions or sid in self._building:
                 raise ValueError(f"session id {sid!r} is already in use")
             self._building.add(sid)
+        self._tell(dropped)
         try:
             session = make()
         except BaseException:
@@ -77,12 +108,34 @@ class SessionTable(Generic[S]):
     def get(self, session_id: str, owner: str = "") -> S:
         """A session is only found by the owner that opened it: an id alone is not a capability."""
         with self._lock:
-            self._expire_locked()
+            dropped = self._expire_locked()
             entry = self._sessions.get(session_id)
-            if entry is None or entry[2] != owner:
-                raise SessionNotFound(f"unknown or expired session {session_id!r}")
-            self._sessions[session_id] = (entry[0], self._clock(), owner)
-            return entry[0]
+            if entry is not None and entry[2] == owner:
+                self._sessions[session_id] = (entry[0], self._clock(), owner)
+        self._tell(dropped)  # outside the lock: a listener may take locks of its own
+        if entry is None or entry[2] != owner:
+            raise SessionNotFound(f"unknown, expired or evicted session {session_id!r}")
+        return entry[0]
+
+    @contextmanager
+    def use(self, session_id: str, owner: str = "") -> Iterator[S]:
+        """The session for one call: never evicted nor expired while a call is in it (a long prompt's
+        pass can outlast `evict_after`), and idle from the call's end, not its start."""
+        session = self.get(session_id, owner)
+        with self._lock:
+            if session_id not in self._sessions:  # dropped between the two
+                raise SessionNotFound(f"unknown, expired or evicted session {session_id!r}")
+            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        try:
+            yield session
+        finally:
+            with self._lock:
+                left = self._busy.pop(session_id) - 1
+                if left:
+                    self._busy[session_id] = left
+                entry = self._sessions.get(session_id)
+                if entry is not None:
+                    self._sessions[session_id] = (entry[0], self._clock(), entry[2])
 
     def owned(self, owner: str = "") -> list[S]:
         """The sessions `owner` opened, for one that shares its prompt's prefix with a new one."""
@@ -99,21 +152,35 @@ class SessionTable(Generic[S]):
 
     def expire(self) -> int:
         with self._lock:
-            return self._expire_locked()
+            dropped = self._expire_locked()
+        self._tell(dropped)
+        return len(dropped)
 
     def __len__(self) -> int:
         with self._lock:
             return len(self._sessions)
 
-    def _expire_locked(self) -> int:
+    def _least_recently_used(self) -> str | None:
+        """The session idle longest, if no call is in it and it has been idle `evict_after` seconds."""
+        if self.evict_after is None:
+            return None
         now = self._clock()
-        stale = [sid for sid, (_, t, _) in self._sessions.items() if now - t > self.idle_timeout]
+        idle = [(t, sid) for sid, (_, t, _) in self._sessions.items()
+                if sid not in self._busy and now - t >= self.evict_after]  # fmt: skip
+        return min(idle)[1] if idle else None
+
+    def _expire_locked(self) -> list[tuple[str, str]]:
+        now = self._clock()
+        stale = [sid for sid, (_, t, _) in self._sessions.items()
+                 if now - t > self.idle_timeout and sid not in self._busy]  # fmt: skip
         for sid in stale:
             del self._sessions[sid]
-        if self.on_expire is not None:
-            for sid in stale:
-                self.on_expire(sid)
-        return len(stale)
+        return [(sid, "expired") for sid in stale]
+
+    def _tell(self, dropped: list[tuple[str, str]]) -> None:
+        for sid, why in dropped:
+            for listener in self._listeners:
+                listener(sid, why)
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

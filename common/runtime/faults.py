@@ -1,4 +1,5 @@
-"""Node faults the decode loop survives, kept free of transport details."""
+"""Node faults the decode loop survives, kept free of transport details. Here, below the client,
+because a node raises one too: an in-process session the table evicted (`SessionNotFound`)."""
 
 from __future__ import annotations
 
@@ -16,4 +17,4 @@ class NodeUnavailable(NodeFault, ConnectionError):
 
 
 class SessionLost(NodeFault):
-    """The node no longer knows the session (it restarted, or the session expired while idle)."""
+    """The node no longer knows the session (it restarted, or the session expired while idle or made room for another)."""
