@@ -28,6 +28,7 @@ from target_node.session import TargetSession, TreeTicket
 
 log = logging.getLogger("specexec.target")
 WAIT_DUE_SWITCH = "SPECEXEC_WAIT_DUE"  # "0": a pass waits for no session that is away (the A/B)
+PROMPT_BUDGET_SWITCH = "SPECEXEC_PROMPT_BUDGET"  # "0": each session's prompt a chunk a pass, not all of them (the A/B)
 # A fresh session waits for a prompt prefix of at least this many tokens that another session in its
 # pass is computing, where passes are compute-bound: two prompt chunks in a pass cost at least
 # COMPUTE_BOUND times one (a CPU: about 2; a GPU's flat curve: about 1).
@@ -112,6 +113,7 @@ class TargetEngine(NodeEngine[TargetSession]):
             self._run_pass, self._lock, window=batch_window, max_tokens=max_batch_tokens, regroup=regroup
         )
         self.sessions.on_drop(lambda session_id, why: self.batcher.forget(session_id))  # no pass waits for it
+        self.prompt_budget = os.environ.get(PROMPT_BUDGET_SWITCH, "1") != "0"  # `prompt_chunks`
         self.shared: Any = None  # llama.cpp: the one context whose passes sessions share
         self._evictions = 0  # its lanes' KV taken so far, as reported to the metrics
         if kv_cache_tokens is not None and not loaded.on_llama_cpp:
@@ -283,7 +285,12 @@ class TargetEngine(NodeEngine[TargetSession]):
         limit = self.chain_limit(alone=len(jobs) == 1 and len(self.sessions) <= 1)
         steps: list[tuple[VerifyJob, TreeTicket]] = []
         prefilling = [j for j in jobs if j.ticket is not None and j.session.pending]
-        for job in jobs:
+        rows = [j.session.pending if j.ticket is not None else j.session.pending_after(j.truncate_to, j.append)
+                for j in jobs]  # fmt: skip
+        chains = prompt_chunks(rows, limit) if self.prompt_budget else [limit] * len(jobs)
+        for job, chain in zip(jobs, chains, strict=True):
+            if chain is None:
+                continue  # undone: its prompt waits for the next pass
             try:
                 if job.ticket is None:
                     # A Decode call's later passes keep its step: a request that came between ends the call.
@@ -291,12 +298,12 @@ class TargetEngine(NodeEngine[TargetSession]):
                     if self._share_prefix(job, prefilling):
                         continue  # undone: the next pass takes it again
                     ticket = job.session.prepare(job.tree, job.params, job.max_tokens, truncate_to=job.truncate_to,
-                                                 append=job.append, max_chain=limit)  # fmt: skip
+                                                 append=job.append, max_chain=chain)  # fmt: skip
                 else:
                     if job.stopped():
                         raise StepCancelled("the step was cancelled between the passes of its prompt")
                     ticket = job.ticket
-                    job.session.lay_out(ticket, limit)
+                    job.session.lay_out(ticket, chain)
             except Exception as exc:
                 job.fail(exc)
                 continue
@@ -374,6 +381,29 @@ class TargetEngine(NodeEngine[TargetSession]):
         if not job.continues:
             job.session.step = job.step_id if job.step_id is not None else job.session.step + 1
         job.succeed(replace(result, shared_tokens=job.shared) if job.shared else result)
+
+
+def prompt_chunks(rows: list[int], limit: int) -> list[int | None]:
+    """Each step's prompt rows in this pass (its `max_chain`), or None for one that waits for the next.
+
+    `rows[i]`: committed tokens step i must run before its tree (a new prompt, a new chat turn; 0 for
+    a streaming session's step). Where a pass holds a streaming session's step, its prompt rows over
+    all sessions are one chunk's, `limit` (`NodeEngine.chain_limit`), as vLLM's scheduler spends one
+    token budget a step: a burst of new prompts would otherwise stall every stream for all of their
+    prompts at once (a llama.cpp target on a CPU: 2.2 s, against 1.0 s so). Shortest first, arrival
+    order among equals: a short prompt never waits behind a long one's chunks, and the mean wait is
+    least. Each takes what is left of the chunk; once it is spent the others wait for the next pass.
+    A pass of prompts only (a burst on an idle target) runs them together: one pass computes them
+    sooner than several, and the last first token comes sooner (docs/benchmarks.md)."""
+    if all(rows):
+        return [limit] * len(rows)
+    chains: list[int | None] = [limit] * len(rows)
+    budget = limit
+    for i in sorted(range(len(rows)), key=rows.__getitem__):
+        if rows[i]:
+            chains[i] = budget or None
+            budget -= min(rows[i], budget)
+    return chains
 
 
 def _rows(ticket: TreeTicket) -> int:

@@ -172,6 +172,12 @@ class TargetSession:
         """Committed tokens still to run before the next tree (a prompt's, a new turn's)."""
         return len(self.committed) - 1 - self.cached_length
 
+    def pending_after(self, truncate_to: int | None, append: list[int]) -> int:
+        """`pending` once a step's rollback and appended tokens are applied (`prepare`)."""
+        if truncate_to is None:
+            return self.pending + len(append)
+        return truncate_to + len(append) - 1 - min(self.cached_length, truncate_to - 1)
+
     def shared_prefix(self, source: TargetSession) -> int:
         """Committed tokens of this new session whose KV `source` holds and could lend it (0 where
         the backend cannot copy between the two)."""

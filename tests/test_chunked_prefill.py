@@ -16,7 +16,7 @@ from common.decoding.tree import TokenTree, TreeError
 from common.runtime.batching import PassBatcher
 from common.runtime.engine import MIN_PREFILL_CHUNK
 from common.runtime.sessions import StepCancelled, StepTiming
-from target_node.engine import TargetEngine
+from target_node.engine import TargetEngine, prompt_chunks
 from tests.test_batching import at_once, engine_for, job, random_tree
 
 GREEDY = SamplingParams(max_new_tokens=8)
@@ -235,7 +235,7 @@ def test_a_failed_shared_pass_with_a_chunk_in_it_runs_each_alone_exactly(loaded,
     real, failed = model.logits, []
 
     def fails_once(hidden):
-        if session.cache.length == 16 and not failed:
+        if session.cache.length > 0 and not failed:  # a pass that carries one of its chunks
             failed.append(1)
             raise RuntimeError("out of memory (injected)")
         return real(hidden)
@@ -257,3 +257,41 @@ def test_a_held_back_job_keeps_its_sessions_later_jobs_behind_it():
     assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("a", 8)]
     batcher._queue = [job("x", 8), job("b", 4), job("b", 1), job("c", 2)]
     assert [(j.session_id, j.tree.size) for j in batcher._take()] == [("x", 8), ("c", 2)]
+
+
+@pytest.mark.parametrize("sampling", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_a_burst_of_new_prompts_beside_a_stream_takes_one_chunk_of_prompt_rows_a_pass(loaded, sampling):
+    """Four new prompts (6, 6, 11 and 6 pending rows; chunk 16) arrive while a session streams: the
+    first pass takes two short ones whole and 4 rows of the third, the next the rest of it and the
+    long one; the stream's steps share both. Every step's tokens are what it gets alone."""
+    vocab = loaded["target"].model.cfg.vocab_size
+    gen = torch.Generator().manual_seed(21)
+    ps = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in (7, 7, 12, 7)]
+    trees = [random_tree(p[-1], 4, vocab, gen) for p in ps]
+    short = [1, 2, 3]
+    expected = []
+    for p, tree in zip(ps, trees, strict=True):
+        alone = engine_for(loaded)
+        result = alone.verify(alone.open_session(p), tree, sampling, 8)
+        expected.append((result.tokens, result.accepted))
+    alone = engine_for(loaded)
+    sid = alone.open_session(short)
+    last = list(alone.decode(sid, short[-1], sampling, 64, steps=2))[-1].tokens[-1]
+    streamed = [r.tokens for r in alone.decode(sid, last, sampling, 64, steps=4)]
+    engine = engine_for(loaded, prefill_chunk=16, batch_window=0.5)
+    stream = engine.open_session(short)
+    assert list(engine.decode(stream, short[-1], sampling, 64, steps=2))[-1].tokens[-1] == last  # streaming
+    sids = [engine.open_session(p) for p in ps]
+    calls = [lambda s=s, t=t: engine.verify(s, t, sampling, 8) for s, t in zip(sids, trees, strict=True)]
+    *got, stream_got = at_once([*calls, lambda: list(engine.decode(stream, last, sampling, 64, steps=4))])
+    assert [(g.tokens, g.accepted) for g in got] == expected and [r.tokens for r in stream_got] == streamed
+    assert got[2].pass_sessions == 3 and sorted(g.pass_sessions for g in got) == [3, 3, 4, 4]
+
+
+def test_prompt_rows_are_shared_out_shortest_first_within_one_chunk():
+    assert prompt_chunks([0, 0], 16) == [16, 16]  # no prompt: nothing to bound
+    assert prompt_chunks([40, 3, 0], 16) == [13, 16, 16]  # the long prompt's chunk is what is left
+    assert prompt_chunks([40, 16, 0], 16) == [None, 16, 16]  # nothing left: it waits
+    assert prompt_chunks([6, 6, 11, 6, 0], 16) == [16, 10, None, 4, 16]
+    assert prompt_chunks([100, 0], 16) == [16, 16]  # the first always runs
+    assert prompt_chunks([6, 6, 11, 6], 16) == [16] * 4  # prompts only: together
