@@ -106,7 +106,9 @@ def test_an_offloaded_target_node_serves_the_target_alone_tokens(device, model_d
     target = ["--model", str(model_dirs["target"]), "--device", device, "--offload", "--resident-layers", "1",
               "--max-tree", "32"]  # fmt: skip
     with node_pair(target, ["--model", str(model_dirs["truncated"]), "--max-tree", "32"], env, tmp_path) as addrs:
-        gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), auto_budget=True)
+        # A fixed tree: `--budget auto` may leave the draft out where its timings say trees do not pay
+        # (on tiny models, noise), and this test is about the offloaded pass, not the planner.
+        gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
         assert gen.target.info().device.startswith(device)
         for sampling in (dict(temperature=0.0), dict(temperature=0.8, seed=7)):
             params = SamplingParams(max_new_tokens=24, ignore_eos=True, **sampling)
