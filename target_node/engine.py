@@ -289,8 +289,8 @@ class TargetEngine(NodeEngine[TargetSession]):
                 for j in jobs]  # fmt: skip
         chains = prompt_chunks(rows, limit) if self.prompt_budget else [limit] * len(jobs)
         for job, chain in zip(jobs, chains, strict=True):
-            if chain is None:
-                continue  # undone: its prompt waits for the next pass
+            if chain is None and not (job.ticket is not None and job.stopped()):
+                continue  # undone: its prompt waits for the next pass (a cancelled one fails below)
             try:
                 if job.ticket is None:
                     # A Decode call's later passes keep its step: a request that came between ends the call.
