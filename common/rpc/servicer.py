@@ -32,9 +32,13 @@ class NodeServicer:
         """Called once the model is loaded; until then every RPC answers UNAVAILABLE."""
         self.engine, self.model_dir = engine, model_dir
         track_engine(engine)
-        table = engine.sessions
-        engine.sessions.on_drop(lambda sid, why: session_event(why, sid, idle_timeout_s=table.idle_timeout)
-                                if why == "expired" else session_event(why, sid, evict_after_s=table.evict_after))  # fmt: skip
+        engine.sessions.on_drop(self._dropped)
+
+    def _dropped(self, session_id: str, why: str) -> None:
+        """The session table dropped a session itself: it expired idle, or made room at the limit."""
+        table = self.engine.sessions
+        limit = {"idle_timeout_s": table.idle_timeout} if why == "expired" else {"evict_after_s": table.evict_after}
+        session_event(why, session_id, **limit)
 
     def _engine(self) -> Any:
         if self.engine is None:

@@ -107,25 +107,13 @@ class SessionTable(Generic[S]):
 
     def get(self, session_id: str, owner: str = "") -> S:
         """A session is only found by the owner that opened it: an id alone is not a capability."""
-        with self._lock:
-            dropped = self._expire_locked()
-            entry = self._sessions.get(session_id)
-            if entry is not None and entry[2] == owner:
-                self._sessions[session_id] = (entry[0], self._clock(), owner)
-        self._tell(dropped)  # outside the lock: a listener may take locks of its own
-        if entry is None or entry[2] != owner:
-            raise SessionNotFound(f"unknown, expired or evicted session {session_id!r}")
-        return entry[0]
+        return self._find(session_id, owner, call=False)
 
     @contextmanager
     def use(self, session_id: str, owner: str = "") -> Iterator[S]:
         """The session for one call: never evicted nor expired while a call is in it (a long prompt's
         pass can outlast `evict_after`), and idle from the call's end, not its start."""
-        session = self.get(session_id, owner)
-        with self._lock:
-            if session_id not in self._sessions:  # dropped between the two
-                raise SessionNotFound(f"unknown, expired or evicted session {session_id!r}")
-            self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        session = self._find(session_id, owner, call=True)
         try:
             yield session
         finally:
@@ -159,6 +147,21 @@ class SessionTable(Generic[S]):
     def __len__(self) -> int:
         with self._lock:
             return len(self._sessions)
+
+    def _find(self, session_id: str, owner: str, call: bool) -> S:
+        """The owner's session, marked used now (and, for a `call`, busy until it ends)."""
+        with self._lock:
+            dropped = self._expire_locked()
+            entry = self._sessions.get(session_id)
+            found = entry is not None and entry[2] == owner
+            if found:
+                self._sessions[session_id] = (entry[0], self._clock(), owner)
+                if call:
+                    self._busy[session_id] = self._busy.get(session_id, 0) + 1
+        self._tell(dropped)  # outside the lock: a listener may take locks of its own
+        if not found:
+            raise SessionNotFound(f"unknown, expired or evicted session {session_id!r}")
+        return entry[0]
 
     def _least_recently_used(self) -> str | None:
         """The session idle longest, if no call is in it and it has been idle `evict_after` seconds."""
