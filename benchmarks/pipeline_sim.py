@@ -20,9 +20,14 @@ to a GPU. The text stays the real target's (acceptance is the default pair's), t
 paper's one-machine setup): the real draft still builds each tree, and a virtual clock charges each
 of its passes the curve's time for its rows. Nothing overlaps then: every variant runs sequential.
 
+`--draft-quantize int8` runs the home lab's int8 torch draft instead of the GGUF; `--trace FILE` writes
+every drafted step and prints where the drafted steps' time went (`summarize`).
+
     python -m benchmarks.pipeline_sim --variants auto auto-old chain4 auto-nola --prompts 3
     python -m benchmarks.pipeline_sim --variants alone auto auto-nola --cap 128 \
         --target-curve "docs/gpu/h100-26nov-evening/curves.json:target 7b, 0 GPU layers"
+    python -m benchmarks.pipeline_sim --draft-quantize int8 --variants auto auto-nola --cap 256 \
+        --tokens 128 --target-curve curves.json:bf16 --trace trace.json
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ import re
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -43,10 +49,12 @@ from client.bench.harness import encode, load_prompts
 from client.budget import BudgetPlanner
 from client.generation import CATCH_UP, CATCH_UP_ALONE
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import DraftedTree, TokenTree, TreeParams
+from common.decoding.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
+from common.model.choices import draft_dtype
 from common.model.llama_cpp import LlamaCppModel, load_gguf
+from common.model.loading import load_model
 from common.model.profiling import cached_forward_curve, interpolate
-from common.model.store import resolve_gguf
+from common.model.store import resolve_gguf, resolve_model
 from common.ops.hugepages import reexec_with_huge_pages
 from draft_node.engine import DraftEngine
 from target_node.llama_session import LlamaTargetSession
@@ -91,7 +99,8 @@ def planner_for(variant: str, target: list[tuple[int, float]], draft: list[tuple
 
 
 def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, target: list[tuple[int, float]],
-        plan: BudgetPlanner | None, draft: list[tuple[int, float]] | None = None) -> dict[str, float]:  # fmt: skip
+        plan: BudgetPlanner | None, draft: list[tuple[int, float]] | None = None,
+        trace: list[dict[str, float]] | None = None) -> dict[str, float]:  # fmt: skip
     """One generation of `text`; the target's pass is the measured time of its rows. Under auto a
     step the planner finds not worth drafting (`draft_pays`) runs the root alone, as the client
     does, and the draft catches up on its tokens at the next drafted step. With a `draft` curve,
@@ -112,6 +121,7 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
     measured = dict(target)
     sid = engine.open_session(prompt)
     done, unseen, steps, skipped, wait, reused = 0, [], 0, 0, 0.0, 0
+    grown = engine.lookahead.forwards if engine.lookahead is not None else 0  # idle batches before this tree
     prefill, ttft = len(prompt), 0.0  # the target's first pass runs the prompt too
     cold = len(prompt)  # the draft's session runs its prompt at its first build
     catch_up: threading.Thread | None = None
@@ -137,9 +147,11 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
             if plan is not None:
                 plan.observe_alone(1, measured.get(1, target[0][1]), request=request)
             continue
+        idle = engine.lookahead.forwards - grown if engine.lookahead is not None else 0  # since the last tree
         asked = time.perf_counter()
         PASSES.pop(id(engine.loaded.model), None)
         drafted = engine.build_tree(sid, unseen, params)
+        grown = engine.lookahead.forwards if engine.lookahead is not None else 0
         cold = 0
         passes = PASSES.pop(id(engine.loaded.model), [])
         waited = time.perf_counter() - asked if draft is None else sum(interpolate(draft, n) for n in passes)
@@ -155,6 +167,11 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
         if plan is not None and steps > 0:
             plan.observe(DraftedTree(tree, drafted.draft_forwards, reused=drafted.reused), unseen, waited,
                          pass_seconds, request=request)  # fmt: skip
+        if trace is not None:
+            depth = int(TreeStructure.from_parents(tree.parents).depths.max()) if tree.size > 1 else 0
+            trace.append({"reused": drafted.reused, "forwards": drafted.draft_forwards, "wait": waited,
+                          "idle_forwards": idle, "size": tree.size, "depth": depth, "tokens": len(unseen),
+                          "min_prob": params.min_prob, "target": pass_seconds})  # fmt: skip
         wait, reused, steps, done = wait + waited, reused + drafted.reused, steps + 1, done + len(unseen)
     wall = elapsed()
     if catch_up is not None:
@@ -162,6 +179,30 @@ def run(engine: DraftEngine, prompt: list[int], text: list[int], variant: str, t
     engine.close_session(sid)
     return {"tok_s": done / wall, "per_step": done / steps, "wait": wait / wall, "reused": reused / steps,
             "skipped": skipped / steps, "ttft": ttft}  # fmt: skip
+
+
+def summarize(traces: list[dict[str, Any]], draft_one: float, deep: int = 8) -> None:
+    """Where the drafted steps' time went: what a re-rooted tree and a fresh one cost the draft, the
+    idle batches before each, and the steps whose trees reach `deep` levels, whose tokens a pipelined
+    draft makes at most one a forward: their rate against 1 / (the draft's one-row pass)."""
+    print(f"\n| category | variant | drafted steps | re-rooted | draft forwards, re-rooted / fresh | wait ms, "
+          f"re-rooted / fresh | idle batches a step | steps {deep}+ deep | their tok/s | x 1/draft pass |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    runs: dict[tuple[str, str], list[dict[str, float]]] = {}
+    for t in traces:
+        runs.setdefault((t["category"], t["variant"]), []).extend(t["steps"])
+    for (category, variant), steps in sorted(runs.items()):
+        if not steps:
+            continue
+        hit = [s for s in steps if s["reused"]]
+        miss = [s for s in steps if not s["reused"]]
+        mean = lambda rows, k: f"{sum(r[k] for r in rows) / len(rows):.1f}" if rows else "-"  # noqa: E731
+        ms = lambda rows: f"{1000 * sum(r['wait'] for r in rows) / len(rows):.0f}" if rows else "-"  # noqa: E731
+        long = [s for s in steps if s["depth"] >= deep]
+        rate = sum(s["tokens"] for s in long) / sum(s["wait"] + s["target"] for s in long) if long else 0.0
+        print(f"| {category} | {variant} | {len(steps)} | {len(hit) / len(steps):.0%} | {mean(hit, 'forwards')} / "
+              f"{mean(miss, 'forwards')} | {ms(hit)} / {ms(miss)} | {mean(steps, 'idle_forwards')} | {len(long)} "
+              f"| {rate:.1f} | {rate * draft_one:.2f} |")
 
 
 def main() -> None:
@@ -178,6 +219,9 @@ def main() -> None:
     ap.add_argument("--draft-curve", metavar="FILE:LABEL", help="play the draft's passes by this curve (virtual time)")
     ap.add_argument("--target-scale", type=float, default=1.0,
                     help="multiply the target's curve: 10 makes the 7B shape's stream a 70B-class one's")
+    ap.add_argument("--draft-quantize", choices=("none", "int8"),
+                    help="run the draft on torch with this quantization (the home lab's int8 draft) instead of llama.cpp")
+    ap.add_argument("--trace", metavar="FILE", help="write every drafted step's tree, wait and idle batches as JSON")
     ap.add_argument("--cap", type=int, default=BUDGET, help="the largest tree, as `--auto-cap` (at most 255)")
     args = ap.parse_args()
     BUDGET = args.cap
@@ -196,7 +240,11 @@ def main() -> None:
     texts = [(c, ids, greedy_text(target.model, ids, args.tokens + 1)) for c, ids in texts]
     target.model.close()
     os.sched_setaffinity(0, {args.draft_core})
-    draft = load_gguf(str(paths[args.draft]), threads=1)
+    if args.draft_quantize:
+        draft = load_model(resolve_model(args.draft), dtype=draft_dtype("bfloat16", args.draft_quantize),
+                           quantize=args.draft_quantize)  # fmt: skip
+    else:
+        draft = load_gguf(str(paths[args.draft]), threads=1)
     if args.draft_curve:
         draft_curve = read_curve(args.draft_curve)
         record_passes()
@@ -207,6 +255,7 @@ def main() -> None:
         if engine.lookahead is not None:
             engine.lookahead.alone_seconds = 0.0  # one session at a time, each new
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
+    traces: list[dict[str, object]] = []
     try:
         # One planner per variant for all its prompts, as a client keeps one: a request starts from
         # what the ones before it learned.
@@ -215,11 +264,15 @@ def main() -> None:
             for variant in args.variants:
                 lookahead = "-nola" not in variant and not args.draft_curve
                 played = draft_curve if args.draft_curve else None
-                r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant], played)
+                steps: list[dict[str, float]] = []
+                r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant], played, steps)
+                traces.append({"category": category, "variant": variant, "steps": steps})
                 results.setdefault((category, variant), []).append(r)
     finally:
         for engine in engines.values():
             engine.close()
+    if args.trace:
+        Path(args.trace).write_text(json.dumps(traces))
     played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
     played += f" x{args.target_scale:g}" if args.target_scale != 1 else ""
     drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
@@ -232,6 +285,8 @@ def main() -> None:
         mean = {k: sum(r[k] for r in rs) / len(rs) for k in ("per_step", "wait", "reused", "skipped", "ttft")}
         print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} "
               f"| {mean['skipped']:.0%} | {mean['ttft']:.2f} s |")  # fmt: skip
+    if args.trace:
+        summarize(traces, interpolate(draft_curve, 1))
 
 
 if __name__ == "__main__":
