@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -102,3 +104,23 @@ def test_expired_sessions_release_their_caches(loaded):
     reused = [engine.sessions.get(engine.open_session([1, 2, 3])).cache for _ in kept]
     assert {id(c) for c in reused} == {id(c) for c in kept}
     del kept, reused
+
+
+def test_sigterm_during_a_cold_start_stops_the_node_at_once(model_dirs, tmp_path):
+    """A node measuring its forward-time curve (minutes for a real model on a cold start) stops on
+    SIGTERM between two passes, and never says it is ready: it went on profiling, then served."""
+    cmd = [sys.executable, "-m", "draft_node", "--model", str(model_dirs["target"]), "--listen", "127.0.0.1:0",
+           "--max-tree", "1024"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECEXEC_HOME": str(tmp_path), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+    assert proc.stderr is not None
+    head = ""
+    while "loading model" not in head and proc.poll() is None:
+        head += proc.stderr.readline()
+    proc.send_signal(signal.SIGTERM)
+    signalled = time.monotonic()
+    rest = head + proc.stderr.read()
+    assert proc.wait(timeout=30) == 0, rest
+    assert time.monotonic() - signalled < 10, rest
+    assert "stopped before it was ready" in rest and "node ready" not in rest, rest
+    assert not list((tmp_path / "profiles").glob("curve-*.json"))  # no curve half measured was kept

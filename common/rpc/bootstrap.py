@@ -22,7 +22,7 @@ from common.ops.logs import configure as configure_logs
 from common.ops.memory import peak_rss_bytes
 from common.ops.metrics import start_metrics_server
 from common.rpc.security import ServerSecurity
-from common.rpc.server import Server, check_listen, split_listen, start_reaper
+from common.rpc.server import Server, StoppedStarting, check_listen, split_listen, start_reaper
 from common.runtime.batching import DEFAULT_REGROUP, MAX_BATCH_TOKENS
 from common.runtime.sessions import DEFAULT_EVICT_AFTER, DEFAULT_MAX_SESSIONS
 
@@ -122,6 +122,22 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     server.stop_on_signals()
     host = split_listen(config.listen)[0]
     say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
+    try:
+        engine = _start(config, role, servicer, server)
+    except StoppedStarting:
+        server.wait()
+        say(f"{role.name} node stopped before it was ready")
+        return 0
+    reaper = start_reaper([engine.sessions])
+    server.wait()
+    reaper.set()
+    engine.close()
+    return 0
+
+
+def _start(config: NodeConfig, role: NodeRole, servicer: Any, server: Server) -> Any:
+    """Load, profile and attach the engine, and mark the node ready: all of it cut short by a signal
+    (`StoppedStarting`)."""
     limits = config.limits
     if choose_backend(config) == "llama.cpp":
         loaded = load_gguf(config.model, n_gpu_layers=config.n_gpu_layers, kv_type=config.kv_type, repack=config.repack,
@@ -144,16 +160,12 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
         if cached:
             say(f"{role.name} node: forward-time curve from the cache (--reprofile measures it again)")
     servicer.attach(engine, path)
-    reaper = start_reaper([engine.sessions])
     server.ready()
     say(
         f"{role.name} node ready: {loaded.name} ({describe_weights(config, loaded)}, {config.device}; "
         f"{memory_report(config.device)})"
     )
-    server.wait()
-    reaper.set()
-    engine.close()
-    return 0
+    return engine
 
 
 def say(line: str) -> None:

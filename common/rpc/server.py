@@ -87,6 +87,11 @@ def abort_for(context: grpc.ServicerContext, exc: Exception, method: str) -> Non
     context.abort(code, str(exc) or type(exc).__name__)
 
 
+class StoppedStarting(BaseException):
+    """A signal came while the node was still loading or profiling: its start is abandoned. Not an
+    `Exception`, as KeyboardInterrupt is not: no `except Exception` on the way may swallow it."""
+
+
 class Server:
     """A gRPC server that answers health checks (NOT_SERVING until `ready()`) and reflection."""
 
@@ -124,6 +129,7 @@ class Server:
         if self.port == 0:
             raise OSError(f"--listen {listen}: could not bind (is another process on that port?)")
         self.stopped = threading.Event()
+        self.serving = False
 
     def _set_all(self, status: int) -> None:
         for name in ["", *self.service_names]:
@@ -134,6 +140,7 @@ class Server:
         return self
 
     def ready(self) -> None:
+        self.serving = True
         self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
     def stop(self, grace: float = 5.0) -> None:
@@ -144,9 +151,19 @@ class Server:
         self.stopped.set()
 
     def stop_on_signals(self, grace: float = 5.0) -> None:
+        """Serving, the node stops gracefully. Still starting (a model's load, a cold start's minutes of
+        profiling), it stops at once: the handler raises `StoppedStarting` in the main thread, where
+        the start runs, between two of its passes."""
+        stopping = threading.Event()
+
         def handler(signum: int, _frame: Any) -> None:
+            if stopping.is_set():
+                return
+            stopping.set()
             log.info("signal %d: shutting down", signum)
             threading.Thread(target=self.stop, args=(grace,), daemon=True).start()
+            if not self.serving:
+                raise StoppedStarting(f"signal {signum} before the node was ready")
 
         signal.signal(signal.SIGTERM, handler)
         signal.signal(signal.SIGINT, handler)
