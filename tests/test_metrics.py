@@ -248,3 +248,16 @@ def test_a_stream_the_client_stops_reading_is_cancelled_not_failed(caplog):
     assert {code: after[code] - before[code] for code in before} == {"CANCELLED": 1, "UNKNOWN": 0, "OK": 1}
     records = [r for r in caplog.records if r.getMessage() in ("rpc_cancelled", "rpc_failed")]
     assert [(r.getMessage(), r.levelno) for r in records] == [("rpc_cancelled", logging.INFO)]
+
+
+def test_a_metrics_port_in_use_is_named_in_the_error():
+    import socket
+
+    from common.ops.metrics import start_metrics_server
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        with pytest.raises(OSError, match=f"--metrics-port 127.0.0.1:{port}: could not bind 127.0.0.1:{port}"):
+            start_metrics_server(f"127.0.0.1:{port}")

@@ -188,7 +188,10 @@ def start_metrics_server(spec: str | int | None) -> int | None:
     if spec is None or spec == "":
         return None
     host, port = parse_metrics_address(spec)
-    server, _thread = start_http_server(port, addr=host)
+    try:
+        server, _thread = start_http_server(port, addr=host)
+    except OSError as e:
+        raise OSError(f"--metrics-port {spec}: could not bind {host}:{port} ({e.strerror or e})") from e
     bound = server.server_port
     event(log, "metrics_listening", address=f"{host}:{bound}", path="/metrics")
     return bound
