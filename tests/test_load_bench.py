@@ -42,7 +42,9 @@ def test_load_bench_runs_both_targets_and_matches_their_texts(model_dirs, tmp_pa
         assert row["rows_per_pass"] >= 1 and 0 < row["target_busy"] <= 1
         assert row["stream_tok_s_p50"] > 0 and row["stream_x_alone_p50"] > 0
     assert sum(row["draft_busy"] for row in rows.values()) > 0  # the draft's passes were timed
-    # One client's round is its first run alone, set against the mean of its two runs alone.
-    assert 0.5 < rows["batched", 1]["client_x_alone_p50"] < 2.0
+    # One client's round is its first run alone, set against the mean of its two runs alone: about 1,
+    # but a loaded machine moved one run 2x (0.48 in a full suite), so the bound catches only a wrong
+    # ratio (units, inverted), not the noise.
+    assert 0.2 < rows["batched", 1]["client_x_alone_p50"] < 5.0
     assert "| batched | 3 |" in (out / "report.md").read_text()
     assert (out / "load.png").stat().st_size > 0
