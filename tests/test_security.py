@@ -316,6 +316,8 @@ def test_bind_policy():
     check_listen("0.0.0.0:1", insecure=True)
     with pytest.raises(ValueError, match=r"TLS .*--auth-token-file.*--insecure"):
         check_listen("0.0.0.0:1", insecure=False)
+    with pytest.raises(ValueError, match=r"port must be in \[0, 65535\], got '127.0.0.1:99999'"):
+        check_listen("127.0.0.1:99999", insecure=False)  # gRPC would bind 34463
 
 
 def test_public_bind_with_tls_and_token_starts_without_either_is_refused(stack, certs):

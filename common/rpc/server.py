@@ -180,6 +180,8 @@ def split_listen(listen: str) -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
         raise ValueError(f"listen address must be HOST:PORT, got {listen!r}")
+    if int(port) > 65535:
+        raise ValueError(f"listen port must be in [0, 65535], got {listen!r}")  # gRPC would take it modulo 65536
     return host, int(port)
 
 
