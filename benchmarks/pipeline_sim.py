@@ -196,13 +196,15 @@ def summarize(traces: list[dict[str, Any]], draft_one: float, deep: int = 8) -> 
             continue
         hit = [s for s in steps if s["reused"]]
         miss = [s for s in steps if not s["reused"]]
-        mean = lambda rows, k: f"{sum(r[k] for r in rows) / len(rows):.1f}" if rows else "-"  # noqa: E731
-        ms = lambda rows: f"{1000 * sum(r['wait'] for r in rows) / len(rows):.0f}" if rows else "-"  # noqa: E731
         long = [s for s in steps if s["depth"] >= deep]
         rate = sum(s["tokens"] for s in long) / sum(s["wait"] + s["target"] for s in long) if long else 0.0
-        print(f"| {category} | {variant} | {len(steps)} | {len(hit) / len(steps):.0%} | {mean(hit, 'forwards')} / "
-              f"{mean(miss, 'forwards')} | {ms(hit)} / {ms(miss)} | {mean(steps, 'idle_forwards')} | {len(long)} "
-              f"| {rate:.1f} | {rate * draft_one:.2f} |")
+        print(f"| {category} | {variant} | {len(steps)} | {len(hit) / len(steps):.0%} | {_mean(hit, 'forwards')} / "
+              f"{_mean(miss, 'forwards')} | {_mean(hit, 'wait', 1000, 0)} / {_mean(miss, 'wait', 1000, 0)} "
+              f"| {_mean(steps, 'idle_forwards')} | {len(long)} | {rate:.1f} | {rate * draft_one:.2f} |")
+
+
+def _mean(rows: list[dict[str, float]], key: str, scale: float = 1.0, digits: int = 1) -> str:
+    return f"{scale * sum(r[key] for r in rows) / len(rows):.{digits}f}" if rows else "-"
 
 
 def main() -> None:
@@ -271,8 +273,6 @@ def main() -> None:
     finally:
         for engine in engines.values():
             engine.close()
-    if args.trace:
-        Path(args.trace).write_text(json.dumps(traces))
     played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
     played += f" x{args.target_scale:g}" if args.target_scale != 1 else ""
     drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
@@ -286,6 +286,7 @@ def main() -> None:
         print(f"| {category} | {variant} | {geo:.2f} | {mean['per_step']:.2f} | {mean['wait']:.0%} | {mean['reused']:.0%} "
               f"| {mean['skipped']:.0%} | {mean['ttft']:.2f} s |")  # fmt: skip
     if args.trace:
+        Path(args.trace).write_text(json.dumps(traces))
         summarize(traces, interpolate(draft_curve, 1))
 
 
