@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.api import SpecExec
 from client.generation import Recovery
@@ -139,6 +140,17 @@ class _RemoteNode:
         if self._info is None:
             self._info = node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest()))
         return self._info
+
+    def serving(self, timeout: float = DEFAULT_PROBE_TIMEOUT) -> str | None:
+        """None when the node answers its standard health check as SERVING, else why not: what a
+        gateway's /health reports, since a generation would fail on a node that does not."""
+        try:
+            answer = health_pb2_grpc.HealthStub(self.channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            return f"{exc.code().name}: {exc.details()}"
+        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+            return None
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status)
 
     def open_session(self, prompt: list[int]) -> str:
         """Refused for the node's session limit, it raises what an engine in this process would:

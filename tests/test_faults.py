@@ -84,6 +84,40 @@ def test_draft_death_falls_back_to_target_alone_and_recovers(cluster, model_dirs
     assert out.stats.draft_failures == 0 and out.stats.budgets
 
 
+def test_the_openai_health_route_follows_the_target(cluster, model_dirs):
+    """A balancer must stop sending while the target is down: /health turns 503, and 200 again once
+    the target is back. The draft, optional, is reported but never makes it 503."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    from client.openai.server import OpenAIServer
+
+    def health() -> tuple[int, dict]:
+        try:
+            with urllib.request.urlopen(srv.url.removesuffix("/v1") + "/health", timeout=30) as answer:
+                return answer.status, json.loads(answer.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read())
+
+    addrs, procs = cluster
+    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name="tiny").start()
+    try:
+        assert health() == (200, {"status": "ok", "target": "up", "draft": "up"})
+        kill(procs, "target")
+        status, body = health()
+        assert status == 503 and body["status"] == "unavailable" and body["target"].startswith("down (UNAVAILABLE")
+        procs["target"] = start("target", model_dirs["target"], addrs["target"])
+        assert health()[0] == 200
+        kill(procs, "draft")
+        collect(gen.stream(PROMPT, SamplingParams(max_new_tokens=4)))  # a generation finds the draft gone
+        assert health() == (200, {"status": "ok", "target": "up", "draft": "down"})
+    finally:
+        srv.stop()
+        gen.close()
+
+
 def test_target_restart_replays_the_sequence(cluster, model_dirs):
     addrs, procs = cluster
     notices: list[str] = []

@@ -191,6 +191,20 @@ class Service:
     def model_card(self) -> dict[str, Any]:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specexec"}
 
+    def health(self) -> tuple[int, dict[str, str]]:
+        """503 while the target node does not serve (or this server is stopping), as llama.cpp's and
+        vLLM's servers answer before they can generate: a balancer then sends requests elsewhere. The
+        draft is optional, so it is reported but never makes the answer 503."""
+        why = "stopping" if self.stopping.is_set() else None
+        probe = getattr(self.gen.target, "serving", None)
+        if why is None and probe is not None:
+            why = probe()
+        link = self.gen.link
+        draft = "none" if link is None else "up" if link.info is not None else "down"
+        if why is None:
+            return 200, {"status": "ok", "target": "up", "draft": draft}
+        return 503, {"status": "unavailable", "target": f"down ({why})", "draft": draft}
+
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
             raise ApiError(
@@ -394,7 +408,8 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
 
     @app.get("/health")
     async def health() -> Response:
-        return JSONAnswer({"status": "ok"})
+        status, body = await run_in_threadpool(service.health)
+        return JSONAnswer(body, status_code=status)
 
     @v1.get("/models")
     async def models() -> Response:

@@ -6,7 +6,7 @@
     GET  /v1/models/{id}          that model's card
     POST /v1/completions          prompt: a string, or token ids (one prompt per request)
     POST /v1/chat/completions     messages rendered with the target tokenizer's chat template
-    GET  /health                  200 once serving (no token needed)
+    GET  /health                  200 while the target serves, else 503 (no token needed)
 
 Both POST routes stream server-sent events (`"stream": true`, ending with `data: [DONE]`, usage in a
 last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON object with `usage`.
