@@ -150,6 +150,9 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(temperature=3.5), "temperature", "between 0"),
         (dict(top_p=1.5), "top_p", "top_p"),
         (dict(max_tokens=0), "max_tokens", "max_tokens"),
+        (dict(max_tokens=2**31), "max_tokens", "between 1 and 2147483647"),
+        (dict(max_tokens=510), "max_tokens", "maximum context length is 512 tokens"),
+        (dict(prompt=[65] * 600), "prompt", "maximum context length is 512 tokens, but the prompt has 600"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (dict(logprobs=2), "logprobs", "not supported"),
         (dict(prompt=["one", "two"]), "prompt", "one prompt"),
@@ -165,8 +168,15 @@ def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):
 
 
 def test_errors_before_output_are_http_errors(client, server):
-    with pytest.raises(openai.BadRequestError, match="context limit"):
+    with pytest.raises(openai.BadRequestError, match="maximum context length"):
         client.completions.create(model=MODEL, prompt=[65] * 600, max_tokens=4)
+    with pytest.raises(openai.BadRequestError) as err:  # chat's newer name for max_tokens
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}],
+                                       max_completion_tokens=600)  # fmt: skip
+    assert err.value.body["param"] == "max_completion_tokens" and err.value.body["code"] == "context_length_exceeded"
+    # A default max_tokens is no ask: a prompt near the end of the context stops there, "length".
+    out = client.completions.create(model=MODEL, prompt=[65] * 508, temperature=0)
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 4
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=4)
     assert err.value.body["code"] == "model_not_found"

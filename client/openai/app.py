@@ -218,6 +218,7 @@ class Service:
         """Tokenizes, opens the sessions and runs the first step, in the calling (worker) thread: errors
         before any output (a prompt over the context limit, a node that is down) stay HTTP errors."""
         job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
+        check_context(request, job, self.gen.target.info().max_context)
         answer = Answer(job, self.model_name)
         chunks = track_generation(
             self.gen.stream(job.prompt_ids, job.sampling),
@@ -250,6 +251,23 @@ class Service:
             if error.status >= 500:
                 log.exception("generation failed")
             raise error from exc
+
+
+def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, limit: int) -> None:
+    """As vLLM and OpenAI answer: 400 for a prompt over the context, or a max_tokens the request set
+    that cannot fit after it. A default max_tokens is not the client's ask: the answer stops with
+    finish_reason "length" where the context ends."""
+    prompt = len(job.prompt_ids)
+    where = "messages" if job.chat else "prompt"
+    if prompt > limit:
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} has "
+                       f"{prompt} tokens", param=where, code="context_length_exceeded")  # fmt: skip
+    asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    if asked is not None and prompt + asked > limit:
+        name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but {prompt} are in the "
+                       f"{where} and '{name}' asks for {asked} more ({prompt + asked} in all); at most "
+                       f"{limit - prompt} fit", param=name, code="context_length_exceeded")  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

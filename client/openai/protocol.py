@@ -32,7 +32,7 @@ from common.rpc.server import status_for
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 MAX_STOP_STRINGS = 4
-MAX_TOKENS = 1 << 31
+MAX_TOKENS = (1 << 31) - 1  # int32, as vLLM and OpenAI take it
 GRPC_TO_HTTP = {
     "INVALID_ARGUMENT": (400, "invalid_request_error"),
     "RESOURCE_EXHAUSTED": (429, "rate_limit_error"),
