@@ -327,6 +327,16 @@ def log_settings(args: argparse.Namespace) -> LogSettings:
 
 
 def node_config(args: argparse.Namespace) -> NodeConfig:
+    """Checked before the node binds its port or loads its model, so a bad flag is named at once."""
+    for flag, value in (("--max-sessions", args.max_sessions), ("--max-context", args.max_context)):
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.max_tree is not None and args.max_tree < 1:
+        raise ValueError(f"--max-tree must be >= 1, got {args.max_tree}")
+    if not args.idle_timeout > 0:
+        raise ValueError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout:g}")
+    if args.evict_after < 0 and args.evict_after != -1:
+        raise ValueError(f"--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got {args.evict_after:g}")
     if args.batch_window_ms < 0:
         raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms:g}")
     if args.max_batch_tokens < 1:

@@ -130,7 +130,11 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
         check=False,
     )
     assert out.returncode == 2
-    assert "top_p must be in (0, 1]" in out.stderr
+    assert "--top-p must be in (0, 1]" in out.stderr
+    # Named before any node is reached: this target address has no node behind it.
+    out = run("generate", "--target", "127.0.0.1:9", "--mode", "autoregressive", "--prompt", "x",
+              "--max-new-tokens", "0", check=False)  # fmt: skip
+    assert out.returncode == 2 and "--max-new-tokens must be >= 1, got 0" in out.stderr, out.stderr
     out = run(
         "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
     )
@@ -150,3 +154,17 @@ def test_chat_flag_renders_the_chat_template(model_dirs, loaded):
     assert ids[-len("<assistant>") :] == loaded["target"].tokenizer.encode("<assistant>")
     params = SamplingParams(max_new_tokens=5, ignore_eos=True)
     assert json.loads(out.stdout)["token_ids"] == reference_decode(model_dirs["target"], ids, params)
+
+
+@pytest.mark.parametrize(
+    "flag, value, needle",
+    [("--max-sessions", "0", "--max-sessions must be >= 1, got 0"),
+     ("--max-context", "0", "--max-context must be >= 1, got 0"),
+     ("--max-tree", "0", "--max-tree must be >= 1, got 0"),
+     ("--idle-timeout", "0", "--idle-timeout must be > 0 seconds, got 0"),
+     ("--evict-after", "-5", "--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got -5")],
+)  # fmt: skip
+def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle):
+    out = run("target", "--model", "no-such-model", "--listen", "127.0.0.1:0", flag, value, check=False)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
+    assert "listening" not in out.stdout + out.stderr

@@ -115,15 +115,22 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
 
 
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
-    return SamplingParams(
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
-        stop=tuple(args.stop),
-        ignore_eos=args.ignore_eos,
-    )
+    """A bad value is named by its flag (`--max-new-tokens`), not by the field it fills."""
+    try:
+        return SamplingParams(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            max_new_tokens=args.max_new_tokens,
+            stop=tuple(args.stop),
+            ignore_eos=args.ignore_eos,
+        )
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        if field in SamplingParams.__dataclass_fields__:
+            raise ValueError(f"--{field.replace('_', '-')} {rest}") from exc
+        raise
 
 
 def auto_budget(args: argparse.Namespace) -> bool:

@@ -51,14 +51,14 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
+    sampling = sampling_from(args)  # a bad option is named before any node is reached or model loaded
     gen = generator_from(args)
-    return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
+    return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling), args.json)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-
-    chat = Chat(generator_from(args), system=args.system)
     sampling = sampling_from(args)
+    chat = Chat(generator_from(args), system=args.system)
     print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
     try:
         while True:
