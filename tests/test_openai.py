@@ -182,6 +182,8 @@ def test_errors_before_output_are_http_errors(client, server):
     assert err.value.body["code"] == "model_not_found"
     with pytest.raises(openai.BadRequestError, match="role"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match=r"'messages\[0\]' needs a 'content' for role user"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=4)
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", b"{not json")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"

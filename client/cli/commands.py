@@ -20,7 +20,7 @@ from client.cli.args import (
 )
 from client.cli.certs import add_certs_args, cmd_certs
 from client.cli.local import run_local
-from client.cli.nodes import NODE_COMMANDS, add_node_parser
+from client.cli.nodes import DESCRIPTION, NODE_COMMANDS, add_node_parser
 from client.cli.output import print_stream
 from client.cli.status import add_status_args
 from client.gateway import GenerationServicer
@@ -189,7 +189,7 @@ def cmd_local(args: argparse.Namespace) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
 
-    parser = argparse.ArgumentParser(prog="specexec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specexec", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True)
 
     g = sub.add_parser("generate", help="generate text for one prompt")

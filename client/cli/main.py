@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from client.cli.nodes import NODE_COMMANDS, add_node_parser
+from client.cli.nodes import DESCRIPTION, NODE_COMMANDS, add_node_parser
 from common.model.store import ModelStoreError
 from common.ops import config
 from common.ops.config import add_config_option
@@ -23,7 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def node_parser(role: str) -> argparse.ArgumentParser:
     """`specexec` with one node's subcommand: the same options, config tables and help."""
-    parser = argparse.ArgumentParser(prog="specexec", description=__doc__)
+    parser = argparse.ArgumentParser(prog="specexec", description=DESCRIPTION)
     add_node_parser(parser.add_subparsers(dest="command", required=True), role)
     add_config_option(parser)
     return parser

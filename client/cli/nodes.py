@@ -7,6 +7,9 @@ import argparse
 from typing import Any
 
 NODE_COMMANDS = ("target", "draft")
+DESCRIPTION = ("Distributed speculative decoding (SpecExec): a draft node builds trees of likely "
+               "continuations, a target node verifies each in one pass, and the client's output is the "
+               "target's own. `specexec COMMAND --help` for a command's options.")
 HELP = {
     "target": "serve a target model (the big one) over gRPC",
     "draft": "serve a draft model (the small one) over gRPC",

@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     ValidationInfo,
     field_validator,
+    model_validator,
 )
 from pydantic_core import PydanticCustomError
 
@@ -199,9 +200,9 @@ def _one_prompt(prompt: Any) -> Any:
     raise field_error("must be a non-empty string or a list of token ids")
 
 
-def _text_content(content: Any) -> str:
+def _text_content(content: Any) -> str | None:
     if content is None:
-        return ""
+        return None
     if isinstance(content, str):
         return content
     if isinstance(content, list) and all(
@@ -309,10 +310,19 @@ class CompletionRequest(SamplingRequest):
 
 
 class ChatMessage(BaseModel):
-    """A text turn; other keys (`name`, ...) are ignored."""
+    """A text turn; other keys (`name`, ...) are ignored. As in OpenAI's API, only an assistant turn
+    may leave out its content (or send null)."""
 
     role: Annotated[str, BeforeValidator(_role)]
-    content: Annotated[str, BeforeValidator(_text_content)] = ""
+    content: Annotated[str | None, BeforeValidator(_text_content)] = None
+
+    @model_validator(mode="after")
+    def _content_required(self) -> ChatMessage:
+        if self.content is None:
+            if self.role != "assistant":
+                raise field_error(f"needs a 'content' for role {self.role}")
+            self.content = ""
+        return self
 
 
 class ChatCompletionRequest(SamplingRequest):
