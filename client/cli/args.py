@@ -46,7 +46,8 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         "--budget",
         default="auto",
         help="tree nodes per step, or 'auto' (default): sized from the nodes' forward-time curves, up to "
-        "--max-budget (chain mode: chain length, default 4)",
+        "--max-budget (chain mode: chain length, default 4); in process, a model's curve is measured once "
+        "per machine (minutes on a CPU, then cached), which a number skips",
     )
     g.add_argument("--max-budget", type=int, default=256, help="largest tree --budget auto considers")
     g.add_argument(

@@ -82,7 +82,7 @@ def forward_curve(
     model: Transformer, limit: int, logits_share: float, progress: bool = True
 ) -> list[tuple[int, float]]:
     sizes = profile_sizes(limit)
-    bar = tqdm(sizes, desc="profiling forward passes", unit="size", disable=not progress)
+    bar = tqdm(sizes, desc="measuring forward-pass times (once per model and machine, then cached)", unit="size", disable=not progress)
     if hasattr(model, "time_tree"):  # llama.cpp: its own pass, every node's logits
         seconds = [model.time_tree(n, PREFIX, synthetic_parents(n)) for n in bar]
     else:
