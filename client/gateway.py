@@ -14,8 +14,24 @@ from common.decoding.tree import TreeParams
 from common.ops.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc.server import abort_for, rpc_method
+from common.rpc.server import Server, abort_for, rpc_method
 from common.rpc.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
+
+TARGET_HEALTH_EVERY = 5.0  # seconds between the gateway's health checks of its target node
+
+
+def follow_target(server: Server, gen: SpecExec, every: float = TARGET_HEALTH_EVERY) -> None:
+    """The gateway's gRPC health follows its target node's, as its /health does; the draft is
+    optional and never makes it NOT_SERVING. An in-process target needs no watching."""
+    probe = getattr(gen.target, "serving", None)
+    if probe is None:
+        return
+
+    def watch() -> None:
+        while not server.stopped.wait(every):
+            server.follow(probe() is None)
+
+    threading.Thread(target=watch, daemon=True, name="target-health").start()
 
 
 def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:

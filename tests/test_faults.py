@@ -118,6 +118,44 @@ def test_the_openai_health_route_follows_the_target(cluster, model_dirs):
         gen.close()
 
 
+def test_the_gateways_grpc_health_follows_the_target(cluster, model_dirs):
+    """As /health does: NOT_SERVING while the target is down, SERVING again once it is back."""
+    import time
+
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    addrs, procs = cluster
+    gateway = f"127.0.0.1:{free_port()}"
+    proc = subprocess.Popen([sys.executable, "-m", "client.cli.main", "serve", "--listen", gateway, "--target",
+                             addrs["target"], "--draft", addrs["draft"], "--budget", "4"],
+                            env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        wait_until_serving(gateway, timeout=120, alive=lambda: proc.poll() is None)
+        serving = health_pb2.HealthCheckResponse.SERVING
+        with grpc.insecure_channel(gateway) as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+
+            def becomes(status: int) -> bool:
+                deadline = time.monotonic() + 30
+                while time.monotonic() < deadline:
+                    if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == status:
+                        return True
+                    time.sleep(0.5)
+                return False
+
+            kill(procs, "target")
+            assert becomes(health_pb2.HealthCheckResponse.NOT_SERVING)
+            procs["target"] = start("target", model_dirs["target"], addrs["target"])
+            assert becomes(serving)
+            kill(procs, "draft")  # optional: the gateway stays SERVING
+            time.sleep(6)
+            assert stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == serving
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
 def test_target_restart_replays_the_sequence(cluster, model_dirs):
     addrs, procs = cluster
     notices: list[str] = []

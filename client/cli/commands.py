@@ -23,7 +23,7 @@ from client.cli.local import run_local
 from client.cli.nodes import DESCRIPTION, NODE_COMMANDS, add_node_parser
 from client.cli.output import print_stream
 from client.cli.status import add_status_args
-from client.gateway import GenerationServicer
+from client.gateway import GenerationServicer, follow_target
 from client.openai.server import serve_until_signal, start_openai
 from client.prompt_cache import DEFAULT_SIZE as PROMPT_CACHE_SIZE
 from common.model.llama_cpp import BACKENDS
@@ -126,6 +126,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     ).start()
     server.stop_on_signals()
     server.ready()
+    follow_target(server, base)
     host = args.listen.rsplit(":", 1)[0]
     print(f"gateway listening on {host}:{server.port} ({sec.describe()})", file=sys.stderr, flush=True)
     server.wait()

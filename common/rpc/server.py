@@ -130,6 +130,8 @@ class Server:
             raise OSError(f"--listen {listen}: could not bind (is another process on that port?)")
         self.stopped = threading.Event()
         self.serving = False
+        self._health_lock = threading.Lock()
+        self._stopping = False
 
     def _set_all(self, status: int) -> None:
         for name in ["", *self.service_names]:
@@ -143,9 +145,19 @@ class Server:
         self.serving = True
         self._set_all(health_pb2.HealthCheckResponse.SERVING)
 
+    def follow(self, up: bool) -> None:
+        """Between `ready()` and `stop()`, health follows what the service needs (a gateway's target
+        node), so balancers stop sending while requests could only fail."""
+        with self._health_lock:
+            if self.serving and not self._stopping:
+                status = health_pb2.HealthCheckResponse.SERVING if up else health_pb2.HealthCheckResponse.NOT_SERVING
+                self._set_all(status)
+
     def stop(self, grace: float = 5.0) -> None:
         """Health goes NOT_SERVING first so balancers and clients stop sending, then in-flight calls
         get `grace` seconds to finish before they are cancelled."""
+        with self._health_lock:
+            self._stopping = True
         self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
         self.server.stop(grace).wait()
         self.stopped.set()
