@@ -192,6 +192,18 @@ def test_errors_before_output_are_http_errors(client, server):
     assert raw(base + "/health") == (200, {"status": "ok", "target": "up", "draft": "up"})
 
 
+@pytest.mark.parametrize("field, value", [("min_p", 0.1), ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}),
+                                          ("stop_token_ids", [5]), ("grammar", "root ::= x")])  # fmt: skip
+def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
+    """vLLM's and llama.cpp's extensions: ignored, they would give text the client did not ask for."""
+    base = server.url.removesuffix("/v1")
+    status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
+    assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
+    neutral = {"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "stop_token_ids": [], "grammar": ""}[field]
+    status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
+    assert status == 200
+
+
 def test_hostile_bodies_get_clear_answers(server):
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", b"[" * 100_000)

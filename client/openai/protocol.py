@@ -147,6 +147,12 @@ def between(lo: float, hi: float) -> AfterValidator:
     return AfterValidator(check)
 
 
+def unless(*neutral: Any) -> AfterValidator:
+    """A vLLM or llama.cpp server field this server cannot honour: absent, null, or a value that
+    changes nothing, else a 400 rather than text the client did not ask for."""
+    return refused(lambda v: v is None or any(type(v) is type(n) and v == n for n in neutral))
+
+
 def refused(accepts: Callable[[Any], bool]) -> AfterValidator:
     """A field this server cannot honour: allowed only with a value that changes nothing."""
 
@@ -266,6 +272,34 @@ class SamplingRequest(BaseModel):
     response_format: Annotated[
         Any, refused(lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
     ] = None
+    # Other servers' extensions that change the output (vLLM's sampling params, llama.cpp's server):
+    min_p: Annotated[Any, unless(0, 0.0)] = None
+    repetition_penalty: Annotated[Any, unless(1, 1.0)] = None
+    repeat_penalty: Annotated[Any, unless(1, 1.0)] = None
+    length_penalty: Annotated[Any, unless(1, 1.0)] = None
+    typical_p: Annotated[Any, unless(1, 1.0)] = None
+    mirostat: Annotated[Any, unless(0)] = None
+    dry_multiplier: Annotated[Any, unless(0, 0.0)] = None
+    xtc_probability: Annotated[Any, unless(0, 0.0)] = None
+    dynatemp_range: Annotated[Any, unless(0, 0.0)] = None
+    use_beam_search: Annotated[Any, unless(False)] = None
+    min_tokens: Annotated[Any, unless(0)] = None
+    n_predict: Annotated[Any, unless()] = None  # llama.cpp's own API; here: max_tokens
+    stop_token_ids: Annotated[Any, unless([])] = None
+    include_stop_str_in_output: Annotated[Any, unless(False)] = None
+    bad_words: Annotated[Any, unless([])] = None
+    allowed_token_ids: Annotated[Any, unless()] = None
+    grammar: Annotated[Any, unless("")] = None
+    json_schema: Annotated[Any, unless()] = None
+    guided_json: Annotated[Any, unless()] = None
+    guided_regex: Annotated[Any, unless()] = None
+    guided_choice: Annotated[Any, unless()] = None
+    guided_grammar: Annotated[Any, unless()] = None
+    structured_outputs: Annotated[Any, unless()] = None
+    truncate_prompt_tokens: Annotated[Any, unless()] = None
+    prompt_logprobs: Annotated[Any, unless(0)] = None
+    n_probs: Annotated[Any, unless(0)] = None
+    skip_special_tokens: Annotated[Any, unless(True)] = None
 
     @field_validator("stream_options")
     @classmethod
@@ -331,6 +365,13 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
     max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
+    continue_final_message: Annotated[Any, unless(False)] = None
+    add_generation_prompt: Annotated[Any, unless(True)] = None
+    chat_template: Annotated[Any, unless()] = None
+    chat_template_kwargs: Annotated[Any, unless({})] = None
+    prediction: Annotated[Any, unless()] = None
+    modalities: Annotated[Any, unless(["text"])] = None
+    audio: Annotated[Any, unless()] = None
 
     def max_new_tokens(self, default: int) -> int:
         if self.max_completion_tokens is not None:

@@ -13,8 +13,9 @@ last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON 
 Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
 `stop` (a string or up to 4), `seed`, `n` (1 only), `stream`, `stream_options`, `user` (ignored), and
 the vLLM extensions `top_k` and `ignore_eos`. Anything else that would change the output (`logprobs`,
-`echo`, `best_of`, penalties, `logit_bias`, tools, a non-text `response_format`) is refused with 400
-rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
+`echo`, `best_of`, penalties, `logit_bias`, tools, a non-text `response_format`, and vLLM's or
+llama.cpp's extensions such as `min_p` or `guided_json`) is refused with 400 rather than silently
+ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.
 
 Defaults follow OpenAI, not `specexec generate`: `temperature` 1.0 (sampling, not greedy; send 0 for
