@@ -56,6 +56,12 @@ class NodeAuthError(NodeError, ConnectionError):
     cannot help, so it is not a `NodeFault`; the CLI reports it like any connection error."""
 
 
+class NodeRoleError(NodeError, ConnectionError):
+    """The address answers gRPC but not this role's service (UNIMPLEMENTED): the other node, or the
+    gateway, given to the wrong flag. Like a refusal, retrying cannot help."""
+
+
+_OTHER_ROLE = {"target": "draft", "draft": "target"}
 _TLS_FAILURE_SIGNS = ("Socket closed", "andshake", "SSL", "certificate")
 
 
@@ -97,6 +103,10 @@ def _fault(role: str, address: str, exc: grpc.RpcError, security: ClientSecurity
         return SessionLost(f"{role} node at {address}: {code.name}: {details}")
     if code == grpc.StatusCode.INVALID_ARGUMENT:
         return ValueError(f"{role} node refused the request: {details}")
+    if code == grpc.StatusCode.UNIMPLEMENTED:
+        return NodeRoleError(code, f"{address} does not serve the {role} node's service ({details}); "
+                             f"is it the {_OTHER_ROLE.get(role, 'other')} node or a gateway? "
+                             f"--target takes the target node's address, --draft the draft's")  # fmt: skip
     return NodeError(code, f"{role} node at {address}: {code.name}: {details}")
 
 

@@ -268,6 +268,23 @@ def run_generate(address: str, request: pb.GenerateRequest) -> tuple[list[int], 
     return ids, "".join(r.chunk.text for r in responses[:-1]), responses[-1].final
 
 
+@pytest.mark.parametrize("swap", ["target", "draft", "gateway"])
+def test_a_node_given_to_the_wrong_flag_is_a_clear_error(nodes, gateway, capsys, swap):
+    """Another node's (or the gateway's) address for --target or --draft: one line naming both flags,
+    not a traceback; `status` says which role the address lacks."""
+    from client.cli.main import main
+
+    target, draft = {"target": (nodes["draft"], nodes["draft"]), "draft": (nodes["target"], nodes["target"]),
+                     "gateway": (gateway, nodes["draft"])}[swap]  # fmt: skip
+    capsys.readouterr()
+    assert main(["generate", "--target", target, "--draft", draft, "--prompt", "hi", "--max-new-tokens", "2",
+                 "--budget", "4"]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "--target takes the target node's address, --draft the draft's" in err and "Traceback" not in err
+    assert main(["status", "--target", target, "--draft", draft, "--timeout", "10"]) == 1
+    assert "does not serve the" in capsys.readouterr().out
+
+
 def test_gateway_generate_equals_in_process(gateway, nodes, in_process):
     ids, text, final = run_generate(gateway, generate_request(budget=BUDGET))
     local = in_process["specexec"].generate(PROMPT, SamplingParams(**SAMPLINGS["seeded"]))

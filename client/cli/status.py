@@ -9,6 +9,7 @@ Exit status 0 when every node given is SERVING (and, with both, their tokenizers
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import statistics
 import time
@@ -69,6 +70,8 @@ def probe(address: str, role: str, security: Any, pings: int, timeout: float) ->
                 rtts.append(time.perf_counter() - start)
         except grpc.RpcError as exc:
             out["error"] = f"Info: {exc.code().name}: {exc.details()}"
+            if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                out["error"] = f"not a {role} node: it does not serve the {role} node's service"
             return out
     assert info is not None
     if info.role and info.role != role:
@@ -165,6 +168,8 @@ def status(args: argparse.Namespace) -> dict[str, Any]:
             }
         except (OSError, ValueError) as exc:
             report["acceptance"] = {"url": url, "error": str(exc)}
+        except http.client.HTTPException as exc:  # a gRPC port, say: its answer is no HTTP
+            report["acceptance"] = {"url": url, "error": f"not an HTTP metrics endpoint ({type(exc).__name__})"}
     report["ok"] = bool(report["nodes"]) and all(
         n.get("health") == "SERVING" and "error" not in n for n in report["nodes"]
     )
