@@ -254,7 +254,7 @@ class SpecExec:
         if isinstance(prompt, str):
             if not prompt:
                 raise ValueError("prompt is empty")
-            return list(self.tokenizer.encode(prompt))
+            return list(self.tokenizer.encode(valid_text(prompt, "prompt")))
         return list(prompt)
 
     def stream(
@@ -308,8 +308,20 @@ class SpecExec:
         yield Chunk(text.flush(), [], finish, stats)
 
 
+def valid_text(text: str, what: str) -> str:
+    """`text` if it is Unicode that UTF-8 can carry: a lone surrogate (from JSON's "\\ud83d", or bytes
+    that are not UTF-8 on a command line) would reach the tokenizer as a TypeError of its own."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ValueError(f"{what} is not valid Unicode text: {exc.reason} at character {exc.start}") from None
+    return text
+
+
 def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
     """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+    for i, m in enumerate(messages):
+        valid_text(m["content"], f"message {i}'s content")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
@@ -327,7 +339,7 @@ class Chat:
 
     def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
         sampling = sampling or SamplingParams(**kwargs)
-        self.messages.append({"role": "user", "content": text})
+        self.messages.append({"role": "user", "content": valid_text(text, "the message")})
         ids = render_chat(self.gen.tokenizer, self.messages)
         if self.sequence is None:
             self.sequence = self.gen.sequence(ids)

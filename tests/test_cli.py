@@ -135,6 +135,8 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
     out = run("generate", "--target", "127.0.0.1:9", "--mode", "autoregressive", "--prompt", "x",
               "--max-new-tokens", "0", check=False)  # fmt: skip
     assert out.returncode == 2 and "--max-new-tokens must be >= 1, got 0" in out.stderr, out.stderr
+    out = run("generate", "--target", "127.0.0.1:9", "--mode", "autoregressive", "--prompt", "a\udcffb", check=False)
+    assert out.returncode == 2 and "--prompt is not valid Unicode text" in out.stderr, out.stderr  # bytes not UTF-8
     out = run(
         "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
     )

@@ -206,6 +206,11 @@ def test_other_servers_output_changing_fields_are_refused_not_ignored(server, fi
 
 def test_hostile_bodies_get_clear_answers(server):
     base = server.url.removesuffix("/v1")
+    status, body = raw(base + "/v1/completions", b'{"prompt": "a\\ud83d", "max_tokens": 2}')  # a lone surrogate
+    assert status == 400 and body["error"]["param"] == "prompt" and "not valid Unicode" in body["error"]["message"]
+    chat = b'{"messages": [{"role": "user", "content": "\\ud83d"}], "max_tokens": 2}'
+    status, body = raw(base + "/v1/chat/completions", chat)
+    assert status == 400 and body["error"]["param"] == "messages" and "not valid Unicode" in body["error"]["message"]
     status, body = raw(base + "/v1/completions", b"[" * 100_000)
     assert status == 400 and "nested too deeply" in body["error"]["message"]
     status, body = raw(base + "/v1/completions", b'{"model": "\\ud800", "prompt": "x"}')

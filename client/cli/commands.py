@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from client.api import Chat, SpecExec
+from client.api import Chat, SpecExec, valid_text
 from client.bench.cli import add_bench_parser
 from client.cli.args import (
     add_openai_args,
@@ -52,6 +52,7 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
 def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from(args)  # a bad option is named before any node is reached or model loaded
+    valid_text(args.prompt, "--prompt")
     gen = generator_from(args)
     return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling), args.json)
 
@@ -59,6 +60,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 def cmd_chat(args: argparse.Namespace) -> int:
     sampling = sampling_from(args)
     chat = Chat(generator_from(args), system=args.system)
+    if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not the rest of the input
+        sys.stdin.reconfigure(errors="surrogateescape")
     print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
     try:
         while True:
@@ -68,14 +71,18 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 break
+            try:
+                valid_text(line, "this line")
+            except ValueError as exc:
+                print(f"specexec: {exc}; send it again as UTF-8", file=sys.stderr)
+                continue
             for chunk in chat.send(line, sampling):
                 sys.stdout.write(chunk.text)
                 sys.stdout.flush()
-                if chunk.stats is not None:
-                    print(
-                        f"\n[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
-                        file=sys.stderr,
-                    )
+                if chunk.stats is not None:  # the reply's newline on stdout, so piped replies stay lines
+                    print(flush=True)
+                    print(f"[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
+                          file=sys.stderr)  # fmt: skip
     finally:
         chat.close()
     return 0

@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from client.api import render_chat
+from client.api import render_chat, valid_text
 from common.decoding.sampling import MAX_SEED, MAX_STOP_CHARS, SamplingParams
 from common.rpc.server import status_for
 
@@ -198,7 +198,7 @@ def _one_prompt(prompt: Any) -> Any:
     if isinstance(prompt, str):
         if not prompt:
             raise field_error("is empty")
-        return prompt
+        return _unicode(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
@@ -206,15 +206,22 @@ def _one_prompt(prompt: Any) -> Any:
     raise field_error("must be a non-empty string or a list of token ids")
 
 
+def _unicode(text: str) -> str:
+    try:
+        return valid_text(text, "text")
+    except ValueError as exc:
+        raise field_error(str(exc).removeprefix("text ")) from None
+
+
 def _text_content(content: Any) -> str | None:
     if content is None:
         return None
     if isinstance(content, str):
-        return content
+        return _unicode(content)
     if isinstance(content, list) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content
     ):
-        return "".join(p["text"] for p in content)
+        return _unicode("".join(p["text"] for p in content))
     raise field_error("must be a string or a list of text parts: only text is supported")
 
 
