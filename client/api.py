@@ -299,7 +299,8 @@ class SpecExec:
         for result in sequence.steps(sampling, self.tree, stats, self.current_planner):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
-            yield Chunk(piece, result.tokens)
+            stats.new_tokens -= len(result.tokens) - text.used  # tokens a step accepted past a stop string
+            yield Chunk(piece, result.tokens[: text.used])
             if text.stopped:
                 finish = "stop"
                 break

@@ -18,16 +18,19 @@ class TextAssembler:
         self.text = ""
         self.emitted = 0
         self.stopped = False
+        self.used = 0  # of the last `add`'s tokens, those up to the one that completed a stop string
 
     def add(self, tokens: list[int]) -> str:
         """Returns the newly settled text; sets `stopped` once a stop string appears."""
         self.token_ids += tokens
+        self.used = len(tokens)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         hold = 0
-        found = [text.find(stop, max(0, self.emitted - len(stop))) for stop in self.stop]
+        found = self._stops(text)
         if any(at >= 0 for at in found):
             text = text[: min(at for at in found if at >= 0)]  # the earliest, whatever the list order
             self.stopped = True
+            self.used = self._through_stop(len(tokens))
         self.text = text
         if not self.stopped:
             if text.endswith("\ufffd"):
@@ -38,6 +41,18 @@ class TextAssembler:
         new = text[self.emitted : settled] if settled > self.emitted else ""
         self.emitted = max(self.emitted, settled)
         return new
+
+    def _stops(self, text: str) -> list[int]:
+        return [text.find(stop, max(0, self.emitted - len(stop))) for stop in self.stop]
+
+    def _through_stop(self, added: int) -> int:
+        """How many of the `added` tokens it took to complete the stop string: a step that accepted
+        tokens past it must count as many as one-token decoding, which stops there (vLLM's count)."""
+        base = len(self.token_ids) - added
+        for k in range(1, added):
+            if any(at >= 0 for at in self._stops(self.tokenizer.decode(self.token_ids[: base + k], skip_special_tokens=True))):
+                return k
+        return added
 
     def flush(self) -> str:
         """At the end nothing can change any more: release what was held back."""

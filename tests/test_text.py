@@ -50,6 +50,23 @@ def test_the_held_back_tail_is_the_longest_start_of_a_stop_string(text: str, sto
     assert _partial_match(text, stop) == longest
 
 
+@given(text=TEXT, stops=STOPS, cuts=st.lists(st.integers(1, 5), max_size=40))
+def test_the_tokens_counted_end_with_the_one_that_completes_the_stop(text: str, stops: list[str], cuts: list[int]):
+    """As one-token decoding counts them, however many tokens past the stop a tree step accepted."""
+    assembler = TextAssembler(CharTokenizer(), tuple(stops))
+    ids, kept, at = [ord(c) for c in text], [], 0
+    for n in [*cuts, len(ids)]:
+        if at >= len(ids) or assembler.stopped:
+            break
+        assembler.add(ids[at : at + n])
+        kept += ids[at : at + n][: assembler.used]
+        at += n
+    one_by_one = TextAssembler(CharTokenizer(), tuple(stops))
+    for i, token in enumerate(ids[: len(kept)]):
+        one_by_one.add([token])
+        assert one_by_one.stopped == (i == len(kept) - 1 and assembler.stopped)
+
+
 def test_stop_strings_are_bounded():
     with pytest.raises(ValueError, match=f"at most {MAX_STOP_STRINGS} strings, got {MAX_STOP_STRINGS + 1}"):
         SamplingParams(stop=("x",) * (MAX_STOP_STRINGS + 1))
