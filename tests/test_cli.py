@@ -170,3 +170,16 @@ def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle
     out = run("target", "--model", "no-such-model", "--listen", "127.0.0.1:0", flag, value, check=False)
     assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
     assert "listening" not in out.stdout + out.stderr
+
+
+@pytest.mark.parametrize(
+    "args, needle",
+    [(["generate", "--target", "127.0.0.1:9", "--prompt", "x", "--step-timeout", "0"], "--step-timeout: must be a number of seconds > 0"),
+     (["generate", "--target", "127.0.0.1:9", "--prompt", "x", "--draft-retry", "-1"], "--draft-retry: must be a number >= 0"),
+     (["serve", "--target", "127.0.0.1:9", "--default-max-tokens", "0"], "--default-max-tokens: must be >= 1, got 0"),
+     (["status", "--target", "127.0.0.1:9", "--pings", "0"], "--pings: must be >= 1, got 0"),
+     (["status", "--target", "127.0.0.1:9", "--timeout", "-1"], "--timeout: must be a number of seconds > 0")],
+)  # fmt: skip
+def test_bad_client_numbers_are_refused_by_their_flag(args, needle):
+    out = run(*args, check=False)
+    assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]

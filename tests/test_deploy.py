@@ -192,6 +192,13 @@ def test_bad_config_is_a_usage_error_from_the_cli(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["target", "--config", str(tmp_path / "missing.toml")])
     assert "does not exist" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["target", "--config", str(tmp_path)])
+    assert "is a directory, not a TOML file" in capsys.readouterr().err
+    path.write_bytes(b"[target]\nmodel = '\xff'\n")
+    with pytest.raises(SystemExit):
+        main(["target", "--config", str(path)])
+    assert "it is not UTF-8 text" in capsys.readouterr().err
 
 
 def test_effective_config_masks_secrets():

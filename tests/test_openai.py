@@ -235,6 +235,12 @@ def test_a_body_a_route_does_not_read_is_not_taken_for_the_next_request(server):
     assert received.count(b"HTTP/1.1 ") == 1 and b'"status": "ok"' in received
 
 
+def test_a_port_in_use_names_the_openai_flag(server, gen):
+    host, port = address(server)
+    with pytest.raises(OSError, match=f"--openai {host}:{port}: could not bind"):
+        OpenAIServer(f"{host}:{port}", gen, model_name=MODEL).start()
+
+
 def test_bearer_token(gen):
     srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="s3cret").start()
     try:

@@ -24,7 +24,10 @@ from common.options import (
     add_repack_arg,
     client_security,
     compile_buckets,
+    non_negative_float,
     offload_plan,
+    positive_float,
+    positive_int,
 )
 
 
@@ -81,11 +84,11 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
     src.add_argument("--target", help="target node HOST:PORT")
     src.add_argument("--draft", help="draft node HOST:PORT")
     src.add_argument(
-        "--step-timeout", type=float, default=120.0, help="deadline of one draft or verify call (s)"
+        "--step-timeout", type=positive_float, default=120.0, help="deadline of one draft or verify call (s)"
     )
     src.add_argument(
         "--draft-retry",
-        type=float,
+        type=non_negative_float,
         default=Recovery.draft_retry_seconds,
         help="seconds between attempts to reach a draft node that is down (the target generates alone "
         "meanwhile, with the same output)",
@@ -212,7 +215,7 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", help="the model id clients send (default: the target's model id)")
     g.add_argument(
         "--default-max-tokens",
-        type=int,
+        type=positive_int,
         default=1024,
         help="chat max_tokens when a request omits it (completions: 16, as OpenAI)",
     )

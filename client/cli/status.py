@@ -20,7 +20,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.remote import open_channel
-from common.options import add_client_security_args, client_security
+from common.options import add_client_security_args, client_security, positive_float, positive_int
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 
@@ -41,8 +41,8 @@ def add_status_args(p: argparse.ArgumentParser) -> None:
         default=0.0,
         help="report acceptance over this many seconds (two scrapes) instead of since the node started",
     )
-    p.add_argument("--pings", type=int, default=5, help="Info calls that measure the round-trip time")
-    p.add_argument("--timeout", type=float, default=5.0, help="seconds per call")
+    p.add_argument("--pings", type=positive_int, default=5, help="Info calls that measure the round-trip time")
+    p.add_argument("--timeout", type=positive_float, default=5.0, help="seconds per call")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     add_client_security_args(p)
     p.set_defaults(func=cmd_status)

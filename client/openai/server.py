@@ -144,6 +144,9 @@ def _bind(host: str, port: int) -> socket.socket:
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--openai {host}:{port}: could not bind ({exc.strerror}; is another process on that port?)") from exc
     except BaseException:
         sock.close()
         raise
