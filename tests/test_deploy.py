@@ -181,6 +181,17 @@ def test_config_errors_are_clear(tmp_path, text, message):
         parse(["target", "--config", str(path)])
 
 
+def test_a_no_flag_reads_as_its_positive_name_and_checked_numbers_stay_checked(tmp_path):
+    """usage.md's rule: `X = false` for `--no-X`, whatever the flag's dest; and a number in the file
+    passes the same check as on the command line."""
+    path = tmp_path / "c.toml"
+    path.write_text("[generate]\nplanner_memory = false\n")
+    assert parse(["generate", "--config", str(path), "--prompt", "x"]).no_planner_memory is True
+    path.write_text("[generate]\nstep_timeout = 0\n")
+    with pytest.raises(config.ConfigError, match="--step-timeout must be a number of seconds > 0"):
+        parse(["generate", "--config", str(path), "--prompt", "x"])
+
+
 def test_bad_config_is_a_usage_error_from_the_cli(tmp_path, capsys):
     from client.cli.main import main
 

@@ -68,6 +68,8 @@ def _options(sub: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, b
             if flag.startswith("--"):
                 name = flag[2:].replace("-", "_")
                 keys.setdefault(name, (action, name != action.dest and _is_flag(action)))
+            if flag.startswith("--no-") and _is_flag(action):  # `planner_memory = false` for --no-planner-memory
+                keys.setdefault(flag[5:].replace("-", "_"), (action, action.dest != flag[5:].replace("-", "_")))
     return keys
 
 
@@ -100,9 +102,11 @@ def _scalar(action: argparse.Action, value: Any, name: str, where: str) -> Any:
         if action.type is int and not isinstance(value, int):
             raise ConfigError(f"{where}: {name} takes a whole number, not {value!r}")
         value = action.type(value)
-    elif callable(action.type) and isinstance(value, str):
+    elif callable(action.type) and isinstance(value, str | int | float):  # a checking type (positive_int) too
         try:
-            value = action.type(value)
+            value = action.type(value if isinstance(value, str) else str(value))
+        except argparse.ArgumentTypeError as exc:
+            raise ConfigError(f"{where}: {name} {exc}") from exc
         except (TypeError, ValueError) as exc:
             raise ConfigError(f"{where}: {name}: invalid value {value!r}") from exc
     elif action.type is None and not isinstance(value, str):
