@@ -178,7 +178,13 @@ def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle
      (["generate", "--target", "127.0.0.1:9", "--prompt", "x", "--draft-retry", "-1"], "--draft-retry: must be a number >= 0"),
      (["serve", "--target", "127.0.0.1:9", "--default-max-tokens", "0"], "--default-max-tokens: must be >= 1, got 0"),
      (["status", "--target", "127.0.0.1:9", "--pings", "0"], "--pings: must be >= 1, got 0"),
-     (["status", "--target", "127.0.0.1:9", "--timeout", "-1"], "--timeout: must be a number of seconds > 0")],
+     (["status", "--target", "127.0.0.1:9", "--timeout", "-1"], "--timeout: must be a number of seconds > 0"),
+     (["status", "--target", "127.0.0.1:99999"], "--target must be HOST:PORT with a port in [1, 65535]"),
+     (["generate", "--target", "127.0.0.1:9", "--draft", "localhost", "--prompt", "x"], "--draft must be HOST:PORT"),
+     (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--budget", "0"],
+      "--budget must be in [1, 8192], got 0"),
+     (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--max-depth", "0"],
+      "--max-depth must be in [1, 128], got 0")],
 )  # fmt: skip
 def test_bad_client_numbers_are_refused_by_their_flag(args, needle):
     out = run(*args, check=False)

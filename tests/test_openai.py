@@ -153,6 +153,7 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(max_tokens=2**31), "max_tokens", "between 1 and 2147483647"),
         (dict(max_tokens=510), "max_tokens", "maximum context length is 512 tokens"),
         (dict(prompt=[65] * 600), "prompt", "maximum context length is 512 tokens, but the prompt has 600"),
+        (dict(prompt=[65, -1]), "prompt", "holds token id -1"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (dict(logprobs=2), "logprobs", "not supported"),
         (dict(prompt=["one", "two"]), "prompt", "one prompt"),

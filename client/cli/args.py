@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from client import planner_state
 from client.api import SpecExec, render_chat
@@ -118,22 +119,32 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         add_offload_args(p)
 
 
+T = TypeVar("T")
+
+
 def sampling_from(args: argparse.Namespace) -> SamplingParams:
-    """A bad value is named by its flag (`--max-new-tokens`), not by the field it fills."""
+    return by_flag(
+        SamplingParams,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        max_new_tokens=args.max_new_tokens,
+        stop=tuple(args.stop),
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def by_flag(make: Callable[..., T], renamed: dict[str, str] | None = None, **fields: Any) -> T:
+    """`make(**fields)`, with a bad value named by its flag (`--max-new-tokens`), not by the field
+    it fills: the dataclasses' errors start with the field's name."""
     try:
-        return SamplingParams(
-            temperature=args.temperature,
-            top_k=args.top_k,
-            top_p=args.top_p,
-            seed=args.seed,
-            max_new_tokens=args.max_new_tokens,
-            stop=tuple(args.stop),
-            ignore_eos=args.ignore_eos,
-        )
+        return make(**fields)
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
-        if field in SamplingParams.__dataclass_fields__:
-            raise ValueError(f"--{field.replace('_', '-')} {rest}") from exc
+        if field in fields:
+            flag = (renamed or {}).get(field, field).replace("_", "-")
+            raise ValueError(f"--{flag} {rest}") from exc
         raise
 
 
@@ -153,7 +164,9 @@ def tree_from(args: argparse.Namespace) -> TreeParams:
             budget = int(args.budget)
         except ValueError:
             raise ValueError(f"--budget must be a number or 'auto', got {args.budget!r}") from None
-    return TreeParams(
+    return by_flag(
+        TreeParams,
+        {"budget": "max_budget"} if args.budget == "auto" else None,
         budget=budget,
         max_depth=args.max_depth,
         max_branch=args.max_branch,

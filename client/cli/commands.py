@@ -322,6 +322,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     """What argparse cannot say: which combinations a subcommand needs."""
+    for flag in ("target", "draft"):
+        address = getattr(args, flag, None)
+        if isinstance(address, str):
+            host, _, port = address.rpartition(":")
+            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+                parser.error(f"--{flag} must be HOST:PORT with a port in [1, 65535], got {address!r}")
     if args.command in ("generate", "chat", "profile"):
         if not args.target_model and not args.target:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")

@@ -260,8 +260,9 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
     prompt = len(job.prompt_ids)
     where = "messages" if job.chat else "prompt"
     if prompt > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} has "
-                       f"{prompt} tokens", param=where, code="context_length_exceeded")  # fmt: skip
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} "
+                       f"{'have' if job.chat else 'has'} {prompt} tokens", param=where,
+                       code="context_length_exceeded")  # fmt: skip
     asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
     if asked is not None and prompt + asked > limit:
         name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"

@@ -200,6 +200,8 @@ def _one_prompt(prompt: Any) -> Any:
             raise field_error("is empty")
         return _unicode(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
+        if min(prompt) < 0:
+            raise field_error(f"holds token id {min(prompt)}: ids are >= 0")
         return prompt
     if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
         raise sentence_error("only one prompt per request is supported")
