@@ -180,6 +180,8 @@ def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle
      (["status", "--target", "127.0.0.1:9", "--pings", "0"], "--pings: must be >= 1, got 0"),
      (["status", "--target", "127.0.0.1:9", "--timeout", "-1"], "--timeout: must be a number of seconds > 0"),
      (["status", "--target", "127.0.0.1:99999"], "--target must be HOST:PORT with a port in [1, 65535]"),
+     (["certs", "--out", "/nonexistent/x", "--hosts", "127.0.0.1", "--days", "99999999"], "--days must be in [1, 36500]"),
+     (["serve", "--target", "127.0.0.1:9", "--served-model-name", " "], "--served-model-name must not be empty"),
      (["generate", "--target", "127.0.0.1:9", "--draft", "localhost", "--prompt", "x"], "--draft must be HOST:PORT"),
      (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--budget", "0"],
       "--budget must be in [1, 8192], got 0"),

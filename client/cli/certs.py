@@ -8,6 +8,8 @@ from pathlib import Path
 
 from common.rpc.certs import generate, parse_hosts
 
+MAX_DAYS = 100 * 365
+
 
 def add_certs_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", required=True, help="directory for the certificates, keys and token")
@@ -22,8 +24,8 @@ def add_certs_args(parser: argparse.ArgumentParser) -> None:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    if args.days < 1:
-        raise ValueError(f"--days must be >= 1, got {args.days}")
+    if not 1 <= args.days <= MAX_DAYS:  # X.509 dates end in 9999
+        raise ValueError(f"--days must be in [1, {MAX_DAYS}], got {args.days}")
     issued = generate(Path(args.out), parse_hosts(args.hosts), days=args.days, force=args.force)
     out = Path(args.out)
     print(

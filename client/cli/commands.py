@@ -338,3 +338,5 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             )
     if args.command == "serve" and not args.target:
         parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
+    if args.command == "serve" and args.served_model_name is not None and not args.served_model_name.strip():
+        parser.error("--served-model-name must not be empty (leave it out to serve the target's model id)")
