@@ -119,10 +119,10 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
         credentials=config.security.credentials(),
         interceptors=config.security.interceptors(),
     ).start()
-    server.stop_on_signals()
     host = split_listen(config.listen)[0]
-    say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
-    try:
+    try:  # from the handler on: a signal may land in any line, this one's print too
+        server.stop_on_signals()
+        say(f"{role.name} node listening on {host}:{server.port} ({config.security.describe()}; loading model)")
         engine = _start(config, role, servicer, server)
     except StoppedStarting:
         server.wait()
