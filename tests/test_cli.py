@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from common.decoding.sampling import SamplingParams
-from tests.helpers import reference_decode
+from tests.helpers import free_port, reference_decode
 
 SPECEXEC = [sys.executable, "-m", "client.cli.main"]
 ROOT = Path(__file__).resolve().parents[1]
@@ -191,3 +191,69 @@ def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle
 def test_bad_client_numbers_are_refused_by_their_flag(args, needle):
     out = run(*args, check=False)
     assert out.returncode == 2 and needle in out.stderr, out.stderr[-2000:]
+
+
+def test_local_refuses_a_port_another_process_holds(model_dirs):
+    """Else its client would find that process's node serving there and generate through it."""
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = run("local", "--draft-model", str(model_dirs["truncated"]), "--target-model", str(model_dirs["target"]),
+                  "--target-port", str(port), "--draft-port", str(free_port()), "--prompt", "x", check=False)  # fmt: skip
+    assert out.returncode == 2 and f"--target-port {port}: 127.0.0.1:{port} is in use" in out.stderr, out.stderr
+    assert "nodes ready" not in out.stderr
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+@pytest.mark.parametrize("ending", ["sigterm", "a node dies"])
+def test_local_stops_its_nodes_on_sigterm_and_says_when_one_dies(model_dirs, ending):
+    import signal
+    import time
+
+    from client.remote import wait_until_serving
+
+    ports = [free_port(), free_port()]
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*SPECEXEC, "local", "--draft-model", str(model_dirs["truncated"]), "--target-model",
+                             str(model_dirs["target"]), "--target-port", str(ports[0]), "--draft-port", str(ports[1]),
+                             "--budget", "4"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    try:
+        for port in ports:
+            wait_until_serving(f"127.0.0.1:{port}", timeout=120, alive=lambda: proc.poll() is None)
+        nodes = children(proc.pid)
+        assert len(nodes) == 2
+        if ending == "sigterm":
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        else:
+            os.kill(nodes[1], signal.SIGKILL)
+            assert proc.wait(timeout=60) == 1
+            assert "node exited (code -9); stopping the other" in proc.stderr.read()
+        deadline = time.monotonic() + 30
+        while any(_running(pid) for pid in nodes) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(pid) for pid in nodes), "a node outlived local"
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def _running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False

@@ -270,8 +270,8 @@ def build_parser() -> argparse.ArgumentParser:
         )
     add_quantize_arg(lo, "--draft-quantize")
     add_compile_args(lo)
-    lo.add_argument("--target-port", type=int, default=50051)
-    lo.add_argument("--draft-port", type=int, default=50052)
+    lo.add_argument("--target-port", type=int, default=50051, help="the target node's loopback port (default 50051)")
+    lo.add_argument("--draft-port", type=int, default=50052, help="the draft node's loopback port (default 50052)")
     lo.add_argument("--prompt", help="run one generation through the nodes, then stop them")
     lo.add_argument("--json", action="store_true")
     lo.add_argument(

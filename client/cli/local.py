@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import signal
+import socket
 import subprocess
 import sys
+import time
 
+from client.api import valid_text
 from client.cli.args import auto_budget, planner_dir, prompt_from, sampling_from, tree_from
 from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
@@ -41,7 +45,41 @@ def node_commands(args: argparse.Namespace, security_args: list[str]) -> list[li
     ]
 
 
+def check_ports(ports: dict[str, int]) -> None:
+    """Each port free before a node is started on it: a node that cannot bind exits, but the client
+    polling that address would find whatever holds it serving and use that (another `specexec
+    local`'s node, with another model)."""
+    if len(set(ports.values())) < len(ports):
+        raise ValueError(f"--target-port and --draft-port must differ, got {ports['target']} for both")
+    for role, port in ports.items():
+        if not 1 <= port <= 65535:
+            raise ValueError(f"--{role}-port must be in [1, 65535], got {port}")
+        with socket.socket() as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed node's TIME_WAIT is no owner
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError as exc:
+                raise OSError(f"--{role}-port {port}: 127.0.0.1:{port} is in use ({exc.strerror}; another "
+                              f"specexec local?)") from None  # fmt: skip
+
+
+def watch(nodes: dict[str, subprocess.Popen]) -> int:
+    """Without --prompt the nodes serve until one exits (or a signal stops this command): say which."""
+    while True:
+        for role, node in nodes.items():
+            if node.poll() is not None:
+                print(f"specexec local: the {role} node exited (code {node.returncode}); stopping the other",
+                      file=sys.stderr)  # fmt: skip
+                return 1
+        time.sleep(0.5)
+
+
 def run_local(args: argparse.Namespace) -> int:
+    check_ports({"target": args.target_port, "draft": args.draft_port})
+    sampling = sampling_from(args) if args.prompt is not None else None  # named before minutes of loading
+    if args.prompt is not None:
+        valid_text(args.prompt, "--prompt")
+    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # the nodes are stopped below
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
     # The nodes get this command's server flags; the client trusts --node-tls-ca, presents
     # --node-tls-cert/--node-tls-key and sends the nodes' own --auth-token-file.
@@ -55,6 +93,8 @@ def run_local(args: argparse.Namespace) -> int:
     try:
         for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
             wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None, security=security)
+        if any(node.poll() is not None for node in nodes):
+            raise OSError("a node exited while starting (its error is above)")
         print(
             f"nodes ready: target {target_addr}, draft {draft_addr}\n"
             f"  specexec generate --target {target_addr} --draft {draft_addr} --prompt '...'\n"
@@ -62,9 +102,8 @@ def run_local(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        if args.prompt is None:
-            nodes[0].wait()
-            return 0
+        if sampling is None:
+            return watch(dict(zip(("target", "draft"), nodes, strict=True)))
         gen = connect(
             draft_addr,
             target_addr,
@@ -74,7 +113,7 @@ def run_local(args: argparse.Namespace) -> int:
             security=security,
             planner_dir=planner_dir(args),
         )
-        return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling_from(args)), args.json)
+        return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling), args.json)
     finally:
         for node in nodes:
             node.terminate()
