@@ -5,12 +5,13 @@ from __future__ import annotations
 import secrets
 import threading
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 
 import grpc
 
 from client.api import SpecExec
 from client.generation import GenerationStats
-from common.decoding.tree import TreeParams
+from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.ops.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -74,6 +75,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             sampling = sampling_from_proto(request.sampling)
             mode = request.mode if request.HasField("mode") else self.base.mode
             tree = tree_params_from_proto(request.tree, default=self.base.tree or TreeParams())
+            if mode == "chain" and self.base.mode != "chain" and not request.tree.HasField("budget"):
+                tree = replace(tree, budget=DEFAULT_CHAIN_LENGTH)  # the gateway's budget sizes trees, not chains
             generator = self.make_generator(mode, tree)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
             prompt_ids = generator.encode(prompt)

@@ -862,3 +862,16 @@ def test_a_vanishing_temperature_draws_the_arg_max(seed, shape, scale, offset, t
     drawn = sample_rows(logits, params, list(range(shape[0])))
     assert drawn.tolist() == logits.argmax(-1).tolist()
     tally("sample_rows vanishing temperature", OK)
+
+
+def test_chain_mode_on_a_gateway_sized_for_trees_takes_the_default_chain_length(engines):
+    """A gateway's budget (--budget auto: up to 248 on llama.cpp) sizes its trees; as a chain's length
+    it was a max_depth over 128, refused for every chain request that set no budget of its own."""
+    target, draft = engines
+    tokenizer = target.loaded.tokenizer
+    base = SpecExec(target, draft, tokenizer, tree=TreeParams(budget=200))
+    gateway = Node(GATEWAY, GenerationServicer(lambda mode, tree: SpecExec(target, draft, tokenizer, mode=mode, tree=tree), base))
+    request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), mode="chain", sampling=pb.SamplingParams(max_new_tokens=4))
+    responses, code, details = gateway.stream("Generate", request)
+    assert code == OK, details
+    assert responses[-1].final.finish_reason == "length"

@@ -13,7 +13,7 @@ from client.generation import Recovery
 from client.openai.server import TlsFiles
 from client.remote import connect
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import TreeParams
+from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.model.llama_cpp import BACKENDS
 from common.options import (
     DTYPES,
@@ -158,7 +158,7 @@ def planner_dir(args: argparse.Namespace) -> Path | None:
 
 def tree_from(args: argparse.Namespace) -> TreeParams:
     if args.budget == "auto":
-        budget = args.max_budget if args.mode == "specexec" else 4
+        budget = args.max_budget if args.mode == "specexec" else DEFAULT_CHAIN_LENGTH
     else:
         try:
             budget = int(args.budget)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 MAX_TREE_DEPTH = 128
+DEFAULT_CHAIN_LENGTH = 4  # chain mode's length where no budget is given for it
 MAX_BUDGET = 8192
 
 
