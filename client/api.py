@@ -255,7 +255,12 @@ class SpecExec:
             if not prompt:
                 raise ValueError("prompt is empty")
             return list(self.tokenizer.encode(valid_text(prompt, "prompt")))
-        return list(prompt)
+        if isinstance(prompt, bytes | bytearray):  # iterating them would give byte values as token ids
+            raise TypeError("prompt must be a str or a list of token ids, not bytes: decode it first")
+        ids = list(prompt)
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids):
+            raise ValueError("prompt token ids must be ints >= 0")
+        return ids
 
     def stream(
         self,
@@ -264,9 +269,13 @@ class SpecExec:
         recovery: Recovery | None = None,
         **kwargs: Any,
     ) -> Iterator[Chunk]:
-        """Streams text as the target accepts it; keyword arguments are SamplingParams fields."""
-        sampling = sampling or SamplingParams(**kwargs)
-        ids = self.encode(prompt)
+        """Streams text as the target accepts it; keyword arguments are SamplingParams fields. Bad
+        arguments raise here, before any session is opened; the sessions open at the first chunk."""
+        if sampling is not None and kwargs:
+            raise TypeError(f"give sampling or SamplingParams keyword arguments, not both (got {', '.join(kwargs)})")
+        return self._stream(self.encode(prompt), sampling or SamplingParams(**kwargs), recovery)
+
+    def _stream(self, ids: list[int], sampling: SamplingParams, recovery: Recovery | None) -> Iterator[Chunk]:
         cache = self.prompt_cache
         if cache is None:
             sequence, cached = self.sequence(ids, recovery), 0

@@ -28,6 +28,20 @@ def test_empty_prompt(gen):
         gen.generate([])
 
 
+def test_api_misuse_raises_before_any_session_opens(gen):
+    """A user's slip is named at the call, not after sessions open (nor silently taken otherwise)."""
+    assert SamplingParams(stop="return").stop == ("return",)  # one stop, not six one-letter ones
+    with pytest.raises(TypeError, match="not both"):
+        gen.stream("Hello", SamplingParams(max_new_tokens=3), max_new_tokens=10)
+    with pytest.raises(TypeError, match="max_tokens"):
+        gen.stream("Hello", max_tokens=3)
+    with pytest.raises(TypeError, match="not bytes"):
+        gen.stream(b"Hello")
+    with pytest.raises(ValueError, match="ints >= 0"):
+        gen.stream([5, -1])
+    assert len(gen.target.sessions) == 0
+
+
 def test_prompt_longer_than_context(gen):
     with pytest.raises(ValueError, match="prompt has 65 tokens, over the context limit of 64"):
         gen.generate([1] * 65)
@@ -45,6 +59,8 @@ def test_prompt_longer_than_context(gen):
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"seed": -1}, "seed"),
         ({"stop": ("",)}, "stop strings must be non-empty"),
+        ({"max_new_tokens": 3.5}, "max_new_tokens must be a whole number, got 3.5"),
+        ({"temperature": "0.7"}, "temperature must be a number, got '0.7'"),
     ],
 )
 def test_bad_sampling_params(kwargs, match):

@@ -9,6 +9,7 @@ that draws at positions p..p+k consumes exactly the numbers sequential decoding 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +34,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
+        if isinstance(self.stop, str):  # as OpenAI takes it: one string is one stop, not its characters
+            object.__setattr__(self, "stop", (self.stop,))
+        elif not isinstance(self.stop, tuple):
+            object.__setattr__(self, "stop", tuple(self.stop))
+        for names, kind, what, plain in ((("temperature", "top_p"), numbers.Real, "a number", float),
+                                         (("top_k", "seed", "max_new_tokens"), numbers.Integral, "a whole number", int)):  # fmt: skip
+            for name in names:
+                value = getattr(self, name)
+                if isinstance(value, bool) or not isinstance(value, kind):
+                    raise ValueError(f"{name} must be {what}, got {value!r}")
+                object.__setattr__(self, name, plain(value))  # a NumPy scalar's arithmetic would wrap
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
