@@ -356,10 +356,12 @@ class Chat:
         else:
             self.sequence.reset_to(ids)
         reply: list[str] = []
-        for chunk in self.gen._run(self.sequence, sampling):
-            reply.append(chunk.text)
-            yield chunk
-        self.messages.append({"role": "assistant", "content": "".join(reply)})
+        try:
+            for chunk in self.gen._run(self.sequence, sampling):
+                reply.append(chunk.text)
+                yield chunk
+        finally:  # a reply abandoned half-way is still the assistant's turn, as far as it went
+            self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     def close(self) -> None:
         if self.sequence is not None:

@@ -58,11 +58,13 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     @rpc_method
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.GatewayInfo:
-        """The draft's part is the one the generator checked, and absent while the draft is down."""
-        info = pb.GatewayInfo(target=node_info_to_proto(self.base.target.info(), "", 0, 0))
+        """The draft's part is the one the generator checked, and absent while the draft is down. What
+        the gateway read when it connected: a node's version and open sessions are the node's to tell."""
+        target = self.base.target.info()
+        info = pb.GatewayInfo(target=node_info_to_proto(target, "", target.max_sessions, 0))
         draft = self.base.link.info if self.base.link is not None else None
         if draft is not None:
-            info.draft.CopyFrom(node_info_to_proto(draft, "", 0, 0))
+            info.draft.CopyFrom(node_info_to_proto(draft, "", draft.max_sessions, 0))
         return info
 
     def Generate(

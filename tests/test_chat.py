@@ -58,6 +58,20 @@ def test_second_turn_reuses_the_history_kv(loaded):
     assert len(target.sessions) == 0 and len(draft.sessions) == 0
 
 
+def test_a_reply_abandoned_half_way_stays_the_assistants_turn(loaded):
+    """Else the next turn followed two user messages in a row, and the text the user saw was lost."""
+    target = TargetEngine(loaded["target"], max_context=512, max_tree=8)
+    draft = DraftEngine(loaded["truncated"], max_context=512, max_tree=8)
+    chat = Chat(SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8)))
+    stream = chat.send("Hello there", max_new_tokens=40, ignore_eos=True)
+    seen = "".join(next(stream).text for _ in range(2))
+    stream.close()
+    assert [m["role"] for m in chat.messages] == ["user", "assistant"] and chat.messages[1]["content"] == seen
+    list(chat.send("Go on", max_new_tokens=4, ignore_eos=True))
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+    chat.close()
+
+
 def test_chat_command_runs_two_turns(model_dirs):
     cmd = [sys.executable, "-m", "client.cli.main", "chat", "--draft-model", str(model_dirs["truncated"]),
            "--target-model", str(model_dirs["target"]), "--budget", "8", "--max-new-tokens", "6", "--ignore-eos"]  # fmt: skip
