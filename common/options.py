@@ -27,7 +27,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     """Options shared by `specexec draft` and `specexec target`."""
     parser.add_argument("--model", required=True, help="model directory, .gguf file or default-pair name")
-    parser.add_argument("--listen", default=f"127.0.0.1:{default_port}", help="HOST:PORT (default loopback)")
+    parser.add_argument("--listen", default=f"127.0.0.1:{default_port}",
+                        help=f"HOST:PORT (default 127.0.0.1:{default_port}, loopback only)")  # fmt: skip
     parser.add_argument("--dtype", choices=DTYPES, default="float32")
     parser.add_argument("--device", default="cpu")
     add_backend_args(parser)
