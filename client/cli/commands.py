@@ -45,7 +45,7 @@ from common.options import (
     server_security,
 )
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-from common.rpc.server import Server, check_listen
+from common.rpc.server import Server, check_listen, split_listen
 
 DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
@@ -325,8 +325,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     for flag in ("target", "draft"):
         address = getattr(args, flag, None)
         if isinstance(address, str):
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 1 <= int(port) <= 65535:
+            try:
+                port = split_listen(address)[1]
+            except ValueError:
+                port = 0
+            if port < 1:
                 parser.error(f"--{flag} must be HOST:PORT with a port in [1, 65535], got {address!r}")
     if args.command in ("generate", "chat", "profile"):
         if not args.target_model and not args.target:

@@ -76,8 +76,9 @@ def watch(nodes: dict[str, subprocess.Popen]) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     check_ports({"target": args.target_port, "draft": args.draft_port})
-    sampling = sampling_from(args) if args.prompt is not None else None  # named before minutes of loading
-    if args.prompt is not None:
+    sampling = None
+    if args.prompt is not None:  # named before minutes of loading
+        sampling = sampling_from(args)
         valid_text(args.prompt, "--prompt")
     signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # the nodes are stopped below
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"

@@ -263,9 +263,9 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} "
                        f"{'have' if job.chat else 'has'} {prompt} tokens", param=where,
                        code="context_length_exceeded")  # fmt: skip
-    asked = getattr(request, "max_completion_tokens", None) or request.max_tokens
+    completion = getattr(request, "max_completion_tokens", None)  # chat's newer name wins, as in max_new_tokens
+    asked, name = (completion, "max_completion_tokens") if completion is not None else (request.max_tokens, "max_tokens")
     if asked is not None and prompt + asked > limit:
-        name = "max_completion_tokens" if getattr(request, "max_completion_tokens", None) else "max_tokens"
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but {prompt} are in the "
                        f"{where} and '{name}' asks for {asked} more ({prompt + asked} in all); at most "
                        f"{limit - prompt} fit", param=name, code="context_length_exceeded")  # fmt: skip
