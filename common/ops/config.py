@@ -69,7 +69,8 @@ def _options(sub: argparse.ArgumentParser) -> dict[str, tuple[argparse.Action, b
                 name = flag[2:].replace("-", "_")
                 keys.setdefault(name, (action, name != action.dest and _is_flag(action)))
             if flag.startswith("--no-") and _is_flag(action):  # `planner_memory = false` for --no-planner-memory
-                keys.setdefault(flag[5:].replace("-", "_"), (action, action.dest != flag[5:].replace("-", "_")))
+                positive = flag[5:].replace("-", "_")
+                keys.setdefault(positive, (action, action.dest != positive))
     return keys
 
 
