@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 import urllib.error
 import urllib.request
 
@@ -512,6 +513,48 @@ def test_a_failure_after_output_is_an_error_event_and_before_it_an_http_error(ge
         with pytest.raises(openai.InternalServerError) as err:
             api.completions.create(stream=True, **request)
         assert err.value.status_code == 503
+        assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+    finally:
+        srv.stop()
+
+
+class SlowSteps:
+    """A generator whose steps after the first take `pause` seconds, as while a target node restarts."""
+
+    def __init__(self, gen: SpecExec, pause: float) -> None:
+        self.gen, self.pause = gen, pause
+        self.tokenizer, self.target, self.link = gen.tokenizer, gen.target, gen.link
+
+    def stream(self, prompt, sampling):
+        chunks = self.gen.stream(prompt, sampling)
+        try:
+            yield next(chunks)
+            for chunk in chunks:
+                time.sleep(self.pause)
+                yield chunk
+        finally:
+            chunks.close()
+
+
+def test_a_slow_step_keeps_the_stream_alive_with_comments(gen):
+    """A proxy cuts a stream silent past its read timeout (nginx: 60 s), and a target node's restart
+    can take that long: SSE comments keep it alive, and clients skip them."""
+    srv = OpenAIServer("127.0.0.1:0", SlowSteps(gen, 0.6), model_name=MODEL, keep_alive=0.1).start()  # type: ignore[arg-type]
+    try:
+        body = json.dumps(dict(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True, temperature=0,
+                               ignore_eos=True)).encode()  # fmt: skip
+        request = urllib.request.Request(srv.url + "/completions", data=body,
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            lines = [line for line in response.read().decode().split("\n\n") if line]
+        first_data = next(i for i, line in enumerate(lines) if line.startswith("data: {"))
+        assert ": keep-alive" in lines[first_data + 1 :]
+        assert all(line == ": keep-alive" or line.startswith("data: ") for line in lines)
+        texts = [json.loads(line[6:])["choices"][0]["text"] for line in lines if line.startswith("data: {")]
+        api = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        streamed = api.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, stream=True,
+                                          temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        assert "".join(c.choices[0].text for c in streamed) == "".join(texts) == expected(gen, 4, temperature=0).text
         assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
     finally:
         srv.stop()

@@ -9,6 +9,7 @@ notices at once, through ASGI's `http.disconnect`; a whole answer checks after e
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -44,6 +45,8 @@ log = logging.getLogger("specexec.openai")
 MAX_BODY_BYTES = 8 * 1024 * 1024
 ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
+KEEP_ALIVE_SECONDS = 15.0
+KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
 
 
 def json_text(payload: dict[str, Any]) -> str:
@@ -82,9 +85,15 @@ class Generation:
     """
 
     def __init__(
-        self, answer: Answer, chunks: Iterator[Chunk], first: Chunk, stopping: threading.Event
+        self,
+        answer: Answer,
+        chunks: Iterator[Chunk],
+        first: Chunk,
+        stopping: threading.Event,
+        keep_alive: float = KEEP_ALIVE_SECONDS,
     ) -> None:
         self.answer, self._chunks, self._first, self._stopping = answer, chunks, first, stopping
+        self.keep_alive = keep_alive
         self._lock = threading.Lock()
         self._closed = False
 
@@ -129,12 +138,22 @@ class Generation:
 
     async def events(self) -> AsyncIterator[bytes]:
         """The server-sent events. A failure after the first event cannot change the status any more:
-        it is reported in-band, as OpenAI does."""
+        it is reported in-band, as OpenAI does. A step that takes long (a target node restarting and
+        replaying) sends keep-alive comments meanwhile, so no proxy's read timeout cuts the stream."""
         answer, count, cached = self.answer, 0, 0
+        step: asyncio.Task[Chunk | None] | None = None
         try:
             if answer.job.chat:
                 yield sse(answer.event(None, None, role=True))
-            while (chunk := await self.next()) is not None:
+            while True:
+                step = step or asyncio.ensure_future(self.next())
+                done, _ = await asyncio.wait({step}, timeout=self.keep_alive)
+                if not done:
+                    yield KEEP_ALIVE
+                    continue
+                chunk, step = step.result(), None
+                if chunk is None:
+                    break
                 count += len(chunk.token_ids)
                 cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
                 if chunk.finish_reason is not None or chunk.text:
@@ -145,6 +164,10 @@ class Generation:
             error = ApiError.from_exception(exc)
             log.warning("generation %s failed mid-stream: %s", answer.id, error.message)
             yield sse(error.body())
+        finally:
+            if step is not None:  # its worker thread finishes the step; close() waits for it
+                step.cancel()
+                step.add_done_callback(lambda task: task.cancelled() or task.exception())
         yield b"data: [DONE]\n\n"
 
 
@@ -183,8 +206,15 @@ class Service:
     """What the routes do, given a validated request. `stopping` ends the running generations at
     their next step (a stream with an error event, a whole answer with 503) when the server stops."""
 
-    def __init__(self, gen: SpecExec, model_name: str, default_max_tokens: int = 1024) -> None:
+    def __init__(
+        self,
+        gen: SpecExec,
+        model_name: str,
+        default_max_tokens: int = 1024,
+        keep_alive: float = KEEP_ALIVE_SECONDS,
+    ) -> None:
         self.gen, self.model_name, self.default_max_tokens = gen, model_name, default_max_tokens
+        self.keep_alive = keep_alive
         self.created = int(time.time())
         self.stopping = threading.Event()
 
@@ -234,7 +264,7 @@ class Service:
         except BaseException:
             chunks.close()
             raise
-        return Generation(answer, chunks, first, self.stopping)
+        return Generation(answer, chunks, first, self.stopping, self.keep_alive)
 
     async def answer(self, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         """A failure before the response starts is an HTTP error, by the gRPC status it maps to."""

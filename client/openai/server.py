@@ -43,7 +43,7 @@ from dataclasses import dataclass
 import uvicorn
 
 from client.api import SpecExec
-from client.openai.app import Service, create_app
+from client.openai.app import KEEP_ALIVE_SECONDS, Service, create_app
 from common.ops.logs import event
 from common.rpc.server import split_listen
 
@@ -77,9 +77,10 @@ class OpenAIServer:
         default_max_tokens: int = 1024,
         token: str | None = None,
         tls: TlsFiles | None = None,
+        keep_alive: float = KEEP_ALIVE_SECONDS,
     ) -> None:
         host, port = split_listen(listen)
-        self.service = Service(gen, model_name or gen.target.info().model_id, default_max_tokens)
+        self.service = Service(gen, model_name or gen.target.info().model_id, default_max_tokens, keep_alive)
         self.model_name = self.service.model_name
         self.app = create_app(self.service, token=token)
         config = uvicorn.Config(
