@@ -101,11 +101,11 @@ class SpecExec:
         if self.auto_budget:
             needs_curve(target.info())
         self.link: DraftLink | None = None
-        if self.tree is not None and draft is not None:
+        if draft is not None:  # kept in autoregressive mode too, for a gateway's requests that ask for trees
             self.link = link or DraftLink(draft, target, auto_budget=self.auto_budget)
             if link is None:
                 self.link.check(self.recovery.notify)
-        self._fit_tree([target.info(), *([self.link.info] if self.link is not None and self.link.info else [])])
+        self._fit_tree(self._node_infos())
         self.planner: BudgetPlanner | None = None
         self.planner_dir = planner_dir
         self.planner_file: Path | None = None  # where the planner's state is kept, once it exists
@@ -118,8 +118,7 @@ class SpecExec:
         """Keep up to `size` finished generations' sequences on the nodes, so that a request that
         starts the same way (a chat's next turn) reads only the rest of its prompt (client.prompt_cache).
         Kept sequences hold node sessions; they give them up before a new request would find none."""
-        infos = [self.target.info(), *([self.link.info] if self.link is not None and self.link.info else [])]
-        limits = [i.max_sessions for i in infos if i.max_sessions]
+        limits = [i.max_sessions for i in self._node_infos() if i.max_sessions]
         self.close()
         self.prompt_cache = PromptCache(self.sequence, size=size, max_idle=max_idle,
                                         session_limit=min(limits, default=0)) if size else None  # fmt: skip
@@ -128,6 +127,11 @@ class SpecExec:
         """Close the sequences the prompt cache keeps (their sessions on both nodes)."""
         if self.prompt_cache is not None:
             self.prompt_cache.clear()
+
+    def _node_infos(self) -> list[Any]:
+        """The nodes this generator's sequences use: the draft's only when it drafts and is up."""
+        drafting = self.tree is not None and self.link is not None and self.link.info is not None
+        return [self.target.info(), *([self.link.info] if drafting else [])]  # type: ignore[union-attr]
 
     def _fit_tree(self, infos: list[Any]) -> None:
         """Under `--budget auto` the budget is a cap, not a demand: fitted to what the nodes take (a
@@ -169,8 +173,8 @@ class SpecExec:
         )
 
     def sequence(self, prompt: list[int], recovery: Recovery | None = None) -> Sequence:
-        draft = self.draft if self.link is not None else None
-        return Sequence(self.target, draft, prompt, recovery or self.recovery, self.link)
+        link = self.link if self.tree is not None else None
+        return Sequence(self.target, self.draft if link is not None else None, prompt, recovery or self.recovery, link)
 
     @classmethod
     def local(

@@ -341,7 +341,7 @@ def connect(
     connects over TLS and/or sends the nodes' shared token; other kwargs go to `RemoteTarget`/`RemoteDraft`.
     """
     remote_target = RemoteTarget(target, **kwargs)
-    remote_draft = RemoteDraft(draft, **kwargs) if draft and mode != "autoregressive" else None
+    remote_draft = RemoteDraft(draft, **kwargs) if draft else None
     return SpecExec(
         remote_target,
         remote_draft,

@@ -204,6 +204,29 @@ def test_remote_equals_in_process_and_target_alone(nodes, in_process, reference,
         assert open_sessions(nodes[role], role) == 0
 
 
+def test_a_gateway_on_the_target_alone_keeps_its_draft_for_requests_that_ask_for_trees(nodes, reference):
+    """`serve --mode autoregressive --draft D`: requests run on the target alone unless they ask for
+    `mode: "specexec"`; before, the draft was dropped and such a request was refused."""
+    from client.cli.args import generator_from
+    from client.cli.commands import build_parser
+
+    params = SamplingParams(**SAMPLINGS["seeded"])
+    with remote(nodes, "autoregressive") as gen:
+        alone = gen.generate(PROMPT, params)
+        assert open_sessions(nodes["draft"], "draft") == 0 and alone.stats.target_steps == 16
+        trees = gen.variant("specexec", TreeParams(budget=BUDGET)).generate(PROMPT, params)
+    assert alone.token_ids == trees.token_ids == reference["seeded"]
+    assert trees.stats.target_steps < 16
+    flags = ["--target", nodes["target"], "--draft", nodes["draft"], "--mode", "autoregressive", "--budget", "4"]
+    for command, kept in (("serve", True), ("generate", False)):
+        extra = ["--prompt", "hi"] if command == "generate" else []
+        cli = generator_from(build_parser().parse_args([command, *flags, *extra]))
+        assert (cli.draft is not None) is kept, command
+        cli.target.close()
+        if cli.draft is not None:
+            cli.draft.close()
+
+
 # ------------------------------------------------------------------------------------------------
 # Health, reflection, tokenizer pairing
 

@@ -208,7 +208,7 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             planner_dir=planner_dir(args),
         )
     return connect(
-        args.draft,
+        args.draft if args.mode != "autoregressive" or args.command == "serve" else None,  # serve: per request
         args.target,
         mode=args.mode,
         tree=tree,
