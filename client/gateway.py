@@ -49,6 +49,14 @@ def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
     )
 
 
+def check_fits(prompt: int, asked: int, limit: int) -> None:
+    """An ask that cannot fit after the prompt is refused, as the OpenAI route and vLLM do, rather than
+    cut short where the context ends; a default max_new_tokens is not an ask, and still is."""
+    if prompt + asked > limit:
+        raise ValueError(f"sampling.max_new_tokens asks for {asked} tokens after a {prompt}-token prompt, but the "
+                         f"target's context is {limit} tokens: at most {max(limit - prompt, 0)} fit")  # fmt: skip
+
+
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """`make_generator(mode, tree)` returns a SpecExec bound to the nodes (shared channels)."""
 
@@ -82,6 +90,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             generator = self.make_generator(mode, tree)
             prompt = request.text if request.WhichOneof("prompt") == "text" else list(request.token_ids.ids)
             prompt_ids = generator.encode(prompt)
+            if request.sampling.HasField("max_new_tokens"):
+                check_fits(len(prompt_ids), sampling.max_new_tokens, generator.target.info().max_context)
             stream = track_generation(
                 generator.stream(prompt_ids, sampling),
                 request_id=rid,

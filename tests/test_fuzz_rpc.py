@@ -875,3 +875,23 @@ def test_chain_mode_on_a_gateway_sized_for_trees_takes_the_default_chain_length(
     responses, code, details = gateway.stream("Generate", request)
     assert code == OK, details
     assert responses[-1].final.finish_reason == "length"
+
+
+def test_a_gateway_request_whose_max_new_tokens_cannot_fit_is_invalid(engines):
+    """It ran to the context's end and stopped with "length"; the OpenAI route already answered 400."""
+    target, draft = engines
+    tokenizer = target.loaded.tokenizer
+    base = SpecExec(target, draft, tokenizer, tree=TreeParams(budget=4))
+    gateway = Node(GATEWAY, GenerationServicer(lambda mode, tree: base, base))
+    fits = MAX_CONTEXT - len(PROMPT)
+
+    def ask(n: int) -> tuple[list, object, str]:
+        request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=pb.SamplingParams(max_new_tokens=n))
+        return gateway.stream("Generate", request)
+
+    _, code, details = ask(fits + 1)
+    assert code == S.INVALID_ARGUMENT and f"sampling.max_new_tokens asks for {fits + 1}" in details
+    assert f"at most {fits} fit" in details
+    responses, code, details = ask(fits)
+    assert code == OK, details
+    assert responses[-1].final.stats.new_tokens == fits
