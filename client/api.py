@@ -31,7 +31,7 @@ from client.generation import (
 from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
 from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import TreeParams
+from common.decoding.tree import TreeParams, TreeTooLarge
 from common.model.compiled_forward import compile_model
 from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, resolve_backend
 from common.model.loading import load_model
@@ -136,11 +136,14 @@ class SpecExec:
     def _fit_tree(self, infos: list[Any]) -> None:
         """Under `--budget auto` the budget is a cap, not a demand: fitted to what the nodes take (a
         llama.cpp target takes at most 256 nodes, whatever `--max-budget` says). A fixed budget over
-        a node's limit is refused by the node, naming it."""
-        if self.tree is not None and self.auto_budget:
-            cap = min(info.max_tree_nodes - 1 for info in infos)
-            if self.tree.budget > cap:
-                self.tree = replace(self.tree, budget=max(cap, 1))
+        a node's limit is refused here, before any tree is built for nothing."""
+        if self.tree is None:
+            return
+        cap, role = min((info.max_tree_nodes - 1, info.role) for info in infos)
+        if self.auto_budget and self.tree.budget > cap:
+            self.tree = replace(self.tree, budget=max(cap, 1))
+        elif self.tree.budget > cap:
+            raise TreeTooLarge(f"budget {self.tree.budget} is over the {role} node's limit of {cap}")
 
     def current_planner(self) -> BudgetPlanner | None:
         """`--budget auto`'s planner, built once both forward-time curves are known: with the draft
@@ -214,14 +217,17 @@ class SpecExec:
         and the draft on a GPU"). `max_sessions`: generations at once; a llama.cpp target allocates
         the KV cache of that many sessions up front so that their trees share passes (1: one context, one user)."""
         plain = offload is None and compile_buckets is None and device == "cpu"
-        if resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp":
+        max_tree = max(1, (tree or TreeParams()).budget)
+        llama_target = resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp"
+        if llama_target and max_tree > MAX_TREE_LEAVES and not auto_budget and mode != "autoregressive":
+            raise TreeTooLarge(f"budget {max_tree} is over the llama.cpp target's limit of {MAX_TREE_LEAVES}")
+        if llama_target:
             if not plain:
                 raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")
             target_loaded = load_gguf(target_model, n_gpu_layers=n_gpu_layers, kv_type=kv_type, repack=repack)
         else:
             target_model = resolve_model(str(target_model))
             target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
-        max_tree = max(1, (tree or TreeParams()).budget)
         target_tree = max_tree if isinstance(target_loaded.model, torch.nn.Module) else min(max_tree, MAX_TREE_LEAVES)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree, max_sessions=max_sessions)
         draft = draft_loaded = None

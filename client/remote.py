@@ -32,7 +32,7 @@ from common.rpc.wire import (
     tree_params_to_proto,
     tree_to_proto,
 )
-from common.runtime.faults import NodeUnavailable, SessionLost
+from common.runtime.faults import NodeRefused, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions
 
 DEFAULT_STEP_TIMEOUT = 120.0
@@ -43,7 +43,7 @@ DEFAULT_PROBE_TIMEOUT = 3.0  # the draft's Info: a draft that does not answer by
 RECONNECT_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 500), ("grpc.max_reconnect_backoff_ms", 2000)]
 
 
-class NodeError(RuntimeError):
+class NodeError(NodeRefused, RuntimeError):
     """A node refused a request; `code` is the gRPC status."""
 
     def __init__(self, code: grpc.StatusCode, message: str) -> None:

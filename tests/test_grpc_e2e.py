@@ -360,6 +360,28 @@ def test_gateway_bad_request_is_invalid_argument(gateway):
     assert "top_p" in err.value.details()
 
 
+def test_a_budget_over_a_nodes_limit_or_a_refusal_is_one_line(nodes, capsys, monkeypatch):
+    """A fixed --budget over a node's limit was found by the node at the first tree (after a 64 s
+    load and search on a llama.cpp target) and ended in a traceback; it is now refused at connect.
+    Any other refusal a node sends (a NodeError) is one line too, exit 1."""
+    from client.cli.main import main
+    from client.remote import NodeError
+
+    flags = ["generate", "--target", nodes["target"], "--draft", nodes["draft"], "--prompt", "hi", "--max-new-tokens", "2"]
+    capsys.readouterr()
+    assert main([*flags, "--budget", str(BUDGET + 1)]) == 2
+    err = capsys.readouterr().err
+    assert f"budget {BUDGET + 1} is over the" in err and f"node's limit of {BUDGET}" in err and "Traceback" not in err
+
+    def refused(*args, **kwargs):
+        raise NodeError(grpc.StatusCode.RESOURCE_EXHAUSTED, "target node at X: RESOURCE_EXHAUSTED: no room")
+
+    monkeypatch.setattr(SpecExec, "stream", refused)
+    assert main([*flags, "--budget", "4"]) == 1
+    err = capsys.readouterr().err
+    assert err == "specexec: error: target node at X: RESOURCE_EXHAUSTED: no room\n"
+
+
 def test_gateway_passes_a_node_refusal_status_through(gateway, nodes):
     with open_channel(gateway) as channel, pytest.raises(grpc.RpcError) as err:
         list(pb_grpc.GenerationServiceStub(channel).Generate(generate_request(budget=BUDGET + 1), timeout=30))

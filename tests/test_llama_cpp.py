@@ -288,6 +288,42 @@ def test_a_file_llama_cpp_cannot_load_gets_a_clear_error(tmp_path):
         LlamaCppModel(bad)
 
 
+def test_a_file_that_is_no_whole_gguf_is_named_as_given_on_either_backend(ggufs, tmp_path, monkeypatch, capsys):
+    """A truncated, empty or foreign file named `.gguf` ended in a struct error's traceback, or named
+    a link in the cache; a failed read left a half-built directory there that the next start took
+    as built. Now one line names the user's file, for a node (tokenizer read in a child) too."""
+    from client.cli.main import main
+    from common.model.store import BadModelFileError, convert_gguf
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path / "home"))
+    whole = (ggufs["F32"] / "model.gguf").read_bytes()
+    files = {"empty": b"", "text": b"not a model\n", "truncated": whole[: len(whole) // 2]}
+    said = {"empty": "is empty", "text": "does not start with the GGUF magic", "truncated": "damaged or truncated"}
+    for name, data in files.items():
+        bad = tmp_path / f"{name}.gguf"
+        bad.write_bytes(data)
+        for tokenizer in (True, False):
+            with pytest.raises(BadModelFileError, match=said[name]) as err:
+                load_gguf(bad, tokenizer=tokenizer)
+            assert str(bad) in str(err.value) and "gguf-beside" not in str(err.value)
+        with pytest.raises(BadModelFileError, match=said[name]):
+            convert_gguf(bad, progress=False)
+        assert main(["generate", "--target-model", str(bad), "--mode", "autoregressive", "--prompt", "hi"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and str(bad) in err and "Traceback" not in err
+    assert not any((tmp_path / "home" / "gguf-beside").glob("*"))
+    assert not any((tmp_path / "home" / "models").glob("*"))
+
+
+def test_a_budget_over_the_llama_cpp_limit_is_refused_before_loading(ggufs, monkeypatch):
+    """It was found by the target at the first tree, after the draft had built all 301 nodes."""
+    import client.api
+
+    monkeypatch.setattr(client.api, "load_gguf", lambda *a, **k: pytest.fail("loaded before the check"))
+    with pytest.raises(ValueError, match=r"budget 300 is over the llama\.cpp target's limit of 255"):
+        SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), tree=TreeParams(budget=300), backend="llama.cpp")
+
+
 def generate_both(
     ggufs, qtype: str, sampling: SamplingParams, budget: int = 16, n_gpu_layers: int = 0
 ) -> dict[str, Any]:

@@ -13,6 +13,7 @@ from common.model.store import ModelStoreError
 from common.ops import config
 from common.ops.config import add_config_option
 from common.ops.hugepages import reexec_with_huge_pages
+from common.runtime.faults import NodeRefused
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,6 +62,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError, ModelStoreError) as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)
         return 2
+    except NodeRefused as exc:
+        print(f"specexec: error: {exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 

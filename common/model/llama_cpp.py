@@ -27,6 +27,8 @@ import contextlib
 import ctypes
 import logging
 import os
+import shutil
+import struct
 import sys
 import threading
 import time
@@ -45,6 +47,7 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
+BAD_FILE = "bad model file: "  # how tokenizer_identity's child says the file is at fault
 PAD_SWITCH = "SPECEXEC_PAD_PASSES"  # "0": passes run at their own size (LlamaCppModel.pad_passes)
 DEFAULT_KV_SESSIONS = 2  # a node's shared KV pool, in sessions' worth of cells, unless --kv-cache-tokens
 
@@ -53,6 +56,10 @@ log = logging.getLogger(__name__)
 
 class LlamaCppError(RuntimeError):
     """llama.cpp refused a model, a context or a batch."""
+
+
+class UnloadableModel(LlamaCppError, ValueError):
+    """The file is at fault, not the run: a clear error, not a traceback."""
 
 
 class Aborted(LlamaCppError, ForwardInterrupted):
@@ -186,7 +193,8 @@ class LlamaCppModel:
             params.load_mode = lib.LLAMA_LOAD_MODE_NONE
         self._model = lib.llama_model_load_from_file(str(self.path).encode(), params)
         if not self._model:
-            raise LlamaCppError(f"llama.cpp could not load {self.path} (not a GGUF it supports?)")
+            raise UnloadableModel(f"llama.cpp could not load {self.path}: a damaged or truncated GGUF, or "
+                                  f"a model type or quantization this llama.cpp does not support")  # fmt: skip
         vocab = lib.llama_model_get_vocab(self._model)
         self.cfg = _Cfg(int(lib.llama_vocab_n_tokens(vocab)), int(lib.llama_model_n_ctx_train(self._model)))
         self.threads = threads or default_threads()
@@ -798,7 +806,7 @@ def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = 
     (a node: it serves the files and never tokenizes) only the tokenizer's identity is read, in a
     child process (`tokenizer_identity`), so that this one never imports torch."""
     from common.model.loaded import LoadedModel
-    from common.model.store import DEFAULT_MODELS, resolve_gguf
+    from common.model.store import DEFAULT_MODELS, check_gguf_header, resolve_gguf
 
     resolved = resolve_gguf(str(path))
     if resolved is None:
@@ -810,6 +818,7 @@ def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = 
     path = resolved
     gguf = find_gguf(path)
     assert gguf is not None
+    check_gguf_header(gguf)
     identity = (read_identity if tokenizer else tokenizer_identity)(path)
     model = LlamaCppModel(gguf, n_gpu_layers=n_gpu_layers, threads=threads, kv_type=kv_type, repack=repack)
     where = Path(identity["dir"])
@@ -830,10 +839,16 @@ def read_identity(path: Path) -> dict[str, Any]:
     from transformers import AutoConfig, AutoTokenizer
 
     from common.model.loaded import eos_token_ids, tokenizer_fingerprint
+    from common.model.store import BadModelFileError
 
-    path = _beside(path) if path.is_file() else path
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    hf_config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    given = path
+    try:
+        path = _beside(path) if path.is_file() else path
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        hf_config = AutoConfig.from_pretrained(path) if (path / "config.json").is_file() else None
+    except (ValueError, OSError, struct.error, EOFError) as exc:  # transformers' GGUF reader, deep inside
+        raise BadModelFileError(f"could not read the tokenizer of {given} (a damaged or truncated GGUF?): "
+                                f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     return {"dir": str(path), "eos": list(eos_token_ids(path, hf_config, tokenizer)),
             "fingerprint": tokenizer_fingerprint(tokenizer), "tokenizer": tokenizer}  # fmt: skip
 
@@ -846,7 +861,7 @@ def tokenizer_identity(path: Path) -> dict[str, Any]:
     import json
     import subprocess
 
-    from common.model.store import cache_root, read_json, write_json
+    from common.model.store import BadModelFileError, cache_root, read_json, write_json
 
     files = [path] if path.is_file() else sorted(f for f in path.iterdir() if f.is_file() and f.suffix != ".gguf")
     stamp = json.dumps([[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files])
@@ -854,10 +869,17 @@ def tokenizer_identity(path: Path) -> dict[str, Any]:
     identity = read_json(cached)
     if isinstance(identity, dict) and identity.get("dir") and Path(identity["dir"]).is_dir():
         return identity  # (a bare file's directory beside it may have been cleared: read again)
-    code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity; "
-            "i = read_identity(Path(sys.argv[1])); i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
+    code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity\n"
+            "from common.model.store import BadModelFileError\n"
+            "try: i = read_identity(Path(sys.argv[1]))\n"
+            "except BadModelFileError as e: sys.exit(f'{BAD_FILE}{e}')\n"
+            "i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code.replace("{BAD_FILE}", BAD_FILE), str(path)],
+                         capture_output=True, text=True)  # fmt: skip
     if run.returncode:
+        told = run.stderr.strip().splitlines()[-1:] or [""]
+        if told[0].startswith(BAD_FILE):
+            raise BadModelFileError(told[0].removeprefix(BAD_FILE))
         raise RuntimeError(f"could not read the tokenizer of {path}: {run.stderr.strip()[-2000:]}")
     identity = json.loads(run.stdout.strip().splitlines()[-1])
     write_json(cached, identity)
@@ -875,9 +897,13 @@ def _beside(gguf: Path) -> Path:
     out = cache_root() / "gguf-beside" / f"{gguf.stem}-{stat.st_size}-{stat.st_mtime_ns}"
     if not (out / "config.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
-        link = out / "model.gguf"
-        link.unlink(missing_ok=True)
-        link.symlink_to(gguf)
-        AutoTokenizer.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
-        AutoConfig.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
+        try:
+            link = out / "model.gguf"
+            link.unlink(missing_ok=True)
+            link.symlink_to(gguf)
+            AutoTokenizer.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
+            AutoConfig.from_pretrained(out, gguf_file="model.gguf").save_pretrained(out)
+        except BaseException:
+            shutil.rmtree(out, ignore_errors=True)  # a half-built directory would be taken as built
+            raise
     return out

@@ -26,6 +26,7 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import subprocess
 import sys
 import tempfile
@@ -53,6 +54,10 @@ class ModelStoreError(RuntimeError):
 
 class ModelIntegrityError(ModelStoreError):
     """The joined file does not match the registry: a bad or changed upload, or a broken download."""
+
+
+class BadModelFileError(ModelStoreError):
+    """A user's model file that cannot be read: named as the user gave it, with what is wrong."""
 
 
 class ModelNotInstalledError(ModelStoreError):
@@ -324,9 +329,11 @@ def convert_gguf(
     import torch
 
     dtype = dtype or torch.bfloat16
-    gguf_path = Path(path).expanduser().resolve()
+    given = Path(path).expanduser()
+    gguf_path = given.resolve()
     if not gguf_path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {gguf_path}")
+    check_gguf_header(given)
     digest = sha256_file(gguf_path, progress=progress)
     key = f"gguf-{digest[:16]}"
     out = cache_root() / "models" / key
@@ -339,8 +346,23 @@ def convert_gguf(
     ):
         return out
     with _locked(key):
-        _convert(gguf_path, out, {"name": key, "source": str(gguf_path)}, digest, dtype=dtype)
+        try:
+            _convert(gguf_path, out, {"name": key, "source": str(gguf_path)}, digest, dtype=dtype)
+        except (ValueError, struct.error, EOFError) as exc:  # transformers' GGUF reader, deep inside
+            raise BadModelFileError(f"could not read {given} as a GGUF model (damaged or truncated?): "
+                                    f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
     return out
+
+
+def check_gguf_header(path: Path) -> None:
+    """An empty file, or one that is no GGUF at all, named as the user gave it; readers further down
+    would name a link in the cache, or fail with a struct error."""
+    with path.open("rb") as handle:
+        magic = handle.read(4)
+    if not magic:
+        raise BadModelFileError(f"{path} is empty, not a GGUF model")
+    if magic != b"GGUF":
+        raise BadModelFileError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes")
 
 
 def resolve_model(spec: str) -> Path:

@@ -8,6 +8,11 @@ class NodeFault(Exception):
     """A node could not serve a step; the sequence can be replayed on a fresh session."""
 
 
+class NodeRefused(Exception):
+    """A node answered and refused the request (a tree over its limit, a bad argument): unlike a
+    `NodeFault`, retrying cannot help, so the CLI reports it in one line."""
+
+
 class NodeUnavailable(NodeFault, ConnectionError):
     """Unreachable, restarting, or past its deadline."""
 
