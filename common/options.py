@@ -108,7 +108,7 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--n-gpu-layers",
-        type=int,
+        type=non_negative_int,
         default=0,
         metavar="N",
         help="llama.cpp backend: layers kept on the GPU (partial offload; needs a CUDA or Metal build)",

@@ -315,6 +315,22 @@ def test_a_file_that_is_no_whole_gguf_is_named_as_given_on_either_backend(ggufs,
     assert not any((tmp_path / "home" / "models").glob("*"))
 
 
+@pytest.mark.skipif(llama_cpp.llama_supports_gpu_offload(), reason="this llama.cpp has a GPU backend")
+def test_gpu_layers_a_cpu_build_ignores_are_not_reported_as_on_the_gpu(ggufs, capsys):
+    """The ready line said "10 layers on the GPU" right after warning that they were ignored, and
+    a negative count was taken."""
+    from client.cli.main import main
+    from common.rpc.bootstrap import NodeConfig, describe_weights
+
+    loaded = load_gguf(ggufs["F32"], n_gpu_layers=10, tokenizer=False)
+    assert loaded.model.n_gpu_layers == 0
+    assert "0 layers on the GPU" in describe_weights(NodeConfig(model="m", listen=":0", n_gpu_layers=10), loaded)
+    for argv in (["target", "--model", "m", "--n-gpu-layers", "-3"], ["local", "--draft-n-gpu-layers", "-1"]):
+        with pytest.raises(SystemExit) as exit_:
+            main(argv)
+        assert exit_.value.code == 2 and "n-gpu-layers: must be >= 0, got" in capsys.readouterr().err
+
+
 def test_a_budget_over_the_llama_cpp_limit_is_refused_before_loading(ggufs, monkeypatch):
     """It was found by the target at the first tree, after the draft had built all 301 nodes."""
     import client.api

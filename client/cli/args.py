@@ -26,6 +26,7 @@ from common.options import (
     client_security,
     compile_buckets,
     non_negative_float,
+    non_negative_int,
     offload_plan,
     positive_float,
     positive_int,
@@ -108,7 +109,7 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         )
         p.add_argument(
             "--draft-n-gpu-layers",
-            type=int,
+            type=non_negative_int,
             default=0,
             metavar="N",
             help="llama.cpp draft: layers on the GPU (99: a small draft whole, beside a target streamed from RAM)",

@@ -263,7 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("target", "draft"):
         lo.add_argument(
             f"--{role}-n-gpu-layers",
-            type=int,
+            type=non_negative_int,
             default=0,
             metavar="N",
             help=f"the {role} node's --n-gpu-layers (llama.cpp: layers on the GPU)",

@@ -175,7 +175,7 @@ def say(line: str) -> None:
 def describe_weights(config: NodeConfig, loaded: LoadedModel | None = None) -> str:
     if loaded is not None and loaded.on_llama_cpp:
         pages = "huge pages" if hugepages.active() else "no huge pages (SPECEXEC_HUGE_PAGES=0, or none from this OS)"
-        return f"llama.cpp, {loaded.model.dtype}, {config.n_gpu_layers} layers on the GPU, {pages}"
+        return f"llama.cpp, {loaded.model.dtype}, {loaded.model.n_gpu_layers} layers on the GPU, {pages}"
     if config.quantize == "none":
         return config.dtype
     return f"{config.quantize} linears, {config.dtype} elsewhere"
