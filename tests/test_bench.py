@@ -160,6 +160,10 @@ def test_bench_times_only_the_settings_asked_for_and_caps_auto_apart_from_the_sw
         (["--auto-cap", "0"], "--auto-cap: must be >= 1, got 0"),
         (["--sampled", "--settings", "greedy"], "not allowed with argument --sampled"),
         (["--settings", "beam"], "--settings: invalid choice: 'beam'"),
+        (["--limit", "0"], "--limit: must be >= 1, got 0"),  # it ran every prompt
+        (["--threads", "0"], "--threads: must be >= 1, got 0"),  # a traceback
+        (["--budgets", "4", "0"], "--budgets: must be >= 1, got 0"),  # after loading both models
+        (["--categories", "nosuch"], "no prompt is in categories nosuch; the prompts' are chat, code, prose"),
     ],
 )
 def test_bench_refuses_bad_options_naming_them(args, error):

@@ -18,18 +18,19 @@ from typing import Any
 import torch
 
 from client.bench import home_lab
-from client.bench.harness import SETTINGS, BenchConfig, families, measure
+from client.bench.harness import SETTINGS, BenchConfig, families, load_prompts, measure
 from client.bench.home_lab import HomeLabConfig
 from client.bench.report import plot, write_report
 from client.bench.stats import check_exactness, project, rank, summarize
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 from common.model.quantized_linear import QUANTIZE_CHOICES
-from common.options import add_offload_args, offload_plan, positive_int
+from common.options import add_offload_args, non_negative_int, offload_plan, positive_int
 
 DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    load_prompts(args.prompts, args.limit, args.categories)  # a bad prompt file or category, before any model loads
     if args.home_lab:
         return cmd_home_lab(args)
     if args.llama_cpp:
@@ -138,10 +139,10 @@ def add_bench_parser(sub: Any) -> None:
         "--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)"
     )
     b.add_argument("--categories", nargs="+", help="only these categories (code, chat, prose)")
-    b.add_argument("--limit", type=int, help="use the first N prompts (categories kept balanced)")
-    b.add_argument("--max-new-tokens", type=int, default=128)
-    b.add_argument("--budgets", type=int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
-    b.add_argument("--chain", type=int, nargs="+", default=[2, 4, 8])
+    b.add_argument("--limit", type=positive_int, help="use the first N prompts (categories kept balanced)")
+    b.add_argument("--max-new-tokens", type=positive_int, default=128)
+    b.add_argument("--budgets", type=positive_int, nargs="+", default=[4, 8, 16, 32, 64, 128, 256, 1024])
+    b.add_argument("--chain", type=positive_int, nargs="+", default=[2, 4, 8])
     b.add_argument(
         "--min-probs",
         type=float,
@@ -155,9 +156,9 @@ def add_bench_parser(sub: Any) -> None:
         default=0.0,
         help="also run every floored budget (--min-probs) proposing only nodes at least this probable",
     )
-    b.add_argument("--max-depth", type=int, default=16)
-    b.add_argument("--max-branch", type=int, default=8)
-    b.add_argument("--expand-batch", type=int, default=16)
+    b.add_argument("--max-depth", type=positive_int, default=16)
+    b.add_argument("--max-branch", type=positive_int, default=8)
+    b.add_argument("--expand-batch", type=positive_int, default=16)
     b.add_argument("--no-auto", dest="auto", action="store_false", help="skip the --budget auto contestant")
     b.add_argument(
         "--auto-cap",
@@ -168,7 +169,7 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--no-grpc", dest="grpc", action="store_false", help="skip the two-process gRPC contestant"
     )
-    b.add_argument("--grpc-budget", type=int, default=32)
+    b.add_argument("--grpc-budget", type=positive_int, default=32)
     which = b.add_mutually_exclusive_group()
     which.add_argument(
         "--settings",
@@ -183,7 +184,7 @@ def add_bench_parser(sub: Any) -> None:
         default=1,
         help="speed runs per prompt, in separate passes over the prompt set; medians are over all runs",
     )
-    b.add_argument("--exactness", type=int, default=2, help="prompts to check in float32 first (0: skip)")
+    b.add_argument("--exactness", type=non_negative_int, default=2, help="prompts to check in float32 first (0: skip)")
     b.add_argument(
         "--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)"
     )
@@ -195,7 +196,7 @@ def add_bench_parser(sub: Any) -> None:
     )
     b.add_argument("--compile-buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="N,N,...")
     b.add_argument("--seed", type=int, default=0)
-    b.add_argument("--threads", type=int, default=torch.get_num_threads())
+    b.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads in this process")
     b.add_argument("--out", default="bench-results")
     b.add_argument(
         "--llama-cpp",
@@ -253,7 +254,7 @@ def add_bench_parser(sub: Any) -> None:
     for role in ("target", "draft"):
         lab.add_argument(
             f"--load-{role}-n-gpu-layers",
-            type=int,
+            type=non_negative_int,
             default=0,
             metavar="N",
             help=f"--load: the {role} node's --n-gpu-layers (llama.cpp backend: layers on the GPU)",

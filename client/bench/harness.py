@@ -148,7 +148,10 @@ def load_prompts(
             raise ValueError(f"prompt file line {i + 1} has no 'prompt' field")
         p.setdefault("category", "other")
     if categories:
+        known = sorted({p["category"] for p in prompts})
         prompts = [p for p in prompts if p["category"] in categories]
+        if not prompts:
+            raise ValueError(f"no prompt is in categories {', '.join(categories)}; the prompts' are {', '.join(known)}")
     if limit:
         # Keep the categories balanced when trimming: round-robin over them.
         by_cat: dict[str, list[dict[str, str]]] = {}
