@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from client.cli.main import build_parser
+from client.cli.main import build_parser, parser_for, subcommand
 from common.ops import config
 from common.ops.logs import JsonFormatter, TextFormatter, event
 
@@ -23,7 +23,8 @@ REQUIRED_EXTRA = {"generate": ["--prompt", "x"]}  # options a config file cannot
 
 
 def parse(argv: list[str], environ: dict[str, str] | None = None) -> argparse.Namespace:
-    return config.parse_args(build_parser(), argv, environ or {})
+    """As `specexec` parses: a node's subcommand with the node's own parser."""
+    return config.parse_args(parser_for(subcommand(argv)), argv, environ or {})
 
 
 def with_config(argv: list[str], path: Path) -> list[str]:
@@ -59,6 +60,29 @@ def test_example_configs_cover_the_three_setups():
     assert desktop.tls_cert and desktop.tls_client_ca and desktop.auth_token_file
     cpu = parse(["serve", "--config", str(DEPLOY / "examples" / "cpu-target.toml")])
     assert cpu.listen is None and cpu.openai and cpu.max_budget == 64
+
+
+def test_the_config_keys_file_lists_every_subcommands_options():
+    """A node checks the other services' tables of a shared file against it: stale, a new option
+    there would be refused by the nodes. Regenerate with scripts/gen_config_keys.sh."""
+    import json
+
+    assert json.loads(config.KEYS_FILE.read_text()) == config.config_keys(build_parser())
+
+
+def test_a_node_refuses_a_typo_in_another_services_table_of_its_file(tmp_path):
+    """Its parser holds its own subcommand only; before the keys file it refused every other table."""
+    path = tmp_path / "c.toml"
+    path.write_text('[target]\nmodel = "m"\n[serve]\ntarget = "h:1"\n[draft]\nmodel = "d"\n')
+    assert parse(["draft", "--config", str(path)]).model == "d"
+    path.write_text('[target]\nmodel = "m"\n[serve]\ntarget_adress = "h:1"\n')
+    with pytest.raises(config.ConfigError, match="unknown option 'target_adress' in \\[serve\\]"):
+        parse(["target", "--config", str(path)])
+    path.write_text('[target]\nmodel = "m"\nserved_model_name = "x"\n')
+    with pytest.raises(config.ConfigError, match="unknown option 'served_model_name' in \\[target\\]"):
+        parse(["target", "--config", str(path)])
+    path.write_text('served_model_name = "x"\n[target]\nmodel = "m"\n')  # top level: any subcommand's
+    assert parse(["target", "--config", str(path)]).model == "m"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -30,6 +30,11 @@ def node_parser(role: str) -> argparse.ArgumentParser:
     return parser
 
 
+def parser_for(command: str | None) -> argparse.ArgumentParser:
+    """A node's own parser for a node's subcommand (it loads no client code), else the whole CLI's."""
+    return node_parser(command) if command in NODE_COMMANDS else build_parser()
+
+
 def subcommand(argv: list[str]) -> str | None:
     """The first word that is neither an option nor `--config`'s value."""
     words = iter(argv)
@@ -48,7 +53,7 @@ def main(argv: list[str] | None = None) -> int:
         reexec_with_huge_pages()
     argv = sys.argv[1:] if argv is None else list(argv)
     role = subcommand(argv)
-    parser = node_parser(role) if role in NODE_COMMANDS else build_parser()
+    parser = parser_for(role)
     try:
         args = config.parse_args(parser, argv)
     except config.ConfigError as exc:
