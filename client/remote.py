@@ -65,6 +65,17 @@ _OTHER_ROLE = {"target": "draft", "draft": "target"}
 _TLS_FAILURE_SIGNS = ("Socket closed", "andshake", "SSL", "certificate")
 
 
+def tls_hint(code: grpc.StatusCode, details: str | None, security: ClientSecurity | None) -> str:
+    """What to check when a connection fails as a TLS mismatch does; nothing for a call cut short
+    on a connection that worked ("Stream removed": the node went away)."""
+    details = details or ""
+    if code != grpc.StatusCode.UNAVAILABLE or "Stream removed" in details:
+        return ""
+    if not any(sign in details for sign in _TLS_FAILURE_SIGNS):
+        return ""
+    return f" ({(security or ClientSecurity()).hint()})"
+
+
 def _call(
     role: str,
     address: str,
@@ -90,11 +101,8 @@ def _fault(role: str, address: str, exc: grpc.RpcError, security: ClientSecurity
         grpc.StatusCode.DEADLINE_EXCEEDED,
         grpc.StatusCode.CANCELLED,
     ):
-        hint = ""
-        if code == grpc.StatusCode.UNAVAILABLE and any(s in (details or "") for s in _TLS_FAILURE_SIGNS):
-            hint = f" ({(security or ClientSecurity()).hint()})"
         return NodeUnavailable(
-            f"{role} node at {address} is unavailable ({code.name}): {details}{hint}",
+            f"{role} node at {address} is unavailable ({code.name}): {details}{tls_hint(code, details, security)}",
             timed_out=code == grpc.StatusCode.DEADLINE_EXCEEDED,
         )
     if code in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.PERMISSION_DENIED):

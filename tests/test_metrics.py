@@ -199,6 +199,10 @@ def test_status_command(stack, generated, capsys):
     assert report["acceptance"]["drafts"] >= 1 and report["tokenizer_match"] is True
     assert main(["status", "--target", f"127.0.0.1:{free_port()}", "--timeout", "1", "--pings", "1"]) == 1
     assert "UNREACHABLE" in capsys.readouterr().out
+    # Metrics asked for and not there: not "ok" (it was, exit 0)
+    assert main(["status", "--target", addr["target"], "--target-metrics", str(free_port()), "--timeout", "2"]) == 1
+    out = capsys.readouterr().out
+    assert "acceptance: metrics unreachable" in out and "status: NOT OK" in out
 
 
 class _Context:

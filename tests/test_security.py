@@ -179,6 +179,24 @@ def test_certs_writes_a_ca_server_and_client_certificates_and_a_private_token(ce
     assert ExtendedKeyUsageOID.CLIENT_AUTH in usage
 
 
+def test_a_key_that_is_not_the_certificates_is_named_not_taken_for_a_busy_port(certs, capsys):
+    """The node printed gRPC's "Invalid private key" lines, then "could not bind (is another process
+    on that port?)"; a client, a dozen lines and "Failed to create security handshaker"."""
+    from common.rpc.security import ServerSecurity
+
+    with pytest.raises(ValueError, match=r"--tls-key .*client-key\.pem is not the private key of --tls-cert"):
+        ServerSecurity.from_files(certs / f"{SERVER}.pem", certs / "client-key.pem")
+    with pytest.raises(ValueError, match=r"--node-tls-key .* is not the private key of --node-tls-cert"):
+        ClientSecurity.from_files(certs / "ca.pem", certs / "client.pem", certs / f"{SERVER}-key.pem")
+    with pytest.raises(ValueError, match=r"--node-tls-key .*client\.pem is not the private key"):
+        ClientSecurity.from_files(certs / "ca.pem", certs / "client.pem", certs / "client.pem")
+    assert ServerSecurity.from_files(certs / f"{SERVER}.pem", certs / f"{SERVER}-key.pem").tls
+    assert cli_main(["draft", "--model", "m", "--listen", "127.0.0.1:1", "--tls-cert", str(certs / f"{SERVER}.pem"),
+                     "--tls-key", str(certs / "client-key.pem")]) == 2  # fmt: skip
+    err = capsys.readouterr().err
+    assert "is not the private key of --tls-cert" in err and "bind" not in err
+
+
 def test_certs_refuses_to_overwrite_without_force(certs, capsys):
     assert cli_main(["certs", "--out", str(certs), "--hosts", HOSTS]) == 2
     assert "--force" in capsys.readouterr().err
@@ -234,6 +252,22 @@ def test_plaintext_client_against_a_tls_node_is_a_clear_node_unavailable(stack, 
         node.info()
     assert "target node at" in str(err.value) and not err.value.timed_out
     node.close()
+
+
+def test_status_gives_the_tls_hint_and_a_stream_cut_on_a_working_connection_none(stack, certs, capsys):
+    """`status` said only "Socket closed" (generate gave the hint); a node killed mid-call was given
+    the TLS hint although its connection had worked."""
+    import grpc
+
+    from client.cli.main import main
+    from client.remote import tls_hint
+
+    capsys.readouterr()
+    assert main(["status", "--target", stack["addr"]["target"], "--timeout", "10", "--pings", "1"]) == 1
+    assert "--node-tls-ca" in capsys.readouterr().out
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    assert "--node-tls-ca" in tls_hint(unavailable, "Socket closed", None)
+    assert tls_hint(unavailable, "Stream removed (Socket closed)", None) == ""
 
 
 def test_mutual_tls_refuses_a_client_without_a_certificate(stack, certs):
@@ -304,6 +338,20 @@ def test_token_file_readable_by_others_is_accepted_with_a_warning(tmp_path, capl
     path.write_text("\n")
     with pytest.raises(ValueError, match="empty"):
         read_token(path)
+
+
+def test_a_missing_or_unreadable_file_is_named_with_its_flag(tmp_path):
+    """They said only "[Errno 2] No such file or directory: 'nosuch'" or "[Errno 21] Is a directory"."""
+    from common.rpc.security import read_pem
+
+    with pytest.raises(FileNotFoundError, match="--node-auth-token-file nosuch does not exist"):
+        read_token("nosuch", "--node-auth-token-file")
+    with pytest.raises(IsADirectoryError, match=f"--node-tls-ca {tmp_path} is a directory, not a file"):
+        read_pem(tmp_path, "--node-tls-ca")
+    (tmp_path / "binary").write_bytes(b"\xff\xfe")
+    (tmp_path / "binary").chmod(0o600)
+    with pytest.raises(ValueError, match=r"--auth-token-file .* is not text"):
+        read_token(tmp_path / "binary")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from client.remote import open_channel
+from client.remote import open_channel, tls_hint
 from common.options import add_client_security_args, client_security, positive_float, positive_int
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -59,7 +59,7 @@ def probe(address: str, role: str, security: Any, pings: int, timeout: float) ->
             out["health"] = health_pb2.HealthCheckResponse.ServingStatus.Name(health.status)
         except grpc.RpcError as exc:
             out["health"] = "UNREACHABLE"
-            out["error"] = f"{exc.code().name}: {exc.details()}"
+            out["error"] = f"{exc.code().name}: {exc.details()}{tls_hint(exc.code(), exc.details(), security)}"
             return out
         stub = pb_grpc.TargetServiceStub(channel) if role == "target" else pb_grpc.DraftServiceStub(channel)
         rtts, info = [], None
@@ -173,7 +173,7 @@ def status(args: argparse.Namespace) -> dict[str, Any]:
     report["ok"] = bool(report["nodes"]) and all(
         n.get("health") == "SERVING" and "error" not in n for n in report["nodes"]
     )
-    report["ok"] = report["ok"] and report.get("tokenizer_match", True)
+    report["ok"] = report["ok"] and report.get("tokenizer_match", True) and "error" not in report.get("acceptance", {})
     return report
 
 

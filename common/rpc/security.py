@@ -19,6 +19,7 @@ from __future__ import annotations
 import hmac
 import logging
 import os
+import ssl
 import stat
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -34,23 +35,49 @@ AUTHORIZATION = "authorization"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
+def _read(path: str | os.PathLike, flag: str) -> bytes:
+    """The file's bytes, or an error that names the flag it was given to."""
+    try:
+        return Path(path).read_bytes()
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{flag} {path} does not exist") from None
+    except IsADirectoryError:
+        raise IsADirectoryError(f"{flag} {path} is a directory, not a file") from None
+    except OSError as exc:
+        raise OSError(f"{flag} {path} cannot be read: {exc.strerror}") from None
+
+
 def read_pem(path: str | os.PathLike, flag: str) -> bytes:
-    data = Path(path).read_bytes()
+    data = _read(path, flag)
     if b"-----BEGIN" not in data:
         raise ValueError(f"{flag} {path} is not a PEM file")
     return data
 
 
+def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, cert_flag: str, key_flag: str) -> None:
+    """A key that is not the certificate's was reported by gRPC as a port that could not be bound."""
+    try:
+        ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT).load_cert_chain(cert, key, password=b"")
+    except ssl.SSLError as exc:
+        raise ValueError(f"{key_flag} {key} is not the private key of {cert_flag} {cert} "
+                         f"({exc.reason or exc}); gRPC takes unencrypted PEM keys") from None  # fmt: skip
+    except OSError as exc:
+        raise ValueError(f"{cert_flag} {cert} or {key_flag} {key} cannot be read: {exc}") from None
+
+
 def read_token(path: str | os.PathLike, flag: str = "--auth-token-file") -> str:
     """The token is the file's content without surrounding whitespace. A file other users can read
     is accepted with a warning (the token is then as good as public on that machine)."""
-    p = Path(path)
-    mode = p.stat().st_mode
+    raw = _read(path, flag)
+    mode = Path(path).stat().st_mode
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning(
             "%s %s is accessible to other users (mode %03o): chmod 600 it", flag, path, stat.S_IMODE(mode)
         )
-    token = p.read_text().strip()
+    try:
+        token = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise ValueError(f"{flag} {path} is not text: a token is one line of printable characters") from None
     if not token:
         raise ValueError(f"{flag} {path} is empty")
     if any(c.isspace() or not c.isprintable() for c in token):
@@ -160,12 +187,15 @@ class ServerSecurity:
         client_ca: str | os.PathLike | None = None,
         token_file: str | os.PathLike | None = None,
     ) -> ServerSecurity:
-        return ServerSecurity(
+        security = ServerSecurity(
             cert_chain=read_pem(cert, "--tls-cert") if cert else None,
             private_key=read_pem(key, "--tls-key") if key else None,
             client_ca=read_pem(client_ca, "--tls-client-ca") if client_ca else None,
             token=read_token(token_file) if token_file else None,
         )
+        if cert and key:
+            check_key_pair(cert, key, "--tls-cert", "--tls-key")
+        return security
 
 
 # ------------------------------------------------------------------------------------------------
@@ -219,9 +249,12 @@ class ClientSecurity:
         key: str | os.PathLike | None = None,
         token_file: str | os.PathLike | None = None,
     ) -> ClientSecurity:
-        return ClientSecurity(
+        security = ClientSecurity(
             root_ca=read_pem(ca, "--node-tls-ca") if ca else None,
             cert_chain=read_pem(cert, "--node-tls-cert") if cert else None,
             private_key=read_pem(key, "--node-tls-key") if key else None,
             token=read_token(token_file, "--node-auth-token-file") if token_file else None,
         )
+        if cert and key:
+            check_key_pair(cert, key, "--node-tls-cert", "--node-tls-key")
+        return security
