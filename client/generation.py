@@ -387,6 +387,10 @@ class Sequence:
         backend = self.target if node == "target" else self.draft
         assert backend is not None
         _close_quietly(backend, self.target_session if node == "target" else self.draft_session)
+        if node == "target":  # tried once: a reopen retried while the node restarts does not try again
+            self.target_session = ""
+        else:
+            self.draft_session = ""
         session = backend.open_session(self.tokens)
         if node == "target":
             self.target_session = session

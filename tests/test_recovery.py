@@ -75,6 +75,31 @@ def test_a_node_that_refuses_to_close_does_not_keep_the_other_ones_session(loade
     assert len(draft.sessions) == 0 and len(engine.sessions) == 1
 
 
+def test_a_reopen_retried_while_the_target_restarts_tries_to_close_the_old_session_once(loaded, model_dirs):
+    """While a target restarted, the client logged "could not close target session" every 0.5 s of
+    the reopen's retries (42 lines in 20 s)."""
+    engine = TargetEngine(loaded["target"], max_context=256, max_tree=8)
+
+    class Restarting(Flaky):
+        closes = opens = 0
+
+        def close_session(self, session_id: str) -> bool:
+            self.closes += 1
+            raise NodeUnavailable("target node is still loading its model")
+
+        def open_session(self, prompt: list[int]) -> str:
+            self.opens += 1
+            if 2 <= self.opens <= 4:  # the first opens the sequence; then three refused while it loads
+                raise NodeUnavailable("target node is still loading its model")
+            return self.engine.open_session(prompt)
+
+    target = Restarting(engine, "verify", fail_on=2)
+    recovery = Recovery(backoff_seconds=0.01)
+    out = SpecExec(target, None, loaded["target"].tokenizer, mode="autoregressive", recovery=recovery).generate(PROMPT, PARAMS)
+    assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
+    assert target.opens == 5 and target.closes == 2  # the reopen's one try, and the sequence's own close
+
+
 @pytest.mark.parametrize("prompt_length", [40, 100])
 def test_a_draft_with_a_shorter_context_drafts_as_far_as_it_reaches(loaded, model_dirs, prompt_length):
     """Past the draft's context (from the start, or midway) the target goes on alone: same tokens."""
