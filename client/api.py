@@ -33,7 +33,7 @@ from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams, TreeTooLarge
 from common.model.compiled_forward import compile_model
-from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, resolve_backend
+from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, locate_gguf, resolve_backend
 from common.model.loading import load_model
 from common.model.offload import OffloadPlan, load_target
 from common.model.quantized_linear import draft_dtype
@@ -221,6 +221,17 @@ class SpecExec:
         llama_target = resolve_backend(backend, str(target_model), plain=plain) == "llama.cpp"
         if llama_target and max_tree > MAX_TREE_LEAVES and not auto_budget and mode != "autoregressive":
             raise TreeTooLarge(f"budget {max_tree} is over the llama.cpp target's limit of {MAX_TREE_LEAVES}")
+        drafting = draft_model is not None and mode != "autoregressive"
+        draft_plain = plain and draft_quantize == "none"
+        llama_draft = drafting and resolve_backend(draft_backend, str(draft_model), plain=draft_plain) == "llama.cpp"
+        if llama_draft:  # the draft's flags and path are checked before the target loads, not after
+            if not draft_plain:
+                raise ValueError("the llama.cpp draft takes no int8 quantization, offload plan, compile buckets or device")
+            locate_gguf(str(draft_model))
+        elif drafting:
+            if draft_n_gpu_layers:
+                raise ValueError("draft_n_gpu_layers (--draft-n-gpu-layers) needs a GGUF draft on llama.cpp")
+            draft_model = resolve_model(str(draft_model))
         if llama_target:
             if not plain:
                 raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")
@@ -231,18 +242,14 @@ class SpecExec:
         target_tree = max_tree if isinstance(target_loaded.model, torch.nn.Module) else min(max_tree, MAX_TREE_LEAVES)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree, max_sessions=max_sessions)
         draft = draft_loaded = None
-        if draft_model is not None and mode != "autoregressive":
-            draft_plain = plain and draft_quantize == "none"
-            if resolve_backend(draft_backend, str(draft_model), plain=draft_plain) == "llama.cpp":
-                if not draft_plain:
-                    raise ValueError("the llama.cpp draft takes no int8 quantization, offload plan, compile buckets or device")
+        if drafting:
+            assert draft_model is not None
+            if llama_draft:
                 draft_loaded = load_gguf(draft_model, n_gpu_layers=draft_n_gpu_layers, kv_type=kv_type, repack=repack)
                 draft_tree = min(max_tree, MAX_TREE_LEAVES)
             else:
-                if draft_n_gpu_layers:
-                    raise ValueError("draft_n_gpu_layers (--draft-n-gpu-layers) needs a GGUF draft on llama.cpp")
                 draft_loaded = load_model(
-                    resolve_model(str(draft_model)),
+                    Path(draft_model),
                     dtype=draft_dtype(dtype, draft_quantize),
                     device=device,
                     repack=repack,

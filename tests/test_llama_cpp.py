@@ -331,13 +331,20 @@ def test_gpu_layers_a_cpu_build_ignores_are_not_reported_as_on_the_gpu(ggufs, ca
         assert exit_.value.code == 2 and "n-gpu-layers: must be >= 0, got" in capsys.readouterr().err
 
 
-def test_a_budget_over_the_llama_cpp_limit_is_refused_before_loading(ggufs, monkeypatch):
+def test_a_budget_over_the_llama_cpp_limit_or_a_missing_draft_is_refused_before_loading(ggufs, monkeypatch):
     """It was found by the target at the first tree, after the draft had built all 301 nodes."""
     import client.api
 
     monkeypatch.setattr(client.api, "load_gguf", lambda *a, **k: pytest.fail("loaded before the check"))
     with pytest.raises(ValueError, match=r"budget 300 is over the llama\.cpp target's limit of 255"):
         SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), tree=TreeParams(budget=300), backend="llama.cpp")
+    # A draft that is not there was found after the target's load (27 s and 7.5 GB for the 1.5B)
+    missing = str(ggufs["F32"].parent / "nonexistent")
+    from common.model.store import ModelStoreError
+
+    for draft_backend in ("torch", "llama.cpp"):
+        with pytest.raises((FileNotFoundError, ModelStoreError), match="nonexistent"):
+            SpecExec.local(missing, str(ggufs["F32"]), backend="llama.cpp", draft_backend=draft_backend)
 
 
 def generate_both(

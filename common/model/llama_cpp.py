@@ -799,6 +799,24 @@ def find_gguf(path: Path) -> Path | None:
     return None
 
 
+def locate_gguf(spec: str | Path) -> tuple[Path, Path]:
+    """The model directory (or bare file) a spec names for llama.cpp, and its GGUF, checked to be one:
+    cheap, so a run checks both of its models before loading either."""
+    from common.model.store import DEFAULT_MODELS, check_gguf_header, resolve_gguf
+
+    resolved = resolve_gguf(str(spec))
+    if resolved is None:
+        if str(spec) in DEFAULT_MODELS:
+            raise FileNotFoundError(
+                f"{spec} is not installed for the llama.cpp backend; run `specexec models install {spec} --format gguf`"
+            )
+        raise FileNotFoundError(f"{spec} is neither a .gguf file nor a directory holding one")
+    gguf = find_gguf(resolved)
+    assert gguf is not None
+    check_gguf_header(gguf)
+    return resolved, gguf
+
+
 def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = None, kv_type: str = "f16",
               repack: bool = True, tokenizer: bool = True) -> Any:  # fmt: skip
     """A LoadedModel whose model is llama.cpp's: the GGUF as it is, its tokenizer from the directory's
@@ -806,19 +824,8 @@ def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = 
     (a node: it serves the files and never tokenizes) only the tokenizer's identity is read, in a
     child process (`tokenizer_identity`), so that this one never imports torch."""
     from common.model.loaded import LoadedModel
-    from common.model.store import DEFAULT_MODELS, check_gguf_header, resolve_gguf
 
-    resolved = resolve_gguf(str(path))
-    if resolved is None:
-        if str(path) in DEFAULT_MODELS:
-            raise FileNotFoundError(
-                f"{path} is not installed for the llama.cpp backend; run `specexec models install {path} --format gguf`"
-            )
-        raise FileNotFoundError(f"{path} is neither a .gguf file nor a directory holding one")
-    path = resolved
-    gguf = find_gguf(path)
-    assert gguf is not None
-    check_gguf_header(gguf)
+    path, gguf = locate_gguf(path)
     identity = (read_identity if tokenizer else tokenizer_identity)(path)
     model = LlamaCppModel(gguf, n_gpu_layers=n_gpu_layers, threads=threads, kv_type=kv_type, repack=repack)
     where = Path(identity["dir"])
