@@ -232,6 +232,9 @@ class SpecExec:
             if draft_n_gpu_layers:
                 raise ValueError("draft_n_gpu_layers (--draft-n-gpu-layers) needs a GGUF draft on llama.cpp")
             draft_model = resolve_model(str(draft_model))
+        if not llama_target and (n_gpu_layers or (kv_type != "f16" and not llama_draft)):
+            raise ValueError("n_gpu_layers (--n-gpu-layers) and kv_type (--kv-type) are for a model on llama.cpp; "
+                             f"the target {target_model} runs on torch (a GGUF runs on llama.cpp)")  # fmt: skip
         if llama_target:
             if not plain:
                 raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")

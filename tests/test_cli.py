@@ -164,7 +164,10 @@ def test_chat_flag_renders_the_chat_template(model_dirs, loaded):
      ("--max-context", "0", "--max-context must be >= 1, got 0"),
      ("--max-tree", "0", "--max-tree must be >= 1, got 0"),
      ("--idle-timeout", "0", "--idle-timeout must be > 0 seconds, got 0"),
-     ("--evict-after", "-5", "--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got -5")],
+     ("--evict-after", "-5", "--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got -5"),
+     # llama.cpp's flags on a torch node were ignored (--kv-cache-tokens alone was refused, after loading)
+     ("--n-gpu-layers", "5", "--n-gpu-layers is for the llama.cpp backend; this node runs no-such-model on torch"),
+     ("--kv-type", "f32", "--kv-type is for the llama.cpp backend")],
 )  # fmt: skip
 def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle):
     out = run("target", "--model", "no-such-model", "--listen", "127.0.0.1:0", flag, value, check=False)
@@ -186,7 +189,14 @@ def test_bad_node_limits_are_refused_before_the_node_listens(flag, value, needle
      (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--budget", "0"],
       "--budget must be in [1, 8192], got 0"),
      (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--max-depth", "0"],
-      "--max-depth must be in [1, 128], got 0")],
+      "--max-depth must be in [1, 128], got 0"),
+     # model flags given with nodes were ignored, and --target ignored beside --target-model
+     (["generate", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", "--prompt", "x", "--dtype", "bfloat16",
+       "--draft-quantize", "int8", "--n-gpu-layers", "5", "--no-repack"],
+      "--dtype, --n-gpu-layers, --no-repack, --draft-quantize apply only to models run in this process"),
+     (["chat", "--target", "127.0.0.1:9", "--draft-model", "d"], "--draft-model applies only to models run in"),
+     (["generate", "--target", "127.0.0.1:9", "--target-model", "t", "--prompt", "x", "--mode", "autoregressive"],
+      "give --target HOST:PORT (a node) or --target-model (in this process), not both")],
 )  # fmt: skip
 def test_bad_client_numbers_are_refused_by_their_flag(args, needle):
     out = run(*args, check=False)

@@ -345,6 +345,11 @@ def test_a_budget_over_the_llama_cpp_limit_or_a_missing_draft_is_refused_before_
     for draft_backend in ("torch", "llama.cpp"):
         with pytest.raises((FileNotFoundError, ModelStoreError), match="nonexistent"):
             SpecExec.local(missing, str(ggufs["F32"]), backend="llama.cpp", draft_backend=draft_backend)
+    # llama.cpp's options for a torch target were ignored
+    monkeypatch.setattr(client.api, "load_target", lambda *a, **k: pytest.fail("loaded before the check"))
+    for options in ({"n_gpu_layers": 5}, {"kv_type": "f32"}):
+        with pytest.raises(ValueError, match=r"are for a model on llama\.cpp; the target .* runs on torch"):
+            SpecExec.local(None, str(ggufs["hf"]), mode="autoregressive", **options)
 
 
 def generate_both(

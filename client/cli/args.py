@@ -96,6 +96,7 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         "meanwhile, with the same output)",
     )
     if in_process:
+        before = {action.dest for action in p._actions}
         src.add_argument("--target-model", help="target model: run both models in this process")
         src.add_argument("--draft-model", help="draft model (in-process mode)")
         p.add_argument("--dtype", choices=DTYPES, default="float32")
@@ -118,6 +119,18 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
         add_offload_args(p)
+        IN_PROCESS_ONLY.update({a.dest: a.option_strings[0] for a in p._actions if a.dest not in before})
+        del IN_PROCESS_ONLY["target_model"]
+
+
+# dest -> flag of the options that load models in this process: a run on nodes has no use for them
+IN_PROCESS_ONLY: dict[str, str] = {}
+
+
+def unused_model_flags(args: argparse.Namespace, sub: argparse.ArgumentParser) -> list[str]:
+    """The in-process flags a run on nodes (--target) was given on its command line: a config file's
+    and the environment's values are `sub`'s defaults by now, and may be meant for in-process runs."""
+    return [flag for dest, flag in IN_PROCESS_ONLY.items() if getattr(args, dest, None) != sub.get_default(dest)]
 
 
 T = TypeVar("T")

@@ -17,6 +17,7 @@ from client.cli.args import (
     prompt_from,
     sampling_from,
     tls_files,
+    unused_model_flags,
 )
 from client.cli.certs import add_certs_args, cmd_certs
 from client.cli.local import run_local
@@ -28,7 +29,7 @@ from client.openai.server import serve_until_signal, start_openai
 from client.prompt_cache import DEFAULT_SIZE as PROMPT_CACHE_SIZE
 from common.model.llama_cpp import BACKENDS
 from common.model.store import DEFAULT_MODELS, install_model, list_models
-from common.ops.config import add_config_option
+from common.ops.config import add_config_option, subcommands
 from common.ops.logs import configure as configure_logs
 from common.ops.metrics import start_metrics_server
 from common.options import (
@@ -334,6 +335,13 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if args.command in ("generate", "chat", "profile"):
         if not args.target_model and not args.target:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
+        if args.target_model and args.target:
+            parser.error("give --target HOST:PORT (a node) or --target-model (in this process), not both")
+        unused = unused_model_flags(args, subcommands(parser)[args.command]) if args.target else []
+        if unused:
+            parser.error(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only to models run in "
+                         f"this process (--target-model); "
+                         f"a node takes its own when it starts (specexec target --help, specexec draft --help)")  # fmt: skip
         needs_draft = args.mode != "autoregressive"
         if needs_draft and not (args.draft_model if args.target_model else args.draft):
             parser.error(

@@ -90,7 +90,13 @@ def choose_backend(config: NodeConfig) -> str:
         raise ValueError(
             f"--backend llama.cpp takes the GGUF's own quantization and --n-gpu-layers; drop {', '.join(conflicts)}"
         )
-    return resolve_backend(config.backend, config.model, plain=not conflicts)
+    backend = resolve_backend(config.backend, config.model, plain=not conflicts)
+    llama_only = [flag for flag, on in (("--n-gpu-layers", config.n_gpu_layers), ("--kv-type", config.kv_type != "f16"),
+                  ("--kv-cache-tokens", config.kv_cache_tokens is not None)) if on]  # fmt: skip
+    if backend == "torch" and llama_only:
+        raise ValueError(f"{', '.join(llama_only)} {'is' if len(llama_only) == 1 else 'are'} for the llama.cpp "
+                         f"backend; this node runs {config.model} on torch (a GGUF runs on llama.cpp)")  # fmt: skip
+    return backend
 
 
 def load(config: NodeConfig, path: Path) -> LoadedModel:
@@ -110,6 +116,7 @@ def load(config: NodeConfig, path: Path) -> LoadedModel:
 def serve_node(config: NodeConfig, role: NodeRole) -> int:
     """Bind first, so clients and balancers see the node (NOT_SERVING) while its model loads."""
     check_listen(config.listen, config.insecure, config.security.complete)
+    choose_backend(config)  # flags for the other backend are refused before the node listens
     configure_logs(config.log, role.name)
     start_metrics_server(config.metrics_port)
     servicer = role.servicer()
