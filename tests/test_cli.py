@@ -267,3 +267,15 @@ def _running(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
     except OSError:
         return False
+
+
+def test_local_prints_client_commands_that_reach_its_secured_nodes():
+    """With TLS and a token, the commands it printed for another client had neither, and failed."""
+    from client.cli.commands import build_parser
+    from client.cli.local import client_security_args
+
+    base = ["local", "--draft-model", "d", "--target-model", "t"]
+    assert client_security_args(build_parser().parse_args(base)) == []
+    args = build_parser().parse_args([*base, "--tls-cert", "s.pem", "--tls-key", "s-key.pem", "--node-tls-ca", "ca.pem",
+                                      "--auth-token-file", "tok"])  # fmt: skip
+    assert client_security_args(args) == ["--node-tls-ca", "ca.pem", "--node-auth-token-file", "tok"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import signal
 import socket
 import subprocess
@@ -19,6 +20,13 @@ from common.rpc.security import ClientSecurity
 from common.runtime.sessions import DEFAULT_MAX_SESSIONS
 
 SERVER_SECURITY_FLAGS = ("tls_cert", "tls_key", "tls_client_ca", "auth_token_file")
+
+
+def client_security_args(args: argparse.Namespace) -> list[str]:
+    """What another client needs to reach these nodes: the CA, its certificate, the nodes' token."""
+    flags = (("--node-tls-ca", args.node_tls_ca), ("--node-tls-cert", args.node_tls_cert),
+             ("--node-tls-key", args.node_tls_key), ("--node-auth-token-file", args.auth_token_file))  # fmt: skip
+    return [item for flag, value in flags if value for item in (flag, str(value))]
 
 
 def node_commands(args: argparse.Namespace, security_args: list[str]) -> list[list[str]]:
@@ -96,10 +104,11 @@ def run_local(args: argparse.Namespace) -> int:
             wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None, security=security)
         if any(node.poll() is not None for node in nodes):
             raise OSError("a node exited while starting (its error is above)")
+        client = " ".join(shlex.quote(item) for item in client_security_args(args))
         print(
             f"nodes ready: target {target_addr}, draft {draft_addr}\n"
-            f"  specexec generate --target {target_addr} --draft {draft_addr} --prompt '...'\n"
-            f"  specexec serve --target {target_addr} --draft {draft_addr}",
+            f"  specexec generate --target {target_addr} --draft {draft_addr}{' ' * bool(client)}{client} --prompt '...'\n"
+            f"  specexec serve --target {target_addr} --draft {draft_addr}{' ' * bool(client)}{client}",
             file=sys.stderr,
             flush=True,
         )
