@@ -95,6 +95,8 @@ def test_int8_draft_output_is_the_target_alone(mode, model_dirs):
         )
         if draft_quantize != "none":
             assert gen.draft is not None and gen.draft.loaded.model.quantized == draft_quantize
+            # status and node_info said "float32" for an int8 draft
+            assert gen.draft.info().dtype == "int8 linears, float32 elsewhere"
         return gen.generate([5, 17, 99, 3], sampling).token_ids
 
     for sampling in (

@@ -82,6 +82,8 @@ class NodeEngine(Generic[S]):
 
     def info(self) -> NodeInfo:
         model = self.loaded.model
+        dtype = str(model.dtype).removeprefix("torch.")
+        scheme = getattr(model, "quantized", "none")  # an int8 draft's projections (common.model.quantized_linear)
         return NodeInfo(
             role=self.role,
             model_id=self.loaded.name,
@@ -91,7 +93,7 @@ class NodeEngine(Generic[S]):
             max_context=self.max_context,
             max_tree_nodes=self.max_tree + 1,
             max_tree_depth=MAX_TREE_DEPTH,
-            dtype=str(model.dtype).removeprefix("torch."),
+            dtype=dtype if scheme == "none" else f"{scheme} linears, {dtype} elsewhere",
             device=str(model.device),
             forward_curve=self.forward_curve,
             max_sessions=self.sessions.max_sessions,
