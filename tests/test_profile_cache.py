@@ -48,6 +48,46 @@ def test_second_profile_reads_the_cache(home, passes, loaded):
     assert again.forward_curve == first.forward_curve
 
 
+def test_a_disturbed_curve_is_measured_again_and_never_cached(home, monkeypatch, loaded, caplog):
+    """A QA run beside a busy neighbour cached a curve whose 1-row pass cost 5x its 2-row pass;
+    every later start planned (and padded) its passes by it. Sizes more than DISTURBED times dearer
+    than a larger one are measured again; a curve still disturbed is clamped for this run and not
+    cached; a disturbed curve already in the cache is measured again."""
+    timed: list[int] = []
+    slow = {"size": 3, "times": 1}  # how many of size 3's measurements are disturbed
+
+    def fake(model, n, logits_rows, budget_seconds=0.3):
+        timed.append(n)
+        if n == slow["size"] and timed.count(n) <= slow["times"]:
+            return 0.1
+        return 1e-3 * n
+
+    monkeypatch.setattr(profiling, "time_tree_forward", fake)
+    engine = TargetEngine(loaded["target"], max_tree=8)
+    assert engine.profile(progress=False) is False
+    assert timed.count(3) == 2 and dict(engine.forward_curve)[3] == pytest.approx(3e-3)
+    assert TargetEngine(loaded["target"], max_tree=8).profile(progress=False) is True  # cached, being sound
+
+    timed.clear()
+    slow["times"] = 99
+    with caplog.at_level("WARNING", logger="specexec.profiling"):
+        engine = TargetEngine(loaded["target"], max_tree=8)
+        assert engine.profile(progress=False, reprofile=True) is False
+    assert timed.count(3) == 1 + profiling.REMEASURES and "not cached" in caplog.text
+    assert dict(engine.forward_curve)[3] == pytest.approx(4e-3)  # the cheapest larger pass's
+    [cached] = (home / "profiles").glob("curve-*.json")
+    assert profiling.read_json(cached)["curve"][2][1] == pytest.approx(3e-3)  # the sound one stayed
+
+    entry = profiling.read_json(cached)
+    entry["curve"][0][1] = 0.5  # as the QA run's 1-row pass was cached
+    profiling.write_json(cached, entry)
+    slow["times"] = 0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specexec.profiling"):
+        assert TargetEngine(loaded["target"], max_tree=8).profile(progress=False) is False
+    assert "looks disturbed" in caplog.text and profiling.read_json(cached)["curve"][0][1] == pytest.approx(1e-3)
+
+
 def test_reprofile_measures_again(home, passes, loaded):
     TargetEngine(loaded["target"], max_tree=8).profile(progress=False)
     n = len(passes)
