@@ -120,13 +120,13 @@ class SpecExec:
         Kept sequences hold node sessions; they give them up before a new request would find none."""
         limits = [i.max_sessions for i in self._node_infos() if i.max_sessions]
         self.close()
-        self.prompt_cache = PromptCache(self.sequence, size=size, max_idle=max_idle,
-                                        session_limit=min(limits, default=0)) if size else None  # fmt: skip
+        self.prompt_cache = PromptCache(self.sequence, size=size, max_idle=max_idle, session_limit=min(limits, default=0),
+                                        sweep_every=max_idle / 8) if size else None  # fmt: skip
 
     def close(self) -> None:
-        """Close the sequences the prompt cache keeps (their sessions on both nodes)."""
+        """Close the sequences the prompt cache keeps (their sessions on both nodes), and stop it."""
         if self.prompt_cache is not None:
-            self.prompt_cache.clear()
+            self.prompt_cache.stop()
 
     def _node_infos(self) -> list[Any]:
         """The nodes this generator's sequences use: the draft's only when it drafts and is up."""

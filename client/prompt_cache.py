@@ -13,7 +13,8 @@ vLLM's prefix cache does: a kept conversation is never cut back for another's sa
 Idle sequences hold sessions on both nodes. They give them up when a request would otherwise pass a
 node's session limit (or a node refuses one for it: other clients count too), those sharing the
 least with the new prompt first, then the oldest; and after `max_idle` seconds (before a node's
-idle timeout frees them, which would cost a reopen from the history on the next turn).
+idle timeout frees them, which would cost a reopen from the history on the next turn), found by a
+sweep every `sweep_every` seconds, and by every request.
 """
 
 from __future__ import annotations
@@ -41,9 +42,11 @@ class PromptCache:
         max_idle: float = DEFAULT_MAX_IDLE,
         session_limit: int = 0,
         clock: Callable[[], float] = time.monotonic,
+        sweep_every: float | None = None,
     ) -> None:
         """`session_limit`: the fewest sessions a node takes at once (0: unknown); idle sequences
-        make room for active ones below it."""
+        make room for active ones below it. `sweep_every`: seconds between sweeps for sequences idle
+        past `max_idle` in a thread of its own (None: only requests find them) until `stop()`."""
         if size < 0:
             raise ValueError(f"prompt cache size must be >= 0 sequences, got {size}")
         if max_idle <= 0:
@@ -57,6 +60,9 @@ class PromptCache:
         self._active = 0
         self.queries = 0  # prompt tokens asked for
         self.hits = 0  # of them, tokens a kept sequence already held
+        self._stopped = threading.Event()
+        if sweep_every is not None:
+            threading.Thread(target=self._sweep, args=(sweep_every,), daemon=True, name="prompt-cache-sweep").start()
 
     def acquire(self, prompt: list[int]) -> tuple[Sequence, int]:
         """A sequence holding `prompt`, and how many of its tokens the target holds in it (0 for a
@@ -124,6 +130,23 @@ class PromptCache:
             idle, self._idle = self._idle, []
         for sequence, _, _ in idle:
             sequence.close()
+
+    def stop(self) -> None:
+        """No more sweeps; every idle sequence closed."""
+        self._stopped.set()
+        self.clear()
+
+    def expire(self) -> int:
+        """Close the sequences idle past `max_idle` now; how many."""
+        with self._lock:
+            stale = self._take_stale()
+        for sequence in stale:
+            sequence.close()
+        return len(stale)
+
+    def _sweep(self, every: float) -> None:
+        while not self._stopped.wait(every):
+            self.expire()
 
     def __len__(self) -> int:
         with self._lock:

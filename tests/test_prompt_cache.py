@@ -120,6 +120,24 @@ def test_idle_sequences_give_up_their_sessions_by_size_age_and_the_nodes_limit()
     assert len(opened) == 6
 
 
+def test_a_sweep_closes_idle_sequences_with_no_request_coming():
+    """Docs promised kept sessions dropped after 240 s idle, before the nodes' idle timeout; on an
+    idle gateway only the next request looked, so the nodes expired them at 300 s (a QA pass)."""
+    clock = Clock()
+    cache, _ = fake_cache(size=2, max_idle=10.0, clock=clock, sweep_every=0.01)
+    a = finish(cache, [1, 1], [1])
+    clock.now = 11.0
+    deadline = time.monotonic() + 10
+    while not a.closed and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert a.closed and len(cache) == 0
+    b = finish(cache, [2, 2], [2])
+    cache.stop()
+    assert b.closed
+    clock.now = 100.0
+    assert cache.expire() == 0
+
+
 def test_a_generation_that_did_not_end_as_it_should_is_not_kept():
     cache, _ = fake_cache(size=2)
     sequence, _ = cache.acquire([1, 2, 3])
