@@ -158,6 +158,16 @@ def test_draft_and_gateway_metrics(stack, generated):
     assert value(g, "specexec:request_success_total", finished_reason="length") == 1
     assert value(g, "specexec:num_requests_running") == 0
     assert value(g, "specexec:time_to_first_token_seconds_count") == 1
+    # Each role serves its own metrics, as deploy/README's table says: not the others' stuck at zero
+    t = scrape(stack["ports"]["target_m"])
+    names = {role: {n for n, _ in m} for role, m in (("target", t), ("draft", d), ("gateway", g))}
+    assert all("process_cpu_seconds_total" in n for n in names.values())
+    assert "specexec:rpc_requests_total" in names["target"] and "specexec:rpc_requests_total" in names["draft"]
+    assert not any(n.startswith(("specexec:node_info", "specexec:open_sessions", "specexec:draft_pass"))
+                   for n in names["gateway"])  # fmt: skip
+    assert not any(n.startswith(("specexec:num_requests", "specexec:http_", "specexec:spec_decode", "specexec:verify"))
+                   for n in names["draft"])  # fmt: skip
+    assert not any(n.startswith(("specexec:num_requests", "specexec:draft_")) for n in names["target"])
 
 
 def test_json_logs_have_session_ids_and_no_prompt(stack, generated):

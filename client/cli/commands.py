@@ -96,7 +96,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for address in filter(None, (args.listen, args.openai)):
         check_listen(address, args.insecure, sec.complete)
     configure_logs(log_settings(args), "gateway")
-    start_metrics_server(args.metrics_port)
+    start_metrics_server(args.metrics_port, "gateway")
     base = generator_from(args)
     base.use_prompt_cache(args.prompt_cache)
     http = None

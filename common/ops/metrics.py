@@ -28,7 +28,17 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram, Info, start_http_server
+from prometheus_client import (
+    GC_COLLECTOR,
+    PLATFORM_COLLECTOR,
+    PROCESS_COLLECTOR,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    start_http_server,
+)
 
 from common.ops import logs
 from common.ops.logs import event
@@ -176,6 +186,28 @@ HTTP_SECONDS = Histogram(
 )  # fmt: skip
 
 
+# What each role's /metrics serves: a node's gateway metrics (and a gateway's node ones) would be
+# series stuck at zero on a dashboard.
+_EVERY = (RPC_REQUESTS, RPC_SECONDS, PROCESS_COLLECTOR, PLATFORM_COLLECTOR, GC_COLLECTOR)
+_NODES = (NODE, OPEN_SESSIONS, MAX_SESSIONS, SESSION_EVENTS, PREEMPTIONS, STEP_QUEUE_SECONDS, TREE_NODES,
+          SESSION_PROMPT_TOKENS, SESSION_SHARED_TOKENS)  # fmt: skip
+ROLE_METRICS = {
+    "target": (*_EVERY, *_NODES, TARGET_FORWARD_SECONDS, VERIFY_PASS_SESSIONS, VERIFY_PASS_SECONDS, VERIFY_PASS_TOKENS,
+               PREFILL_CHUNKS, PREFILL_CHUNK_TOKENS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED,
+               SPEC_ACCEPTED_PER_POS, SPEC_ACCEPTANCE_LENGTH),
+    "draft": (*_EVERY, *_NODES, DRAFT_BUILD_SECONDS, DRAFT_PASS_SESSIONS, DRAFT_PASS_SECONDS, DRAFT_PASS_TOKENS),
+    "gateway": (*_EVERY, REQUESTS_RUNNING, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES,
+                PREFIX_CACHE_HITS, E2E_SECONDS, TTFT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS),
+}  # fmt: skip
+
+
+def role_registry(role: str) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=True)
+    for collector in ROLE_METRICS[role]:
+        registry.register(collector)
+    return registry
+
+
 def parse_metrics_address(spec: str | int) -> tuple[str, int]:
     host, _, port = str(spec).rpartition(":")
     if not port.isdigit():
@@ -183,13 +215,17 @@ def parse_metrics_address(spec: str | int) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def start_metrics_server(spec: str | int | None) -> int | None:
-    """Serve /metrics in a daemon thread if `--metrics-port` was given; returns the bound port."""
+def start_metrics_server(spec: str | int | None, role: str | None = None) -> int | None:
+    """Serve /metrics in a daemon thread if `--metrics-port` was given (`role`'s metrics only: "target",
+    "draft" or "gateway"; None: all); returns the bound port."""
     if spec is None or spec == "":
         return None
     host, port = parse_metrics_address(spec)
     try:
-        server, _thread = start_http_server(port, addr=host)
+        if role is None:
+            server, _thread = start_http_server(port, addr=host)
+        else:
+            server, _thread = start_http_server(port, addr=host, registry=role_registry(role))
     except OSError as e:
         raise OSError(f"--metrics-port {spec}: could not bind {host}:{port} ({e.strerror or e})") from e
     bound = server.server_port

@@ -118,7 +118,7 @@ def serve_node(config: NodeConfig, role: NodeRole) -> int:
     check_listen(config.listen, config.insecure, config.security.complete)
     choose_backend(config)  # flags for the other backend are refused before the node listens
     configure_logs(config.log, role.name)
-    start_metrics_server(config.metrics_port)
+    start_metrics_server(config.metrics_port, role.name)
     servicer = role.servicer()
     server = Server(
         config.listen,
