@@ -324,6 +324,7 @@ def test_gpu_layers_a_cpu_build_ignores_are_not_reported_as_on_the_gpu(ggufs, ca
 
     loaded = load_gguf(ggufs["F32"], n_gpu_layers=10, tokenizer=False)
     assert loaded.model.n_gpu_layers == 0
+    assert load_gguf(ggufs["F32"] / "model.gguf", tokenizer=False).name == ggufs["F32"].name  # not "model"
     assert "0 layers on the GPU" in describe_weights(NodeConfig(model="m", listen=":0", n_gpu_layers=10), loaded)
     for argv in (["target", "--model", "m", "--n-gpu-layers", "-3"], ["local", "--draft-n-gpu-layers", "-1"]):
         with pytest.raises(SystemExit) as exit_:

@@ -832,12 +832,18 @@ def load_gguf(path: str | Path, *, n_gpu_layers: int = 0, threads: int | None = 
     return LoadedModel(
         model=model,
         tokenizer=identity.get("tokenizer"),
-        name=gguf.stem if gguf.parent != where else where.name,
+        name=model_name(gguf, where),
         eos_token_ids=tuple(identity["eos"]),
         max_context=model.cfg.max_position_embeddings,
         tokenizer_fingerprint=identity["fingerprint"],
         path=where,
     )
+
+
+def model_name(gguf: Path, where: Path) -> str:
+    """A directory's name for its GGUF; a bare file's stem, unless that is only "model" (a file taken
+    out of an installed directory, or one so named): then its directory's."""
+    return where.name if gguf.parent == where else gguf.parent.name if gguf.stem == "model" else gguf.stem
 
 
 def read_identity(path: Path) -> dict[str, Any]:
