@@ -27,7 +27,14 @@ from tests.tiny_models import gguf_model_dir, make_tiny_model, truncate_layers
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (pip install -e '.[llama]')")
 
-from common.model.llama_cpp import LlamaCppError, LlamaCppModel, load_gguf, resolve_backend, run_trees  # noqa: E402
+from common.model.llama_cpp import (  # noqa: E402
+    LlamaCppError,
+    LlamaCppModel,
+    load_gguf,
+    model_name,
+    resolve_backend,
+    run_trees,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119]
@@ -324,7 +331,10 @@ def test_gpu_layers_a_cpu_build_ignores_are_not_reported_as_on_the_gpu(ggufs, ca
 
     loaded = load_gguf(ggufs["F32"], n_gpu_layers=10, tokenizer=False)
     assert loaded.model.n_gpu_layers == 0
-    assert load_gguf(ggufs["F32"] / "model.gguf", tokenizer=False).name == ggufs["F32"].name  # not "model"
+    # a bare model.gguf is named by its directory, not "model" (its tokenizer is read beside it)
+    assert model_name(Path("/m/qwen-gguf/model.gguf"), Path("/cache/gguf-beside/model-1-2")) == "qwen-gguf"
+    assert model_name(Path("/m/qwen-q4.gguf"), Path("/cache/gguf-beside/qwen-q4-1-2")) == "qwen-q4"
+    assert model_name(ggufs["F32"] / "model.gguf", ggufs["F32"]) == loaded.name == ggufs["F32"].name
     assert "0 layers on the GPU" in describe_weights(NodeConfig(model="m", listen=":0", n_gpu_layers=10), loaded)
     for argv in (["target", "--model", "m", "--n-gpu-layers", "-3"], ["local", "--draft-n-gpu-layers", "-1"]):
         with pytest.raises(SystemExit) as exit_:
