@@ -29,6 +29,8 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from common.ops.files import read_named
+
 ENV_PREFIX = "SPECEXEC_"
 CONFIG_ENV = "SPECEXEC_CONFIG"
 RESERVED_ENV = {"SPECEXEC_HOME", CONFIG_ENV}
@@ -126,14 +128,9 @@ def _scalar(action: argparse.Action, value: Any, name: str, where: str) -> Any:
 
 def load(path: str | Path) -> dict[str, Any]:
     try:
-        with open(path, "rb") as f:
-            return tomllib.load(f)
-    except FileNotFoundError:
-        raise ConfigError(f"config file {path} does not exist") from None
-    except IsADirectoryError:
-        raise ConfigError(f"config file {path} is a directory, not a TOML file") from None
+        return tomllib.loads(read_named(path, "config file", "TOML file").decode())
     except OSError as exc:
-        raise ConfigError(f"config file {path} cannot be read: {exc.strerror}") from None
+        raise ConfigError(str(exc)) from None
     except UnicodeDecodeError:
         raise ConfigError(f"config file {path} is not valid TOML: it is not UTF-8 text") from None
     except tomllib.TOMLDecodeError as exc:

@@ -28,6 +28,8 @@ from typing import Any
 
 import grpc
 
+from common.ops.files import read_named
+
 log = logging.getLogger("specexec.security")
 
 AUTHORIZATION = "authorization"
@@ -35,20 +37,8 @@ AUTHORIZATION = "authorization"
 OPEN_METHOD_PREFIXES = ("/grpc.health.v1.Health/",)
 
 
-def _read(path: str | os.PathLike, flag: str) -> bytes:
-    """The file's bytes, or an error that names the flag it was given to."""
-    try:
-        return Path(path).read_bytes()
-    except FileNotFoundError:
-        raise FileNotFoundError(f"{flag} {path} does not exist") from None
-    except IsADirectoryError:
-        raise IsADirectoryError(f"{flag} {path} is a directory, not a file") from None
-    except OSError as exc:
-        raise OSError(f"{flag} {path} cannot be read: {exc.strerror}") from None
-
-
 def read_pem(path: str | os.PathLike, flag: str) -> bytes:
-    data = _read(path, flag)
+    data = read_named(path, flag)
     if b"-----BEGIN" not in data:
         raise ValueError(f"{flag} {path} is not a PEM file")
     return data
@@ -68,7 +58,7 @@ def check_key_pair(cert: str | os.PathLike, key: str | os.PathLike, cert_flag: s
 def read_token(path: str | os.PathLike, flag: str = "--auth-token-file") -> str:
     """The token is the file's content without surrounding whitespace. A file other users can read
     is accepted with a warning (the token is then as good as public on that machine)."""
-    raw = _read(path, flag)
+    raw = read_named(path, flag)
     mode = Path(path).stat().st_mode
     if os.name == "posix" and mode & (stat.S_IRWXG | stat.S_IRWXO):
         log.warning(
