@@ -214,6 +214,12 @@ def test_a_no_flag_reads_as_its_positive_name_and_checked_numbers_stay_checked(t
     path.write_text("[generate]\nstep_timeout = 0\n")
     with pytest.raises(config.ConfigError, match="--step-timeout must be a number of seconds > 0"):
         parse(["generate", "--config", str(path), "--prompt", "x"])
+    # The environment reads the same names: SPECEXEC_NO_PROFILE=1 was ignored (only the dest's name was)
+    node = ["draft", "--model", "m"]
+    assert parse(node, {"SPECEXEC_NO_PROFILE": "1"}).profile is False
+    assert parse(node, {"SPECEXEC_PROFILE": "false"}).profile is False
+    assert parse(node, {"SPECEXEC_NO_LOOKAHEAD": "true"}).lookahead is False and parse(node).lookahead is True
+    assert parse(["generate", "--prompt", "x"], {"SPECEXEC_PLANNER_MEMORY": "0"}).no_planner_memory is True
 
 
 def test_bad_config_is_a_usage_error_from_the_cli(tmp_path, capsys):

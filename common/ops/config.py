@@ -216,11 +216,11 @@ def apply(
                     action, inverted = options[_key(key)]
                     found[action.dest] = (action, _convert(action, value, inverted, where))
                     sources[action.dest] = str(path)
-    for dest, (action, _) in {k: v for k, v in options.items() if k == v[0].dest}.items():
-        name = ENV_PREFIX + dest.upper()
+    for key, (action, inverted) in options.items():  # as in a file: SPECEXEC_NO_PROFILE=1 or SPECEXEC_PROFILE=0
+        name = ENV_PREFIX + key.upper()
         if name in environ and name not in RESERVED_ENV:
-            found[dest] = (action, _convert(action, environ[name], False, name))
-            sources[dest] = "env"
+            found[action.dest] = (action, _convert(action, environ[name], inverted, name))
+            sources[action.dest] = "env"
     for dest, (action, value) in found.items():
         sub.set_defaults(**{dest: value})
         action.required = False  # a required option given by the config file is given
