@@ -39,8 +39,9 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         "--max-tree",
         type=int,
         default=None,
-        help="largest tree (nodes besides the root); default 1024, or on the llama.cpp backend 256 minus "
-        "--max-sessions (its 256 sequence ids, one per session and one per leaf in a shared pass; 255 at most)",
+        help="largest tree (nodes besides the root); default 1024, or on the llama.cpp backend 255, and on a "
+        "llama.cpp target whose sessions share passes 256 minus --max-sessions (its 256 sequence ids, one per "
+        "session and one per leaf in a shared pass; 255 where that would leave under 64)",
     )
     parser.add_argument("--max-sessions", type=int, default=DEFAULT_MAX_SESSIONS)
     add_prefix_sharing_arg(parser)
@@ -66,7 +67,7 @@ def add_node_args(parser: argparse.ArgumentParser, default_port: int) -> None:
         help="while other sessions are open, a pass runs at most N tokens of one session's prompt, so a long "
         "prompt takes several passes, each shared with the others' work, instead of stalling them all "
         "(default: the rows whose pass costs about 8 one-token passes on the node's measured curve, at "
-        "least 64; a session alone takes 4 chunks a pass; never over --max-batch-tokens nor under 64)",
+        "least 64; a session alone takes 4 chunks a pass; never over --max-batch-tokens, or 64 if that is less)",
     )
     parser.add_argument(
         "--idle-timeout", type=float, default=300.0, help="seconds before an idle session is freed"
