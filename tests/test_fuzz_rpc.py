@@ -869,7 +869,8 @@ def test_chain_mode_on_a_gateway_sized_for_trees_takes_the_default_chain_length(
     it was a max_depth over 128, refused for every chain request that set no budget of its own."""
     target, draft = engines
     tokenizer = target.loaded.tokenizer
-    base = SpecExec(target, draft, tokenizer, tree=TreeParams(budget=200))
+    base = SpecExec(target, draft, tokenizer, tree=TreeParams(budget=MAX_TREE))
+    base.tree = TreeParams(budget=200)  # as --budget auto leaves it before a llama.cpp target of 248 answers
     gateway = Node(GATEWAY, GenerationServicer(lambda mode, tree: SpecExec(target, draft, tokenizer, mode=mode, tree=tree), base))
     request = pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), mode="chain", sampling=pb.SamplingParams(max_new_tokens=4))
     responses, code, details = gateway.stream("Generate", request)
