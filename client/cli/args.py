@@ -119,18 +119,16 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         add_compile_args(p)
         add_quantize_arg(p, "--draft-quantize")
         add_offload_args(p)
-        IN_PROCESS_ONLY.update({a.dest: a.option_strings[0] for a in p._actions if a.dest not in before})
-        del IN_PROCESS_ONLY["target_model"]
-
-
-# dest -> flag of the options that load models in this process: a run on nodes has no use for them
-IN_PROCESS_ONLY: dict[str, str] = {}
+        # dest -> flag of the options that load models in this process: a run on nodes has no use for them
+        p.in_process_only = {a.dest: a.option_strings[0] for a in p._actions  # type: ignore[attr-defined]
+                             if a.dest not in before and a.dest != "target_model"}  # fmt: skip
 
 
 def unused_model_flags(args: argparse.Namespace, sub: argparse.ArgumentParser) -> list[str]:
     """The in-process flags a run on nodes (--target) was given on its command line: a config file's
     and the environment's values are `sub`'s defaults by now, and may be meant for in-process runs."""
-    return [flag for dest, flag in IN_PROCESS_ONLY.items() if getattr(args, dest, None) != sub.get_default(dest)]
+    flags = getattr(sub, "in_process_only", {})
+    return [flag for dest, flag in flags.items() if getattr(args, dest, None) != sub.get_default(dest)]
 
 
 T = TypeVar("T")
