@@ -147,23 +147,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_models(args: argparse.Namespace) -> int:
 
     if args.action == "install":
-        args.format = args.format or "torch"
+        both = args.format == "both"
         for name in args.names or list(DEFAULT_MODELS):
             if name not in DEFAULT_MODELS:
                 raise ValueError(f"unknown model {name!r}; known: {', '.join(DEFAULT_MODELS)}")
-            for fmt in ("torch", "gguf") if args.format == "both" else (args.format,):
-                print(f"{name} ({fmt}): {install_model(name, force=args.force, fmt=fmt, keep_gguf=args.format == 'both' and fmt == 'torch')}",
+            for fmt in ("torch", "gguf") if both else (args.format or "torch",):
+                print(f"{name} ({fmt}): {install_model(name, force=args.force, fmt=fmt, keep_gguf=both and fmt == 'torch')}",
                       file=sys.stderr)  # fmt: skip
         return 0
     if args.force:
         raise ValueError("--force applies to `models install`")
     rows = list_models()
-    unknown = [name for name in args.names if not any(row["name"].split(" (")[0] == name for row in rows)]
+    known = list(dict.fromkeys(row["name"].removesuffix(" (gguf)") for row in rows))
+    unknown = [name for name in args.names if name not in known]
     if unknown:
-        raise ValueError(f"unknown model {unknown[0]!r}; known: {', '.join(dict.fromkeys(r['name'].split(' (')[0] for r in rows))}")
+        raise ValueError(f"unknown model {unknown[0]!r}; known: {', '.join(known)}")
     for row in rows:
-        gguf = row["name"].endswith(" (gguf)")
-        if (args.names and row["name"].split(" (")[0] not in args.names) or args.format == ("torch", "gguf")[not gguf]:
+        name = row["name"].removesuffix(" (gguf)")
+        fmt = "torch" if name == row["name"] else "gguf"
+        if (args.names and name not in args.names) or args.format not in (None, "both", fmt):
             continue
         state = f"{row['size_bytes'] / 1e9:.2f} GB at {row['path']}" if row["installed"] else "not installed"
         print(f"{row['name']:26} {state}  ({row['description']})")

@@ -882,13 +882,12 @@ def tokenizer_identity(path: Path) -> dict[str, Any]:
     identity = read_json(cached)
     if isinstance(identity, dict) and identity.get("dir") and Path(identity["dir"]).is_dir():
         return identity  # (a bare file's directory beside it may have been cleared: read again)
-    code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import read_identity\n"
+    code = ("import json, sys; from pathlib import Path; from common.model.llama_cpp import BAD_FILE, read_identity\n"
             "from common.model.store import BadModelFileError\n"
             "try: i = read_identity(Path(sys.argv[1]))\n"
             "except BadModelFileError as e: sys.exit(f'{BAD_FILE}{e}')\n"
             "i.pop('tokenizer'); print(json.dumps(i))")  # fmt: skip
-    run = subprocess.run([sys.executable, "-c", code.replace("{BAD_FILE}", BAD_FILE), str(path)],
-                         capture_output=True, text=True)  # fmt: skip
+    run = subprocess.run([sys.executable, "-c", code, str(path)], capture_output=True, text=True)
     if run.returncode:
         told = run.stderr.strip().splitlines()[-1:] or [""]
         if told[0].startswith(BAD_FILE):
