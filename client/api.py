@@ -375,13 +375,18 @@ class Chat:
             self.sequence = self.gen.sequence(ids)
         else:
             self.sequence.reset_to(ids)
-        reply: list[str] = []
+        reply: list[str] | None = []
         try:
             for chunk in self.gen._run(self.sequence, sampling):
                 reply.append(chunk.text)
                 yield chunk
+        except Exception:  # a failed turn (over the context, a node refused) is not part of the chat
+            self.messages.pop()
+            reply = None
+            raise
         finally:  # a reply abandoned half-way is still the assistant's turn, as far as it went
-            self.messages.append({"role": "assistant", "content": "".join(reply)})
+            if reply is not None:
+                self.messages.append({"role": "assistant", "content": "".join(reply)})
 
     def close(self) -> None:
         if self.sequence is not None:

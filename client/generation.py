@@ -34,6 +34,7 @@ CATCH_UP = TreeParams.chain(1)  # what that background call asks for: the KV; it
 # Steps on the target alone run as one call of at most this many tokens (`Sequence._alone_run`), and
 # within a quarter of the call's deadline at the pace last measured.
 RUN_MAX = 16
+UNSURE = 1 << 62  # a node's length after a call that raised: past any, so the next call truncates (`Sequence._distrust`)
 # A draft node with no session free (its --max-sessions, other generations' sessions) is up: this
 # sequence runs on the target alone and asks it again after this many seconds.
 DRAFT_FULL_RETRY = 2.0
@@ -354,6 +355,7 @@ class Sequence:
         # Per node: how much of `tokens` it is known to hold, and how long its own sequence is.
         self._valid = {"target": len(prompt), "draft": len(prompt)}
         self._length = dict(self._valid)
+        self._held = dict(self._valid)  # what each node surely held before the last call that sent it tokens
         self._draft_kv = 0  # tokens whose KV the draft has computed (a session runs its history lazily)
         self._apart = getattr(draft, "runs_apart", False)
         self._background: ThreadPoolExecutor | None = None
@@ -375,10 +377,19 @@ class Sequence:
         self._draft_kv = min(self._draft_kv, common)
 
     def _sync(self, node: str) -> tuple[int | None, list[int]]:
-        valid = self._valid[node]
+        valid = self._held[node] = self._valid[node]
         truncate_to = valid if valid < self._length[node] else None
         self._valid[node] = self._length[node] = len(self.tokens)
         return truncate_to, self.tokens[valid:]
+
+    def _distrust(self) -> None:
+        """A call that raised may have left its node holding anything past what it surely held before
+        (a context refusal after a new chat turn's tokens were counted as sent): the next call
+        truncates each node back there and sends the rest again, never building on a guess."""
+        for node in self._valid:
+            self._valid[node] = min(self._valid[node], self._held[node])
+            self._length[node] = UNSURE
+        self._draft_kv = min(self._draft_kv, self._held["draft"])
 
     def _reopen(self, node: str) -> None:
         """A fresh session holding every committed token: the node replays the history once. The old
@@ -614,8 +625,14 @@ class Sequence:
     ) -> Iterator[VerifyResult]:
         """`planner`, if given (or once its callable returns one), picks each step's tree size
         (`--budget auto`) instead of `tree`."""
+        try:
+            yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats)
+        except Exception:
+            self._distrust()
+            raise
+
+    def _steps(self, sampling: SamplingParams, budget: StepBudget, stats: GenerationStats) -> Iterator[VerifyResult]:
         generated = 0
-        budget = StepBudget(tree, planner, sampling)
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             left = sampling.max_new_tokens - generated

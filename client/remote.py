@@ -150,6 +150,16 @@ class _RemoteNode:
         timeout = timeout or self.call_timeout
         return _call(self.role, self.address, fn, request, timeout, self.metadata, self.security)
 
+    def _step(self, fn: Any, request: Any) -> Any:
+        """A call that is one of the session's steps. A node counts a step only once it has served it,
+        so a refused one (a context or tree limit) is not counted here either: the session's next
+        call must not arrive out of order."""
+        try:
+            return self._rpc(fn, request, self.step_timeout)
+        except (ValueError, NodeError):
+            self._steps[request.session_id] = request.step_id - 1
+            raise
+
     def _next_step(self, session_id: str) -> int:
         self._steps[session_id] = self._steps.get(session_id, 0) + 1
         return self._steps[session_id]
@@ -215,7 +225,7 @@ class RemoteDraft(_RemoteNode):
             truncate_to=truncate_to,
             params=tree_params_to_proto(params),
         )
-        response = self._rpc(self.stub.BuildTree, request, self.step_timeout)
+        response = self._step(self.stub.BuildTree, request)
         node_seconds = response.build_seconds + response.queue_seconds
         return DraftedTree(
             tree_from_proto(response.tree), response.draft_forwards, node_seconds, reused=response.reused
@@ -248,7 +258,7 @@ class RemoteTarget(_RemoteNode):
             append=append or [],
             truncate_to=truncate_to,
         )
-        return _verify_result(self._rpc(self.stub.Verify, request, self.step_timeout))
+        return _verify_result(self._step(self.stub.Verify, request))
 
     def decode(
         self,
@@ -275,12 +285,17 @@ class RemoteTarget(_RemoteNode):
             steps=steps,
         )
         call = self.stub.Decode(request, timeout=self.step_timeout, metadata=self.metadata)
+        served = False
         try:
             for response in call:
+                served = True
                 yield _verify_result(response)
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise _fault(self.role, self.address, exc, self.security) from exc
+                fault = _fault(self.role, self.address, exc, self.security)
+                if not served and isinstance(fault, (ValueError, NodeError)):  # refused: no step taken (`_step`)
+                    self._steps[session_id] = request.step_id - 1
+                raise fault from exc
             # A node older than Decode saw no step: this run is its first step alone, as a Verify,
             # and every step from now on goes a call each.
             self.runs_apart, self._steps[session_id] = False, request.step_id - 1

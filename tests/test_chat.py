@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from client.api import Chat, SpecExec
 from common.decoding.tree import TreeParams
 from draft_node.engine import DraftEngine
@@ -79,3 +81,36 @@ def test_chat_command_runs_two_turns(model_dirs):
                          env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert out.stderr.count("tokens/step") == 2
+
+
+def test_a_turn_over_the_context_is_dropped_and_the_next_reads_the_real_history(loaded):
+    """A refused turn stayed in the messages, and the client counted its tokens as on the target: the
+    next turn was answered on a context the target never held (168 tokens against a 128 limit)."""
+
+    def chat() -> Chat:
+        target = TargetEngine(loaded["target"], max_context=160, max_tree=8)
+        draft = DraftEngine(loaded["truncated"], max_context=160, max_tree=8)
+        return Chat(SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8)), system="Be brief.")
+
+    turn = dict(max_new_tokens=8, ignore_eos=True)
+    failed, fresh = chat(), chat()
+    first = [c.token_ids for c in failed.send("Hi", **turn)]
+    with pytest.raises(ValueError, match="context limit of 160"):
+        list(failed.send("tell me a long story " * 8, **turn))
+    assert [m["role"] for m in failed.messages] == ["system", "user", "assistant"]
+    assert first == [c.token_ids for c in fresh.send("Hi", **turn)]
+    assert [c.token_ids for c in failed.send("Go on", **turn)] == [c.token_ids for c in fresh.send("Go on", **turn)]
+    failed.close()
+    fresh.close()
+
+
+def test_chat_command_drops_a_turn_over_the_context_and_goes_on(model_dirs):
+    """It ended the conversation (exit 2); and piped replies began with the '> ' prompts."""
+    cmd = [sys.executable, "-m", "client.cli.main", "chat", "--draft-model", str(model_dirs["truncated"]),
+           "--target-model", str(model_dirs["target"]), "--budget", "8", "--max-new-tokens", "6", "--ignore-eos"]  # fmt: skip
+    out = subprocess.run(cmd, input=f"Hi\n{'x' * 1100}\nAnd again\n\n", capture_output=True, text=True, timeout=120,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "this message was dropped from the conversation" in out.stderr
+    assert out.stderr.count("tokens/step") == 2
+    assert ">" not in out.stdout

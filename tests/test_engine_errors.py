@@ -59,6 +59,8 @@ def test_prompt_longer_than_context(gen):
         ({"max_new_tokens": 0}, "max_new_tokens must be >= 1"),
         ({"seed": -1}, "seed"),
         ({"stop": ("",)}, "stop strings must be non-empty"),
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+        ({"stop": ["a", 5]}, r"stop must be a string or a list of strings, got \['a', 5\]"),
         ({"max_new_tokens": 3.5}, "max_new_tokens must be a whole number, got 3.5"),
         ({"temperature": "0.7"}, "temperature must be a number, got '0.7'"),
     ],
@@ -66,6 +68,11 @@ def test_prompt_longer_than_context(gen):
 def test_bad_sampling_params(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingParams(**kwargs)
+
+
+def test_stop_none_means_no_stop_strings():
+    """As OpenAI's clients send it; it was a TypeError."""
+    assert SamplingParams(stop=None).stop == () and SamplingParams(stop="ab").stop == ("ab",)
 
 
 def test_budget_zero_and_over_node_limit(loaded):

@@ -518,3 +518,36 @@ def test_public_bind_refusal_is_a_clean_message_from_the_cli(public_bind):
 def test_public_bind_refusal_is_a_clean_message_from_the_node_module(public_bind):
     out = public_bind["target_node"]
     assert "Traceback" not in out.stderr, out.stderr
+
+
+def test_a_chat_turn_over_the_context_is_dropped_and_the_chat_goes_on(nodes, env):
+    """Through nodes the refused turn stayed in the history, so every later turn was refused too; and
+    the step it used was counted by the client only, so the next call was out of order."""
+    from client.api import Chat
+    from client.generation import Recovery
+    from client.remote import connect
+
+    notes: list[str] = []
+
+    def chat() -> Chat:
+        gen = connect(nodes["draft"], nodes["target"], tree=TreeParams(budget=BUDGET), recovery=Recovery(notify=notes.append))
+        return Chat(gen, system="Be brief.")
+
+    turn = dict(max_new_tokens=8, ignore_eos=True)
+    failed, fresh = chat(), chat()
+    first = [c.token_ids for c in failed.send("Hi", **turn)]
+    with pytest.raises(ValueError, match=f"context limit of {MAX_CONTEXT}"):
+        list(failed.send("x" * (MAX_CONTEXT + 10), **turn))
+    assert [m["role"] for m in failed.messages] == ["system", "user", "assistant"]
+    assert first == [c.token_ids for c in fresh.send("Hi", **turn)]
+    assert [c.token_ids for c in failed.send("Go on", **turn)] == [c.token_ids for c in fresh.send("Go on", **turn)]
+    assert not notes, notes  # no step out of order, no session reopened
+    failed.close()
+    fresh.close()
+    long = "x" * (MAX_CONTEXT + 10)
+    out = subprocess.run([sys.executable, "-m", "client.cli.main", "chat", "--target", nodes["target"], "--draft",
+                          nodes["draft"], "--budget", str(BUDGET), "--max-new-tokens", "4", "--ignore-eos"],
+                         input=f"Hi\n{long}\nAgain\n\n",
+                         capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    assert "dropped from the conversation" in out.stderr and out.stderr.count("tokens/step") == 2, out.stderr

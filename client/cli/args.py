@@ -54,7 +54,7 @@ def add_tree_args(p: argparse.ArgumentParser) -> None:
         "--max-budget (chain mode: chain length, default 4); in process, a model's curve is measured once "
         "per machine (minutes on a CPU, then cached), which a number skips",
     )
-    g.add_argument("--max-budget", type=int, default=256, help="largest tree --budget auto considers")
+    g.add_argument("--max-budget", type=positive_int, default=256, help="largest tree --budget auto considers")
     g.add_argument(
         "--no-planner-memory",
         action="store_true",

@@ -64,10 +64,11 @@ def cmd_chat(args: argparse.Namespace) -> int:
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not the rest of the input
         sys.stdin.reconfigure(errors="surrogateescape")
     print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
+    prompt = "> " if sys.stdin.isatty() else ""  # piped replies are the output's only lines
     try:
         while True:
             try:
-                line = input("> ")
+                line = input(prompt)
             except EOFError:
                 break
             if not line.strip():
@@ -77,13 +78,16 @@ def cmd_chat(args: argparse.Namespace) -> int:
             except ValueError as exc:
                 print(f"specexec: {exc}; send it again as UTF-8", file=sys.stderr)
                 continue
-            for chunk in chat.send(line, sampling):
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                if chunk.stats is not None:  # the reply's newline on stdout, so piped replies stay lines
-                    print(flush=True)
-                    print(f"[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} tokens/step]",
-                          file=sys.stderr)  # fmt: skip
+            try:
+                for chunk in chat.send(line, sampling):
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if chunk.stats is not None:  # the reply's newline on stdout, so piped replies stay lines
+                        print(flush=True)
+                        print(f"[{chunk.stats.tokens_per_second:.2f} tok/s, {chunk.stats.tokens_per_step:.2f} "
+                              "tokens/step]", file=sys.stderr)  # fmt: skip
+            except ValueError as exc:  # this turn only: the conversation goes on without it
+                print(f"\nspecexec: {exc}; this message was dropped from the conversation", file=sys.stderr)
     finally:
         chat.close()
     return 0

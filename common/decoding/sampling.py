@@ -34,10 +34,17 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.stop, str):  # as OpenAI takes it: one string is one stop, not its characters
+        if self.stop is None:  # as OpenAI takes it: no stop strings
+            object.__setattr__(self, "stop", ())
+        elif isinstance(self.stop, str):  # one string is one stop, not its characters
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
-            object.__setattr__(self, "stop", tuple(self.stop))
+            try:
+                object.__setattr__(self, "stop", tuple(self.stop))
+            except TypeError:
+                raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
+        if not all(isinstance(s, str) for s in self.stop):
+            raise ValueError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
         for names, kind, what, plain in ((("temperature", "top_p"), numbers.Real, "a number", float),
                                          (("top_k", "seed", "max_new_tokens"), numbers.Integral, "a whole number", int)):  # fmt: skip
             for name in names:
