@@ -50,7 +50,7 @@ from client.budget import BudgetPlanner
 from client.generation import CATCH_UP, CATCH_UP_ALONE
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams, TreeStructure
-from common.model.choices import draft_dtype
+from common.model.choices import QUANTIZE_CHOICES, draft_dtype
 from common.model.llama_cpp import LlamaCppModel, load_gguf
 from common.model.loading import load_model
 from common.model.profiling import cached_forward_curve, interpolate
@@ -221,8 +221,9 @@ def main() -> None:
     ap.add_argument("--draft-curve", metavar="FILE:LABEL", help="play the draft's passes by this curve (virtual time)")
     ap.add_argument("--target-scale", type=float, default=1.0,
                     help="multiply the target's curve: 10 makes the 7B shape's stream a 70B-class one's")
-    ap.add_argument("--draft-quantize", choices=("none", "int8"),
-                    help="run the draft on torch with this quantization (the home lab's int8 draft) instead of llama.cpp")
+    ap.add_argument("--draft-quantize", choices=QUANTIZE_CHOICES, nargs="+",
+                    help="run the draft on torch with this quantization (the home lab's int8 draft) instead of "
+                         "llama.cpp; several: each variant runs with each draft, interleaved, as 'variant int4'")
     ap.add_argument("--trace", metavar="FILE", help="write every drafted step's tree, wait and idle batches as JSON")
     ap.add_argument("--cap", type=int, default=BUDGET, help="the largest tree, as `--auto-cap` (at most 255)")
     args = ap.parse_args()
@@ -242,37 +243,44 @@ def main() -> None:
     texts = [(c, ids, greedy_text(target.model, ids, args.tokens + 1)) for c, ids in texts]
     target.model.close()
     os.sched_setaffinity(0, {args.draft_core})
-    if args.draft_quantize:
-        draft = load_model(resolve_model(args.draft), dtype=draft_dtype("bfloat16", args.draft_quantize),
-                           quantize=args.draft_quantize)  # fmt: skip
-    else:
-        draft = load_gguf(str(paths[args.draft]), threads=1)
-    if args.draft_curve:
-        draft_curve = read_curve(args.draft_curve)
-        record_passes()
-    else:
-        draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
-    engines = {la: DraftEngine(draft, lookahead=la, max_context=2048, max_tree=BUDGET, max_sessions=4) for la in (True, False)}
-    for engine in engines.values():
-        if engine.lookahead is not None:
-            engine.lookahead.alone_seconds = 0.0  # one session at a time, each new
+    schemes = args.draft_quantize or [None]
+    drafts = {}
+    for scheme in schemes:
+        if scheme:
+            draft = load_model(resolve_model(args.draft), dtype=draft_dtype("bfloat16", scheme), quantize=scheme)
+        else:
+            draft = load_gguf(str(paths[args.draft]), threads=1)
+        if args.draft_curve:
+            draft_curve = read_curve(args.draft_curve)
+            record_passes()
+        else:
+            draft_curve, _ = cached_forward_curve(draft.model, BUDGET, 1.0, draft.path)
+        engines = {la: DraftEngine(draft, lookahead=la, max_context=2048, max_tree=BUDGET, max_sessions=4) for la in (True, False)}
+        for engine in engines.values():
+            if engine.lookahead is not None:
+                engine.lookahead.alone_seconds = 0.0  # one session at a time, each new
+        drafts[scheme] = (engines, draft_curve)
+    label = {(v, q): v if len(schemes) == 1 else f"{v} {q}" for v in args.variants for q in schemes}
     results: dict[tuple[str, str], list[dict[str, float]]] = {}
     traces: list[dict[str, object]] = []
     try:
         # One planner per variant for all its prompts, as a client keeps one: a request starts from
         # what the ones before it learned.
-        plans = {v: planner_for(v, target_curve, draft_curve) for v in args.variants}
+        plans = {(v, q): planner_for(v, target_curve, drafts[q][1]) for v in args.variants for q in schemes}
         for category, ids, text in texts:  # variants interleaved prompt by prompt
             for variant in args.variants:
-                lookahead = "-nola" not in variant and not args.draft_curve
-                played = draft_curve if args.draft_curve else None
-                steps: list[dict[str, float]] = []
-                r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant], played, steps)
-                traces.append({"category": category, "variant": variant, "steps": steps})
-                results.setdefault((category, variant), []).append(r)
+                for scheme in schemes:
+                    engines, draft_curve = drafts[scheme]
+                    lookahead = "-nola" not in variant and not args.draft_curve
+                    played = draft_curve if args.draft_curve else None
+                    steps: list[dict[str, float]] = []
+                    r = run(engines[lookahead], ids, text, variant, target_curve, plans[variant, scheme], played, steps)
+                    traces.append({"category": category, "variant": label[variant, scheme], "steps": steps})
+                    results.setdefault((category, label[variant, scheme]), []).append(r)
     finally:
-        for engine in engines.values():
-            engine.close()
+        for engines, _ in drafts.values():
+            for engine in engines.values():
+                engine.close()
     played = f"the curve '{args.target_curve}'" if args.target_curve else "its curve"
     played += f" x{args.target_scale:g}" if args.target_scale != 1 else ""
     drafting = f"played by the curve '{args.draft_curve}' (virtual time, no lookahead)" if args.draft_curve else f"on core {args.draft_core}"
@@ -287,7 +295,7 @@ def main() -> None:
               f"| {mean['skipped']:.0%} | {mean['ttft']:.2f} s |")  # fmt: skip
     if args.trace:
         Path(args.trace).write_text(json.dumps(traces))
-        summarize(traces, interpolate(draft_curve, 1))
+        summarize(traces, interpolate(drafts[schemes[0]][1], 1))
 
 
 if __name__ == "__main__":

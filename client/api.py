@@ -206,8 +206,9 @@ class SpecExec:
         """Both models in this process: the engines are called directly, no servers involved.
 
         `offload` streams the target's layers from host RAM to `device` (common.model.offload).
-        `draft_quantize="int8"` runs the draft with int8 linears and float32 elsewhere, whatever
-        `dtype` says: its fastest configuration on a CPU (common.model.quantized_linear).
+        `draft_quantize="int8"` (or "int4", int4 weights for passes of up to 4 rows) runs the draft with
+        quantized linears and float32 elsewhere, whatever `dtype` says: its fastest configuration on a CPU
+        (common.model.quantized_linear).
         `compile_buckets` compiles both models' passes for those token counts before returning
         (common.model.compiled_forward). `backend` "llama.cpp" (or "auto" with a GGUF target) runs the
         target's GGUF as it is through llama.cpp (common.model.llama_cpp), with `n_gpu_layers` on the
@@ -226,7 +227,7 @@ class SpecExec:
         llama_draft = drafting and resolve_backend(draft_backend, str(draft_model), plain=draft_plain) == "llama.cpp"
         if llama_draft:  # the draft's flags and path are checked before the target loads, not after
             if not draft_plain:
-                raise ValueError("the llama.cpp draft takes no int8 quantization, offload plan, compile buckets or device")
+                raise ValueError("the llama.cpp draft takes no int8 or int4 quantization, offload plan, compile buckets or device")
             locate_gguf(str(draft_model))
         elif drafting:
             if draft_n_gpu_layers:

@@ -192,7 +192,8 @@ def add_quantize_arg(parser: argparse.ArgumentParser, flag: str = "--quantize") 
         choices=QUANTIZE_CHOICES,
         default="none",
         help="int8: int8 weights and dynamically quantized activations, float32 elsewhere, CPU only: "
-        "up to 1.9x faster draft passes; the output is still exactly the target's (default none)",
+        "up to 1.9x faster draft passes; int4: int4 weights for passes of up to 4 rows, int8 beyond; "
+        "the output is still exactly the target's (default none)",
     )
 
 

@@ -1,4 +1,4 @@
-"""An int8 draft changes the draft's numbers, never the output: the target still decides every token."""
+"""An int8 or int4 draft changes the draft's numbers, never the output: the target still decides every token."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.model import quantized_linear
 from common.model.loading import load_model
-from common.model.quantized_linear import Int8DynamicLinear, check_quantize, quantize
+from common.model.quantized_linear import Int4Linear, Int8DynamicLinear, check_quantize, quantize
 from tests.helpers import SAMPLE_TREE, prefix_then_tree
 
 pytestmark = pytest.mark.skipif(
@@ -32,6 +32,25 @@ def test_fused_int8_product_is_close_to_the_float_products():
         assert fused(x.bfloat16()).dtype == torch.bfloat16
 
 
+def test_int4_product_is_close_to_the_float_products_and_int8_past_its_rows(monkeypatch):
+    monkeypatch.setattr(quantized_linear, "QUANTIZE_ROWS", 32)  # packed in pieces, as the LM head is
+    torch.manual_seed(0)
+    linears = [nn.Linear(128, n, bias=True) for n in (48, 16, 64)]
+    fused, int8 = Int4Linear(linears), Int8DynamicLinear(linears)
+    assert fused.int4 and fused.split_sizes == [48, 16, 64]
+    for rows in range(1, quantized_linear.INT4_MAX_ROWS + 1):
+        x = torch.randn(rows, 128)
+        ref = torch.cat([lin(x) for lin in linears], dim=-1).detach()
+        out = fused(x)
+        assert out.shape == ref.shape and out.dtype == torch.float32
+        assert (out - ref).abs().max() < 0.1 * ref.abs().max()
+        assert not torch.equal(out, int8(x))
+    wide = torch.randn(quantized_linear.INT4_MAX_ROWS + 1, 128)
+    assert torch.equal(fused(wide), int8(wide))
+    odd = Int4Linear([nn.Linear(96, 16)])  # 96 columns: no whole groups of 64, so int8 throughout
+    assert not odd.int4 and torch.equal(odd(wide[:1, :96]), odd.int8(wide[:1, :96]))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_quantizing_rows_in_pieces_gives_the_whole_weights_int8(monkeypatch, dtype):
     """A piece of rows at a time (so the 0.5B's LM head needs no float32 copy at load) is the same
@@ -48,13 +67,15 @@ def test_quantizing_rows_in_pieces_gives_the_whole_weights_int8(monkeypatch, dty
     assert torch.equal(got.q_per_channel_scales(), want.q_per_channel_scales())
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("name", ["target", "qwen2", "qwen3"])
-def test_int8_model_stays_close_to_the_float_model(name, model_dirs):
+def test_quantized_model_stays_close_to_the_float_model(name, scheme, model_dirs):
     ref = load_model(model_dirs[name]).model
-    q = load_model(model_dirs[name], quantize="int8").model
-    assert q.quantized == "int8" and not q.repacked
-    assert isinstance(q.model.layers[0].self_attn.qkv_proj, Int8DynamicLinear)
-    assert isinstance(q.lm_head, Int8DynamicLinear)
+    q = load_model(model_dirs[name], quantize=scheme).model
+    assert q.quantized == scheme and not q.repacked
+    linear = Int4Linear if scheme == "int4" else Int8DynamicLinear
+    assert isinstance(q.model.layers[0].self_attn.qkv_proj, linear)
+    assert isinstance(q.lm_head, linear)
     prefix = torch.tensor([5, 17, 99, 3, 42])
     ours = q.logits(prefix_then_tree(q, prefix, SAMPLE_TREE)[1])
     theirs = ref.logits(prefix_then_tree(ref, prefix, SAMPLE_TREE)[1])
@@ -72,16 +93,17 @@ def test_a_tied_head_gets_its_own_int8_copy(model_dirs):
 
 
 def test_bad_settings_name_the_field():
-    with pytest.raises(ValueError, match="quantize must be one of none, int8, got 'int4'"):
-        check_quantize("int4", "cpu")
+    with pytest.raises(ValueError, match="quantize must be one of none, int8, int4, got 'int2'"):
+        check_quantize("int2", "cpu")
     with pytest.raises(ValueError, match="CPU nodes only, not on device 'cuda'"):
         check_quantize("int8", "cuda")
     check_quantize("none", "cuda")
 
 
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
 @pytest.mark.parametrize("mode", ["specexec", "chain"])
-def test_int8_draft_output_is_the_target_alone(mode, model_dirs):
-    """Greedy and seeded samples through an int8 draft equal the float32 target decoding alone."""
+def test_quantized_draft_output_is_the_target_alone(mode, scheme, model_dirs):
+    """Greedy and seeded samples through an int8 or int4 draft equal the float32 target decoding alone."""
     from client.api import SpecExec
 
     def run(draft_quantize: str, mode: str, sampling: SamplingParams) -> list[int]:
@@ -96,14 +118,14 @@ def test_int8_draft_output_is_the_target_alone(mode, model_dirs):
         if draft_quantize != "none":
             assert gen.draft is not None and gen.draft.loaded.model.quantized == draft_quantize
             # status and node_info said "float32" for an int8 draft
-            assert gen.draft.info().dtype == "int8 linears, float32 elsewhere"
+            assert gen.draft.info().dtype == f"{draft_quantize} linears, float32 elsewhere"
         return gen.generate([5, 17, 99, 3], sampling).token_ids
 
     for sampling in (
         SamplingParams(max_new_tokens=24, ignore_eos=True),
         SamplingParams(max_new_tokens=24, temperature=0.8, top_p=0.9, seed=3, ignore_eos=True),
     ):
-        assert run("int8", mode, sampling) == run("none", "autoregressive", sampling)
+        assert run(scheme, mode, sampling) == run("none", "autoregressive", sampling)
 
 
 def test_commands_accept_quantize_flags():
@@ -122,8 +144,9 @@ def test_commands_accept_quantize_flags():
     local = ["local", "--draft-model", "d", "--target-model", "t", "--draft-quantize", "int8"]
     assert parse(local).draft_quantize == "int8"
     assert parse(["bench", "--draft-quantize", "int8"]).draft_quantize == "int8"
+    assert parse(["draft", "--model", "m", "--quantize", "int4"]).quantize == "int4"
     with pytest.raises(SystemExit):
-        parse(["draft", "--model", "m", "--quantize", "int4"])
+        parse(["draft", "--model", "m", "--quantize", "int2"])
 
 
 def test_quantized_rows_depend_on_the_batch():

@@ -133,7 +133,7 @@ def add_bench_parser(sub: Any) -> None:
         "--draft-quantize",
         choices=QUANTIZE_CHOICES,
         default="none",
-        help="our engine's draft in int8 (float32 elsewhere); Hugging Face's assistant stays --dtype",
+        help="our engine's draft in int8 or int4 (float32 elsewhere); Hugging Face's assistant stays --dtype",
     )
     b.add_argument(
         "--prompts", help="JSONL file with {'prompt', 'category'} per line (default: the shipped set)"

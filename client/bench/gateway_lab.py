@@ -12,6 +12,7 @@ from client.bench.harness import free_port
 from client.bench.home_lab import model_dir, pinned
 from client.bench.load import wait_http
 from client.remote import wait_until_serving
+from common.model.choices import QUANTIZE_CHOICES
 from common.options import node_command
 
 
@@ -19,7 +20,7 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-model", default="qwen2.5-coder-0.5b")
     parser.add_argument("--target-model", default="qwen2.5-coder-1.5b")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--draft-quantize", default="int8", choices=("none", "int8"))
+    parser.add_argument("--draft-quantize", default="int8", choices=QUANTIZE_CHOICES)
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
                         help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")  # fmt: skip
 

@@ -22,7 +22,7 @@ def parse_buckets(text: str | Sequence[int]) -> tuple[int, ...]:
     return tuple(buckets)
 
 
-QUANTIZE_CHOICES = ("none", "int8")
+QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
 def draft_dtype(dtype: str, scheme: str) -> str:

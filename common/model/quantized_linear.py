@@ -76,6 +76,70 @@ class Int8DynamicLinear(nn.Module):
 
 
 QUANTIZE_ROWS = 4096  # rows converted to float32 at a time
+INT4_GROUP = 64  # input columns sharing one int4 scale and zero
+INT4_MAX_ROWS = 4  # the int4 kernel unpacks its weights per row: beyond this the int8 product wins
+
+
+class Int4Linear(nn.Module):
+    """int4 weights in groups of INT4_GROUP input columns (a scale and a zero each) for passes of at
+    most INT4_MAX_ROWS rows, with the int8 product of `Int8DynamicLinear` beyond.
+
+    Why both: one core streams weights at ~11 GB/s, so a draft's one-row pass costs its bytes, and
+    int4 halves them (a 0.5B draft level 1.3x faster at one row). But PyTorch's CPU int4 kernel
+    (`_weight_int4pack_mm_for_cpu`) unpacks the weights for every row, so from ~6 rows it is slower
+    than int8; wider expansions keep the int8 copy, at 1.5x the int8 draft's weight memory. The
+    int4 kernel takes bf16 activations (its float32 path is a slow reference), so those rows are
+    rounded to bf16 first: the draft's proposals move, never the output (the target decides)."""
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        self.int8 = Int8DynamicLinear(linears)
+        self.in_features = linears[0].in_features
+        out = sum(lin.out_features for lin in linears)
+        self.int4 = self.in_features % INT4_GROUP == 0 and out % 16 == 0
+        if self.int4:
+            self.packed, self.scales_zeros = _quantize_int4([lin.weight.detach() for lin in linears])
+        biases = [lin.bias for lin in linears]
+        self.bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+
+    @property
+    def split_sizes(self) -> list[int]:
+        return self.int8.split_sizes
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.int4 or x.numel() > INT4_MAX_ROWS * self.in_features:
+            return self.int8(x)
+        rows = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(rows, self.packed, INT4_GROUP, self.scales_zeros)
+        if self.bias is not None:
+            out = out.float() + self.bias
+        return out.reshape(*x.shape[:-1], -1).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.split_sizes}, int4 to {INT4_MAX_ROWS} rows"
+
+
+def _quantize_int4(weights: list[Tensor]) -> tuple[Tensor, Tensor]:
+    """Asymmetric int4 per group of the weights stacked by rows, QUANTIZE_ROWS rows at a time (no
+    float32 copy of the whole stack). Returns the weights packed for the CPU kernel [N, K/2] and the
+    bf16 scales and zeros [K/INT4_GROUP, N, 2], where a weight is (q - 8) * scale + zero."""
+    rows, cols = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    ints = torch.empty((rows, cols), dtype=torch.uint8)
+    scales_zeros = torch.empty((cols // INT4_GROUP, rows, 2))
+    at = 0
+    for weight in weights:
+        for start in range(0, weight.shape[0], QUANTIZE_ROWS):
+            part = weight[start : start + QUANTIZE_ROWS].float()
+            n = part.shape[0]
+            groups = part.reshape(n, -1, INT4_GROUP)  # [n, K / group, group]
+            low, high = groups.amin(-1), groups.amax(-1)  # [n, K / group]
+            scale = ((high - low) / 15).clamp(min=1e-8)
+            ints[at : at + n] = ((groups - low[..., None]) / scale[..., None]).round().clamp(0, 15).reshape(n, cols)
+            scales_zeros[:, at : at + n] = torch.stack((scale, low + 8 * scale), -1).transpose(0, 1)
+            at += n
+    step = 64 * max(1, QUANTIZE_ROWS // 64)  # the kernel packs rows in blocks of 64: pieces must not split one
+    packed = [torch.ops.aten._convert_weight_to_int4pack_for_cpu(ints[i : i + step].int(), 1) for i in range(0, rows, step)]
+    return torch.cat(packed), scales_zeros.to(torch.bfloat16)
 
 
 def _quantize_rows(weights: list[Tensor]) -> Tensor:
@@ -107,6 +171,8 @@ def check_quantize(scheme: str, device: str | torch.device) -> None:
         torch.backends.quantized.supported_engines and hasattr(torch.ops.quantized, "linear_dynamic")
     ):
         raise ValueError(f"quantize {scheme!r} needs PyTorch's quantized CPU backend, which this build lacks")
+    if scheme == "int4" and not hasattr(torch.ops.aten, "_weight_int4pack_mm_for_cpu"):
+        raise ValueError("quantize 'int4' needs PyTorch's CPU int4 kernel (torch 2.5 or later)")
 
 
 def cast_float_parts(model: Transformer, dtype: torch.dtype) -> None:
@@ -131,7 +197,8 @@ def quantize(model: Transformer, scheme: str) -> None:
     check_quantize(scheme, model.device)
     if scheme == "none":
         return
-    replace_projections(model, Int8DynamicLinear)
+    linear = Int4Linear if scheme == "int4" else Int8DynamicLinear
+    replace_projections(model, linear)
     if model.cfg.tie_word_embeddings:
-        model.lm_head = Int8DynamicLinear([model.lm_head])
+        model.lm_head = linear([model.lm_head])
     model.quantized = scheme
