@@ -85,7 +85,7 @@ class Int4Linear(nn.Module):
     most INT4_MAX_ROWS rows, with the int8 product of `Int8DynamicLinear` beyond.
 
     Why both: one core streams weights at ~11 GB/s, so a draft's one-row pass costs its bytes, and
-    int4 halves them (a 0.5B draft level 1.3x faster at one row). But PyTorch's CPU int4 kernel
+    int4 halves them (a 0.5B draft level 1.2x faster at one row). But PyTorch's CPU int4 kernel
     (`_weight_int4pack_mm_for_cpu`) unpacks the weights for every row, so from ~6 rows it is slower
     than int8; wider expansions keep the int8 copy, at 1.5x the int8 draft's weight memory. The
     int4 kernel takes bf16 activations (its float32 path is a slow reference), so those rows are
