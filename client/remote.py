@@ -157,8 +157,12 @@ class _RemoteNode:
         try:
             return self._rpc(fn, request, self.step_timeout)
         except (ValueError, NodeError):
-            self._steps[request.session_id] = request.step_id - 1
+            self._not_taken(request)
             raise
+
+    def _not_taken(self, request: Any) -> None:
+        """The node did not take this step: the session's next call reuses its id."""
+        self._steps[request.session_id] = request.step_id - 1
 
     def _next_step(self, session_id: str) -> int:
         self._steps[session_id] = self._steps.get(session_id, 0) + 1
@@ -293,12 +297,13 @@ class RemoteTarget(_RemoteNode):
         except grpc.RpcError as exc:
             if exc.code() != grpc.StatusCode.UNIMPLEMENTED:
                 fault = _fault(self.role, self.address, exc, self.security)
-                if not served and isinstance(fault, (ValueError, NodeError)):  # refused: no step taken (`_step`)
-                    self._steps[session_id] = request.step_id - 1
+                if not served and isinstance(fault, (ValueError, NodeError)):  # refused (`_step`)
+                    self._not_taken(request)
                 raise fault from exc
             # A node older than Decode saw no step: this run is its first step alone, as a Verify,
             # and every step from now on goes a call each.
-            self.runs_apart, self._steps[session_id] = False, request.step_id - 1
+            self.runs_apart = False
+            self._not_taken(request)
             yield self.verify(session_id, TokenTree.root_only(last_token), params, max_tokens, append, truncate_to)
         finally:
             call.cancel()

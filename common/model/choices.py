@@ -26,8 +26,8 @@ QUANTIZE_CHOICES = ("none", "int8", "int4")
 
 
 def draft_dtype(dtype: str, scheme: str) -> str:
-    """The float dtype an int8 draft runs its norms and activations in when the user asked for `dtype`
-    for both models: float32, its fastest on a CPU (no conversions around each int8 product)."""
+    """The float dtype an int8 or int4 draft runs its norms and activations in when the user asked for
+    `dtype` for both models: float32, its fastest on a CPU (no conversions around each int8 product)."""
     return dtype if scheme == "none" else "float32"
 
 

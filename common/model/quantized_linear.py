@@ -49,13 +49,13 @@ class Int8DynamicLinear(nn.Module):
     def __init__(self, linears: list[nn.Linear]) -> None:
         super().__init__()
         biases = [lin.bias for lin in linears]
-        bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+        self.bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
         with warnings.catch_warnings():
             warnings.filterwarnings(
                 "ignore", message=".*quantize_per_tensor.*deprecated", category=UserWarning
             )
             qweight = _quantize_rows([lin.weight.detach() for lin in linears])
-            self.packed = torch.ops.quantized.linear_prepack(qweight, bias)
+            self.packed = torch.ops.quantized.linear_prepack(qweight, self.bias)
         self.split_sizes = [lin.out_features for lin in linears]
         self.in_features = linears[0].in_features
         self.key = next(_NEXT_KEY)
@@ -99,8 +99,7 @@ class Int4Linear(nn.Module):
         self.int4 = self.in_features % INT4_GROUP == 0 and out % 16 == 0
         if self.int4:
             self.packed, self.scales_zeros = _quantize_int4([lin.weight.detach() for lin in linears])
-        biases = [lin.bias for lin in linears]
-        self.bias = None if biases[0] is None else torch.cat([b.detach().float() for b in biases])
+        self.bias = self.int8.bias
 
     @property
     def split_sizes(self) -> list[int]:
