@@ -194,8 +194,9 @@ class EventStream(StreamingResponse):
                 group.start_soon(stream, group.cancel_scope)
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
+                client_gone(scope)
         except* OSError:  # a server whose send() raises once the client is gone
-            pass
+            client_gone(scope)
         finally:
             with anyio.CancelScope(shield=True):
                 await self.body_iterator.aclose()  # type: ignore[attr-defined]
@@ -408,8 +409,14 @@ class BodyLimit:
         await self.app(scope, limited, closing)
 
 
+def client_gone(scope: Scope) -> None:
+    """A stream's client left before its end: its 200 is counted as CLIENT_CLOSED."""
+    scope.setdefault("state", {})["client_gone"] = True
+
+
 class Metrics:
-    """Counts and times every request by route and status; a stream is timed to its last event."""
+    """Counts and times every request by route and status; a stream is timed to its last event, and
+    one its client left early counts as CLIENT_CLOSED, as a whole answer's does."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
@@ -429,6 +436,8 @@ class Metrics:
             await self.app(scope, receive, observed)
         finally:
             label, seconds = _route_label(scope["path"]), time.perf_counter() - start
+            if scope.get("state", {}).get("client_gone"):
+                status = CLIENT_CLOSED
             HTTP_REQUESTS.labels(label, str(status)).inc()
             HTTP_SECONDS.labels(label).observe(seconds)
             client = (scope.get("client") or ("-",))[0]
