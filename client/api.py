@@ -339,6 +339,14 @@ class SpecExec:
         yield Chunk(text.flush(), [], finish, stats)
 
 
+def check_fits(prompt: int, asked: int, limit: int, name: str = "sampling.max_new_tokens") -> None:
+    """An ask that cannot fit after the prompt is refused, as the OpenAI route and vLLM do, rather than
+    cut short where the context ends; a default max_new_tokens is not an ask, and still is."""
+    if prompt + asked > limit:
+        raise ValueError(f"{name} asks for {asked} tokens after a {prompt}-token prompt, but the "
+                         f"target's context is {limit} tokens: at most {max(limit - prompt, 0)} fit")  # fmt: skip
+
+
 def valid_text(text: str, what: str) -> str:
     """`text` if it is Unicode that UTF-8 can carry: a lone surrogate (from JSON's "\\ud83d", or bytes
     that are not UTF-8 on a command line) would reach the tokenizer as a TypeError of its own."""

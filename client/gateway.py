@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import grpc
 
-from client.api import SpecExec
+from client.api import SpecExec, check_fits
 from client.generation import GenerationStats
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.ops.metrics import track_generation
@@ -47,14 +47,6 @@ def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
         network_seconds=s.network_seconds,
         cached_prompt_tokens=s.cached_prompt_tokens,
     )
-
-
-def check_fits(prompt: int, asked: int, limit: int) -> None:
-    """An ask that cannot fit after the prompt is refused, as the OpenAI route and vLLM do, rather than
-    cut short where the context ends; a default max_new_tokens is not an ask, and still is."""
-    if prompt + asked > limit:
-        raise ValueError(f"sampling.max_new_tokens asks for {asked} tokens after a {prompt}-token prompt, but the "
-                         f"target's context is {limit} tokens: at most {max(limit - prompt, 0)} fit")  # fmt: skip
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):

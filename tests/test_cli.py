@@ -143,6 +143,11 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
     assert out.returncode == 2 and "/nonexistent does not exist" in out.stderr
     out = run("generate", "--target-model", "t", "--prompt", "x", "--compile-buckets", "0,4", check=False)
     assert out.returncode == 2 and "compile buckets must be in [1, 4096], got '0,4'" in out.stderr
+    # An ask the context cannot hold is refused, as the gateway and the OpenAI route refuse it: not cut short.
+    out = run("generate", *pair_args(model_dirs), "--prompt", "Hello", "--max-new-tokens", "5000", check=False)
+    assert out.returncode == 2 and not out.stdout, out.stdout
+    assert "--max-new-tokens asks for 5000 tokens after a 5-token prompt, but the target's context is 1024 tokens: " \
+           "at most 1019 fit" in out.stderr, out.stderr  # fmt: skip
 
 
 def test_chat_flag_renders_the_chat_template(model_dirs, loaded):

@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from client import planner_state
-from client.api import SpecExec, render_chat
+from client.api import SpecExec, check_fits, render_chat
 from client.generation import Recovery
 from client.openai.server import TlsFiles
 from client.remote import connect
@@ -35,7 +35,8 @@ from common.options import (
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-new-tokens", type=int, default=128)
+    g.add_argument("--max-new-tokens", type=int, help="default 128; an ask that cannot fit after the prompt "
+                   "is refused, the default is cut short where the context ends")
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
@@ -141,7 +142,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         top_p=args.top_p,
         seed=args.seed,
-        max_new_tokens=args.max_new_tokens,
+        max_new_tokens=SamplingParams.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
     )
@@ -193,6 +194,15 @@ def prompt_from(args: argparse.Namespace, tokenizer: Any) -> str | list[int]:
     if getattr(args, "chat", False):
         return render_chat(tokenizer, [{"role": "user", "content": args.prompt}])
     return args.prompt
+
+
+def prompt_ids(args: argparse.Namespace, gen: SpecExec) -> list[int]:
+    """The prompt's ids; a --max-new-tokens given that cannot fit after them is refused, as the gateway
+    and the OpenAI route refuse theirs."""
+    ids = gen.encode(prompt_from(args, gen.tokenizer))
+    if args.max_new_tokens is not None:
+        check_fits(len(ids), args.max_new_tokens, gen.target.info().max_context, "--max-new-tokens")
+    return ids
 
 
 def generator_from(args: argparse.Namespace) -> SpecExec:

@@ -14,7 +14,7 @@ from client.cli.args import (
     add_sampling_args,
     add_tree_args,
     generator_from,
-    prompt_from,
+    prompt_ids,
     sampling_from,
     tls_files,
     unused_model_flags,
@@ -55,7 +55,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     sampling = sampling_from(args)  # a bad option is named before any node is reached or model loaded
     valid_text(args.prompt, "--prompt")
     gen = generator_from(args)
-    return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling), args.json)
+    return print_stream(gen.stream(prompt_ids(args, gen), sampling), args.json)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
@@ -190,7 +190,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         kept = "continuing from" if gen.planner_restored else "none kept for this pair yet; keeping it in"
         print(f"planner state: {kept} {gen.planner_file}")
-    out = gen.generate(args.prompt, max_new_tokens=args.max_new_tokens)
+    out = gen.generate(args.prompt, sampling_from(args))
     print(
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
         f"{out.stats.tokens_per_step:.2f} tokens/step"

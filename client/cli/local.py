@@ -11,7 +11,7 @@ import sys
 import time
 
 from client.api import valid_text
-from client.cli.args import auto_budget, planner_dir, prompt_from, sampling_from, tree_from
+from client.cli.args import auto_budget, planner_dir, prompt_ids, sampling_from, tree_from
 from client.cli.output import print_stream
 from client.remote import connect, wait_until_serving
 from common.model.llama_cpp import MAX_TREE_LEAVES, tree_limit
@@ -123,7 +123,7 @@ def run_local(args: argparse.Namespace) -> int:
             security=security,
             planner_dir=planner_dir(args),
         )
-        return print_stream(gen.stream(prompt_from(args, gen.tokenizer), sampling), args.json)
+        return print_stream(gen.stream(prompt_ids(args, gen), sampling), args.json)
     finally:
         for node in nodes:
             node.terminate()
