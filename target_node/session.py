@@ -217,14 +217,14 @@ class TargetSession:
         tokens = [*tree.tokens[path[1:]].tolist(), extra]
         accepted = len(path) - 1
         finish = None
+        if len(tokens) >= max_tokens:  # first: an EOS the tree held past the limit was never reached
+            tokens = tokens[:max_tokens]
+            finish = "length"
         if not params.ignore_eos and self.eos:
             first_eos = next((i for i, t in enumerate(tokens) if t in self.eos), None)
             if first_eos is not None:
                 tokens = tokens[: first_eos + 1]
                 finish = "stop"
-        if len(tokens) >= max_tokens:
-            tokens = tokens[:max_tokens]
-            finish = finish or "length"
         accepted = min(accepted, len(tokens))
         self._keep(ticket, path[: len(tokens)])  # the root and every new token but the last, the next root
         self.committed.extend(tokens)

@@ -82,6 +82,21 @@ def test_qwen2_pair_with_eos_stops_where_target_alone_stops(loaded, model_dirs):
     assert got.finish_reason == ("stop" if expected[-1] in eos else "length")
 
 
+def test_an_eos_the_tree_holds_past_max_tokens_ends_with_length(loaded, model_dirs):
+    """A walk can accept the draft's EOS beyond the request's last token: the answer is cut at
+    max_tokens first, so it ends with "length", as the target alone's does, not "stop"."""
+    from common.decoding.tree import TokenTree
+    from target_node.torch_session import TorchTargetSession
+
+    own = reference_decode(model_dirs["target"], PROMPT, SamplingParams(max_new_tokens=4, ignore_eos=True))
+    assert own[2] not in own[:2]
+    session = TorchTargetSession(loaded["target"].model, PROMPT, max_context=64, max_tree=8, max_depth=8,
+                                 eos_token_ids=(own[2],))  # fmt: skip
+    chain = TokenTree([PROMPT[-1], *own[:3]], [-1, 0, 1, 2], [0.0, 0.0, 0.0, 0.0])
+    result = session.verify(chain, SamplingParams(max_new_tokens=2), max_tokens=2)
+    assert (result.tokens, result.finish_reason) == (own[:2], "length")
+
+
 def test_first_two_tokens_follow_the_target_distribution(loaded, model_dirs):
     """Chi-square over many seeds: the tree pass samples from the target's exact joint distribution."""
     hf = AutoModelForCausalLM.from_pretrained(model_dirs["target"], dtype=torch.float32)
