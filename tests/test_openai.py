@@ -65,7 +65,14 @@ def test_completion_equals_the_python_api(client, gen, loaded):
     assert out.object == "text_completion" and out.model == MODEL
 
 
+def http_requests(code: str) -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("specexec:http_requests_total", {"path": "/v1/completions", "code": code}) or 0
+
+
 def test_streamed_completion_equals_non_streamed(client, gen):
+    done, left = http_requests("200"), http_requests("499")
     chunks = list(
         client.completions.create(
             model=MODEL,
@@ -81,6 +88,11 @@ def test_streamed_completion_equals_non_streamed(client, gen):
     assert [c.choices[0].finish_reason for c in chunks[:-1]][-1] == "length"
     assert all(c.choices[0].finish_reason is None for c in chunks[:-2])
     assert "".join(c.choices[0].text for c in chunks[:-1]) == expected(gen, **SEEDED).text
+    deadline = time.monotonic() + 10
+    while http_requests("200") == done and time.monotonic() < deadline:  # counted once the response ends
+        time.sleep(0.05)
+    time.sleep(0.2)
+    assert (http_requests("200"), http_requests("499")) == (done + 1, left)  # read to its end: not a client gone
 
 
 def test_chat_uses_the_chat_template(client, gen):

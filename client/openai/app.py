@@ -185,8 +185,16 @@ class EventStream(StreamingResponse):
         super().__init__(generation.events(), media_type="text/event-stream", headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        ended = False
+
+        async def sending(message: Message) -> None:
+            nonlocal ended
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                ended = True  # before it is sent: a server announces a disconnect once a response is done
+            await send(message)
+
         async def stream(done: anyio.CancelScope) -> None:
-            await self.stream_response(send)
+            await self.stream_response(sending)
             done.cancel()
 
         try:
@@ -194,7 +202,8 @@ class EventStream(StreamingResponse):
                 group.start_soon(stream, group.cancel_scope)
                 await self.listen_for_disconnect(receive)
                 group.cancel_scope.cancel()
-                client_gone(scope)
+                if not ended:
+                    client_gone(scope)
         except* OSError:  # a server whose send() raises once the client is gone
             client_gone(scope)
         finally:
