@@ -350,11 +350,7 @@ def test_a_client_that_goes_away_frees_the_sessions(client, gen):
     def finished() -> float:
         return REGISTRY.get_sample_value("specexec:request_success_total", {"finished_reason": "length"}) or 0
 
-    def abandoned() -> float:
-        labels = {"path": "/v1/completions", "code": "499"}
-        return REGISTRY.get_sample_value("specexec:http_requests_total", labels) or 0
-
-    before, left = finished(), abandoned()
+    before, left = finished(), http_requests("499")
     stream = client.completions.create(
         model=MODEL,
         prompt=PROMPT,
@@ -371,9 +367,9 @@ def test_a_client_that_goes_away_frees_the_sessions(client, gen):
         time.sleep(0.05)
     assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
     assert finished() == before  # stopped, not run to its end
-    while abandoned() == left and time.monotonic() < deadline:  # counted once the response ends
+    while http_requests("499") == left and time.monotonic() < deadline:  # counted once the response ends
         time.sleep(0.05)
-    assert abandoned() == left + 1  # not a 200: nginx's 499, as for a whole answer
+    assert http_requests("499") == left + 1  # not a 200: nginx's 499, as for a whole answer
 
 
 def test_a_client_that_leaves_before_a_whole_answer_frees_the_sessions(server, gen):
