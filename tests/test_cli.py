@@ -237,18 +237,29 @@ def children(pid: int) -> list[int]:
 @pytest.mark.parametrize("ending", ["sigterm", "a node dies"])
 def test_local_stops_its_nodes_on_sigterm_and_says_when_one_dies(model_dirs, ending):
     import signal
+    import threading
     import time
-
-    from client.remote import wait_until_serving
 
     ports = [free_port(), free_port()]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([*SPECEXEC, "local", "--draft-model", str(model_dirs["truncated"]), "--target-model",
                              str(model_dirs["target"]), "--target-port", str(ports[0]), "--draft-port", str(ports[1]),
                              "--budget", "4"], env=env, cwd=ROOT, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    lines: list[str] = []
+    ready = threading.Event()
+
+    def read_stderr() -> None:
+        for line in proc.stderr:
+            lines.append(line)
+            if line.startswith("nodes ready"):
+                ready.set()
+
+    reader = threading.Thread(target=read_stderr, daemon=True)
+    reader.start()
     try:
-        for port in ports:
-            wait_until_serving(f"127.0.0.1:{port}", timeout=120, alive=lambda: proc.poll() is None)
+        # local's own "nodes ready", not the ports: a node killed while local still waits on it
+        # is "a node exited while starting", a different ending.
+        assert ready.wait(timeout=180), "".join(lines)
         nodes = children(proc.pid)
         assert len(nodes) == 2
         if ending == "sigterm":
@@ -257,7 +268,8 @@ def test_local_stops_its_nodes_on_sigterm_and_says_when_one_dies(model_dirs, end
         else:
             os.kill(nodes[1], signal.SIGKILL)
             assert proc.wait(timeout=60) == 1
-            assert "node exited (code -9); stopping the other" in proc.stderr.read()
+            reader.join(timeout=30)
+            assert "node exited (code -9); stopping the other" in "".join(lines)
         deadline = time.monotonic() + 30
         while any(_running(pid) for pid in nodes) and time.monotonic() < deadline:
             time.sleep(0.2)
