@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import threading
 from collections.abc import Callable, Iterator
@@ -9,6 +10,7 @@ from dataclasses import replace
 
 import grpc
 
+from client.admission import Admission
 from client.api import SpecExec, check_fits
 from client.generation import GenerationStats
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
@@ -52,9 +54,14 @@ def stats_to_proto(s: GenerationStats) -> pb.GenerationStats:
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     """`make_generator(mode, tree)` returns a SpecExec bound to the nodes (shared channels)."""
 
-    def __init__(self, make_generator: Callable[..., SpecExec], base: SpecExec) -> None:
+    def __init__(
+        self, make_generator: Callable[..., SpecExec], base: SpecExec, admission: Admission | None = None
+    ) -> None:
+        """`admission`: the queue for the target's sessions, shared with an OpenAI endpoint (default:
+        one of its own)."""
         self.make_generator = make_generator
         self.base = base
+        self.admission = admission or Admission.for_target(base.target.info())
 
     @rpc_method
     def Info(self, request: pb.InfoRequest, context: grpc.ServicerContext) -> pb.GatewayInfo:
@@ -84,26 +91,31 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             prompt_ids = generator.encode(prompt)
             if request.sampling.HasField("max_new_tokens"):
                 check_fits(len(prompt_ids), sampling.max_new_tokens, generator.target.info().max_context)
-            stream = track_generation(
-                generator.stream(prompt_ids, sampling),
-                request_id=rid,
-                endpoint="grpc",
-                prompt_tokens=len(prompt_ids),
-                prompt=prompt,
-            )
-            for chunk in stream:
-                if cancelled.is_set():
-                    stream.close()  # closes both nodes' sessions
-                    return
-                if chunk.finish_reason is None:
-                    yield pb.GenerateResponse(
-                        request_id=rid, chunk=pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
-                    )
-                    continue
-                if chunk.text:
-                    yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(text=chunk.text))
-                assert chunk.stats is not None
-                final = pb.GenerateFinal(finish_reason=chunk.finish_reason, stats=stats_to_proto(chunk.stats))
-                yield pb.GenerateResponse(request_id=rid, final=final)
+            ticket = self.admission.wait(cancelled.is_set)
+            if ticket is None:
+                return  # the client left while it waited
+            with contextlib.ExitStack() as closing:
+                closing.callback(self.admission.leave, ticket)  # after the stream: its sessions are closed
+                stream = track_generation(
+                    generator.stream(prompt_ids, sampling),
+                    request_id=rid,
+                    endpoint="grpc",
+                    prompt_tokens=len(prompt_ids),
+                    prompt=prompt,
+                )
+                closing.callback(stream.close)  # closes both nodes' sessions, however the call ends
+                for chunk in stream:
+                    if cancelled.is_set():
+                        return
+                    if chunk.finish_reason is None:
+                        yield pb.GenerateResponse(
+                            request_id=rid, chunk=pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
+                        )
+                        continue
+                    if chunk.text:
+                        yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(text=chunk.text))
+                    assert chunk.stats is not None
+                    final = pb.GenerateFinal(finish_reason=chunk.finish_reason, stats=stats_to_proto(chunk.stats))
+                    yield pb.GenerateResponse(request_id=rid, final=final)
         except Exception as exc:
             abort_for(context, exc, "Generate")

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -110,9 +111,15 @@ def test_the_openai_health_route_follows_the_target(cluster, model_dirs):
         assert status == 503 and body["status"] == "unavailable" and body["target"].startswith("down (UNAVAILABLE")
         procs["target"] = start("target", model_dirs["target"], addrs["target"])
         assert health()[0] == 200
-        kill(procs, "draft")
-        collect(gen.stream(PROMPT, SamplingParams(max_new_tokens=4)))  # a generation finds the draft gone
+        kill(procs, "draft")  # said at once, before any generation finds it gone
         assert health() == (200, {"status": "ok", "target": "up", "draft": "down"})
+        collect(gen.stream(PROMPT, SamplingParams(max_new_tokens=4)))
+        assert health()[1]["draft"] == "down"
+        procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
+        deadline = time.monotonic() + 60  # the link probes a down draft once per --draft-retry
+        while health()[1]["draft"] != "up":
+            assert time.monotonic() < deadline, "/health never saw the draft come back"
+            time.sleep(0.5)
     finally:
         srv.stop()
         gen.close()

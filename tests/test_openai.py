@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -168,6 +169,8 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(prompt=[65] * 600), "prompt", "maximum context length is 512 tokens, but the prompt has 600"),
         (dict(prompt=[65, -1]), "prompt", "holds token id -1"),
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
+        (dict(stop=["a", "b" * 1000]), "stop", "got one of 1000"),
+        (dict(prompt=[65, 10**6]), "prompt", "holds token id 1000000: the model's ids are below"),
         (dict(logprobs=2), "logprobs", "not supported"),
         (dict(prompt=["one", "two"]), "prompt", "one prompt"),
     ],
@@ -179,6 +182,15 @@ def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):
     assert err.value.status_code == 400
     assert err.value.body["type"] == "invalid_request_error" and err.value.body["param"] == param
     assert needle in err.value.body["message"]
+
+
+def test_an_empty_suffix_is_no_suffix(client, gen):
+    """Some clients send `suffix: ""` with every completion; only a real suffix is refused."""
+    out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, suffix="",
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    assert out.choices[0].text == expected(gen, 4, temperature=0).text
+    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, suffix="x")
 
 
 def test_errors_before_output_are_http_errors(client, server):
@@ -659,3 +671,91 @@ def test_a_model_that_is_not_served_and_routes_that_do_not_exist(server):
     assert status == 404 and "/v1/completions" in body["error"]["message"]
     status, body = raw(base + "/v1/completions", b"")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_requests_past_the_sessions_wait_their_turn_and_past_the_queue_get_429(gen):
+    """One slot and one place in line: the second request waits and is answered in full, as the
+    target alone would; the third, with the slot and the queue taken, gets 429 and Retry-After."""
+    from client.admission import Admission
+
+    admission = Admission(1, max_waiting=1)
+    srv = OpenAIServer("127.0.0.1:0", SlowSteps(gen, 0.3), model_name=MODEL, admission=admission).start()  # type: ignore[arg-type]
+    api = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    texts: dict[str, str] = {}
+
+    def complete(name: str) -> None:
+        texts[name] = api.completions.create(**request).choices[0].text
+
+    try:
+        first = threading.Thread(target=complete, args=("first",))
+        first.start()
+        wait_until(lambda: admission.running == 1)
+        second = threading.Thread(target=complete, args=("second",))
+        second.start()
+        wait_until(lambda: admission.waiting == 1)
+        with pytest.raises(openai.RateLimitError, match="--max-queue is 1") as err:
+            api.completions.create(**request)
+        assert err.value.response.headers["retry-after"] == "1"
+        first.join(60)
+        second.join(60)
+        assert texts == {"first": expected(gen, 6, temperature=0).text, "second": expected(gen, 6, temperature=0).text}
+        assert (admission.running, admission.waiting) == (0, 0)
+        assert len(gen.target.sessions) == 0 and len(gen.draft.sessions) == 0
+    finally:
+        srv.stop()
+
+
+def test_a_client_that_leaves_the_queue_gives_up_its_place(gen):
+    """A queued request whose client gives up is dropped from the line (counted 499), and the slot it
+    would have taken is not lost: the next request is served."""
+    from client.admission import Admission
+
+    admission = Admission(1, max_waiting=4)
+    held = HeldSteps(gen)
+    srv = OpenAIServer("127.0.0.1:0", held, model_name=MODEL, admission=admission).start()  # type: ignore[arg-type]
+    request = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+    left = http_requests("499")
+    try:
+        holder = threading.Thread(target=lambda: openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0,
+                                                               timeout=60).completions.create(**request))  # fmt: skip
+        holder.start()
+        wait_until(lambda: admission.running == 1)
+        impatient = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=0.5)
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(**request)
+        wait_until(lambda: admission.waiting == 0)  # while the holder's generation is held
+        assert admission.running == 1
+        wait_until(lambda: http_requests("499") == left + 1)
+        held.go.set()
+        holder.join(60)
+        api = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        assert api.completions.create(**request).choices[0].text == expected(gen, 6, temperature=0).text
+        assert (admission.running, admission.waiting) == (0, 0)
+    finally:
+        srv.stop()
+
+
+class HeldSteps:
+    """A generator whose second step waits for `go`: a generation that holds its slot until then."""
+
+    def __init__(self, gen: SpecExec) -> None:
+        self.gen, self.go = gen, threading.Event()
+        self.tokenizer, self.target, self.link = gen.tokenizer, gen.target, gen.link
+
+    def stream(self, prompt, sampling):
+        chunks = self.gen.stream(prompt, sampling)
+        try:
+            yield next(chunks)
+            self.go.wait(60)
+            yield from chunks
+        finally:
+            chunks.close()
+
+
+def wait_until(condition, within: float = 30.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        if time.monotonic() > deadline:
+            pytest.fail("the condition did not hold in time")
+        time.sleep(0.02)

@@ -6,6 +6,7 @@ import argparse
 import sys
 from typing import Any
 
+from client.admission import DEFAULT_MAX_WAITING, Admission
 from client.api import Chat, SpecExec, valid_text
 from client.bench.cli import add_bench_parser
 from client.cli.args import (
@@ -103,6 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     start_metrics_server(args.metrics_port, "gateway")
     base = generator_from(args)
     base.use_prompt_cache(args.prompt_cache)
+    admission = Admission.for_target(base.target.info(), args.max_queue)  # both endpoints queue in one line
     http = None
     if args.openai:
         http = start_openai(
@@ -112,6 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             default_max_tokens=args.default_max_tokens,
             token=sec.token,
             tls=tls_files(args),
+            admission=admission,
         )
     if not args.listen:
         serve_until_signal(http)
@@ -129,7 +132,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         [
             (
                 pb_grpc.add_GenerationServiceServicer_to_server,
-                GenerationServicer(make, base),
+                GenerationServicer(make, base, admission),
                 "specexec.v1.GenerationService",
             )
         ],
@@ -252,6 +255,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="finished requests' sessions kept on the nodes, so that a request starting the same way (a chat's "
         f"next turn) reads only the rest of its prompt (default {PROMPT_CACHE_SIZE}; 0: off)",
+    )
+    s.add_argument(
+        "--max-queue",
+        type=non_negative_int,
+        default=DEFAULT_MAX_WAITING,
+        metavar="N",
+        help="requests that wait, first come first served, while the target node's --max-sessions all run; "
+        f"past it a request gets 429 and Retry-After (default {DEFAULT_MAX_WAITING})",
     )
     add_insecure_arg(s)
     add_server_security_args(s)

@@ -10,12 +10,13 @@ notices at once, through ASGI's `http.disconnect`; a whole answer checks after e
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import json
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Annotated, Any
 
 import anyio
@@ -28,6 +29,7 @@ from starlette.middleware import Middleware
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from client.admission import Admission, QueueFull
 from client.api import Chunk, SpecExec
 from client.openai.protocol import (
     Answer,
@@ -91,9 +93,10 @@ class Generation:
         first: Chunk,
         stopping: threading.Event,
         keep_alive: float = KEEP_ALIVE_SECONDS,
+        release: Callable[[], None] = lambda: None,
     ) -> None:
         self.answer, self._chunks, self._first, self._stopping = answer, chunks, first, stopping
-        self.keep_alive = keep_alive
+        self.keep_alive, self._release = keep_alive, release
         self._lock = threading.Lock()
         self._closed = False
 
@@ -116,8 +119,11 @@ class Generation:
             return next(self._chunks, None)
 
     def _close(self) -> None:
-        with self._lock:
-            self._chunks.close()
+        try:
+            with self._lock:
+                self._chunks.close()
+        finally:
+            self._release()  # the sessions are closed: the next queued request may open its own
 
     async def whole(self, request: Request) -> Response:
         """The whole answer, or nothing if the client leaves first: one that timed out (and may be
@@ -222,9 +228,10 @@ class Service:
         model_name: str,
         default_max_tokens: int = 1024,
         keep_alive: float = KEEP_ALIVE_SECONDS,
+        admission: Admission | None = None,
     ) -> None:
         self.gen, self.model_name, self.default_max_tokens = gen, model_name, default_max_tokens
-        self.keep_alive = keep_alive
+        self.keep_alive, self.admission = keep_alive, admission
         self.created = int(time.time())
         self.stopping = threading.Event()
 
@@ -239,11 +246,21 @@ class Service:
         probe = getattr(self.gen.target, "serving", None)
         if why is None and probe is not None:
             why = probe()
-        link = self.gen.link
-        draft = "none" if link is None else "up" if link.info is not None else "down"
+        draft = self.draft_state()
         if why is None:
             return 200, {"status": "ok", "target": "up", "draft": draft}
         return 503, {"status": "unavailable", "target": f"down ({why})", "draft": draft}
+
+    def draft_state(self) -> str:
+        """Asked now, not what the last request found: a draft that died since says "down", and one
+        that came back is probed (at most once per --draft-retry) and says "up" before any request."""
+        link = self.gen.link
+        if link is None:
+            return "none"
+        if link.ready(self.gen.recovery) is None:
+            return "down"
+        probe = getattr(link.draft, "serving", None)
+        return "up" if probe is None or probe() is None else "down"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
@@ -254,11 +271,20 @@ class Service:
                 code="model_not_found",
             )
 
-    def start(self, request: CompletionRequest | ChatCompletionRequest) -> Generation:
-        """Tokenizes, opens the sessions and runs the first step, in the calling (worker) thread: errors
-        before any output (a prompt over the context limit, a node that is down) stay HTTP errors."""
+    def prepare(self, request: CompletionRequest | ChatCompletionRequest) -> Job:
+        """Tokenized and checked before the request queues: a bad one fails without waiting."""
+        info = self.gen.target.info()
+        ids = getattr(request, "prompt", None)
+        if isinstance(ids, list) and ids and max(ids) >= info.vocab_size:
+            raise ApiError(400, f"'prompt' holds token id {max(ids)}: the model's ids are below {info.vocab_size}",
+                           param="prompt")  # fmt: skip
         job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
-        check_context(request, job, self.gen.target.info().max_context)
+        check_context(request, job, info.max_context)
+        return job
+
+    def start(self, job: Job, release: Callable[[], None]) -> Generation:
+        """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
+        any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
         answer = Answer(job, self.model_name)
         chunks = track_generation(
             self.gen.stream(job.prompt_ids, job.sampling),
@@ -274,13 +300,41 @@ class Service:
         except BaseException:
             chunks.close()
             raise
-        return Generation(answer, chunks, first, self.stopping, self.keep_alive)
+        return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
+
+    async def admit(self, http: Request) -> Callable[[], None] | None:
+        """A slot once one is free, as the call that gives it back (None: the client left while it
+        waited). Raises `QueueFull`."""
+        if self.admission is None:
+            return lambda: None
+        loop, admitted = asyncio.get_running_loop(), asyncio.Event()
+        ticket = self.admission.enter(lambda: loop.call_soon_threadsafe(admitted.set))
+        try:
+            while not ticket.admitted:
+                with anyio.move_on_after(0.5):
+                    await admitted.wait()
+                if not ticket.admitted and await http.is_disconnected():
+                    self.admission.leave(ticket)
+                    return None
+        except BaseException:
+            self.admission.leave(ticket)
+            raise
+        return functools.partial(self.admission.leave, ticket)
 
     async def answer(self, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         """A failure before the response starts is an HTTP error, by the gRPC status it maps to."""
         self.check_model(request.model)
         try:
-            generation = await run_in_threadpool(self.start, request)
+            job = await run_in_threadpool(self.prepare, request)
+            release = await self.admit(http)
+            if release is None:
+                event(log, "client_gone", stage="queued")
+                return Response(status_code=CLIENT_CLOSED)
+            try:
+                generation = await run_in_threadpool(self.start, job, release)
+            except BaseException:
+                release()
+                raise
             if generation.answer.job.stream:
                 return EventStream(generation)
             return await generation.whole(http)
@@ -318,7 +372,8 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
 def error_response(request: Request, error: ApiError) -> Response:
     level = logging.WARNING if error.status >= 500 else logging.INFO
     event(log, "http_error", level, path=request.url.path, status=error.status, message=error.message)
-    return JSONAnswer(error.body(), status_code=error.status)
+    headers = {"Retry-After": str(QueueFull.retry_after)} if error.status == 429 else None
+    return JSONAnswer(error.body(), status_code=error.status, headers=headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:

@@ -186,8 +186,9 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise field_error(f"takes at most {MAX_STOP_STRINGS} strings, got {len(items)}")
     if any(not s for s in items):
         raise field_error("strings must not be empty")
-    if any(len(s) > MAX_STOP_CHARS for s in items):
-        raise field_error(f"strings must be at most {MAX_STOP_CHARS} characters long")
+    longest = max(items, key=len, default="")
+    if len(longest) > MAX_STOP_CHARS:
+        raise field_error(f"strings must be at most {MAX_STOP_CHARS} characters long, got one of {len(longest)}")
     return tuple(items)
 
 
@@ -271,7 +272,7 @@ class SamplingRequest(BaseModel):
     echo: Annotated[Any, refused(lambda v: not v)] = None
     logprobs: Annotated[Any, refused(lambda v: v in (None, False, 0))] = None
     top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None
-    suffix: Annotated[Any, refused(lambda v: v is None)] = None
+    suffix: Annotated[Any, refused(lambda v: v in (None, ""))] = None
     presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     frequency_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     logit_bias: Annotated[Any, refused(lambda v: not v)] = None

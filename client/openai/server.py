@@ -42,6 +42,7 @@ from dataclasses import dataclass
 
 import uvicorn
 
+from client.admission import Admission
 from client.api import SpecExec
 from client.openai.app import KEEP_ALIVE_SECONDS, Service, create_app
 from common.ops.logs import event
@@ -78,9 +79,14 @@ class OpenAIServer:
         token: str | None = None,
         tls: TlsFiles | None = None,
         keep_alive: float = KEEP_ALIVE_SECONDS,
+        admission: Admission | None = None,
     ) -> None:
+        """`admission`: the queue for the target's sessions (default: one of its own, as the target
+        node's --max-sessions allows)."""
         host, port = split_listen(listen)
-        self.service = Service(gen, model_name or gen.target.info().model_id, default_max_tokens, keep_alive)
+        info = gen.target.info()
+        admission = admission or Admission.for_target(info)
+        self.service = Service(gen, model_name or info.model_id, default_max_tokens, keep_alive, admission)
         self.model_name = self.service.model_name
         self.app = create_app(self.service, token=token)
         config = uvicorn.Config(
@@ -162,11 +168,11 @@ def start_openai(
     default_max_tokens: int = 1024,
     token: str | None = None,
     tls: TlsFiles | None = None,
+    admission: Admission | None = None,
 ) -> OpenAIServer:
     """`specexec serve --openai HOST:PORT`: start the endpoint in front of `gen`, and say where."""
-    server = OpenAIServer(
-        listen, gen, model_name=model_name, default_max_tokens=default_max_tokens, token=token, tls=tls
-    ).start()
+    server = OpenAIServer(listen, gen, model_name=model_name, default_max_tokens=default_max_tokens, token=token,
+                          tls=tls, admission=admission).start()  # fmt: skip
     auth = "token required" if token is not None else "no token"
     print(f"OpenAI-compatible endpoint at {server.url} ({auth})", file=sys.stderr, flush=True)
     event(log, "openai_listening", url=server.url, model=server.model_name)

@@ -165,6 +165,12 @@ SPEC_ACCEPTANCE_LENGTH = Histogram(
 
 # Gateway (gRPC GenerationService and the OpenAI endpoint)
 REQUESTS_RUNNING = Gauge("specexec:num_requests_running", "generations in progress")
+REQUESTS_WAITING = Gauge(
+    "specexec:num_requests_waiting", "requests queued for a slot: the target node's --max-sessions are all running"
+)
+QUEUE_SECONDS = Histogram(
+    "specexec:request_queue_time_seconds", "time a request waited in the queue for a slot", buckets=LATENCY_BUCKETS
+)
 REQUEST_SUCCESS = Counter("specexec:request_success", "finished generations", ["finished_reason"])
 PROMPT_TOKENS = Counter("specexec:prompt_tokens", "prompt tokens of finished and running generations")
 GENERATION_TOKENS = Counter("specexec:generation_tokens", "tokens generated")
@@ -196,7 +202,7 @@ ROLE_METRICS = {
                PREFILL_CHUNKS, PREFILL_CHUNK_TOKENS, SPEC_DRAFTS, SPEC_DRAFT_TOKENS, SPEC_ACCEPTED,
                SPEC_ACCEPTED_PER_POS, SPEC_ACCEPTANCE_LENGTH),
     "draft": (*_EVERY, *_NODES, DRAFT_BUILD_SECONDS, DRAFT_PASS_SESSIONS, DRAFT_PASS_SECONDS, DRAFT_PASS_TOKENS),
-    "gateway": (*_EVERY, REQUESTS_RUNNING, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES,
+    "gateway": (*_EVERY, REQUESTS_RUNNING, REQUESTS_WAITING, QUEUE_SECONDS, REQUEST_SUCCESS, PROMPT_TOKENS, GENERATION_TOKENS, PREFIX_CACHE_QUERIES,
                 PREFIX_CACHE_HITS, E2E_SECONDS, TTFT_SECONDS, HTTP_REQUESTS, HTTP_SECONDS),
 }  # fmt: skip
 
