@@ -79,7 +79,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> Iterator[pb.GenerateResponse]:
         rid = request.request_id or secrets.token_hex(8)
         cancelled = threading.Event()
-        context.add_callback(cancelled.set)
+        if not context.add_callback(cancelled.set):
+            cancelled.set()  # the call ended already
         try:
             sampling = sampling_from_proto(request.sampling)
             mode = request.mode if request.HasField("mode") else self.base.mode

@@ -234,7 +234,7 @@ def children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("ending", ["sigterm", "a node dies"])
+@pytest.mark.parametrize("ending", ["sigterm", "a node dies", "local is killed"])
 def test_local_stops_its_nodes_on_sigterm_and_says_when_one_dies(model_dirs, ending):
     import signal
     import threading
@@ -265,6 +265,9 @@ def test_local_stops_its_nodes_on_sigterm_and_says_when_one_dies(model_dirs, end
         if ending == "sigterm":
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        elif ending == "local is killed":  # no finally runs: the nodes stop by their parent-death signal
+            proc.kill()
+            proc.wait(timeout=60)
         else:
             os.kill(nodes[1], signal.SIGKILL)
             assert proc.wait(timeout=60) == 1

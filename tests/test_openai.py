@@ -679,7 +679,8 @@ def test_requests_past_the_sessions_wait_their_turn_and_past_the_queue_get_429(g
     from client.admission import Admission
 
     admission = Admission(1, max_waiting=1)
-    srv = OpenAIServer("127.0.0.1:0", SlowSteps(gen, 0.3), model_name=MODEL, admission=admission).start()  # type: ignore[arg-type]
+    held = HeldSteps(gen)
+    srv = OpenAIServer("127.0.0.1:0", held, model_name=MODEL, admission=admission).start()  # type: ignore[arg-type]
     api = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
     request = dict(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
     texts: dict[str, str] = {}
@@ -697,6 +698,7 @@ def test_requests_past_the_sessions_wait_their_turn_and_past_the_queue_get_429(g
         with pytest.raises(openai.RateLimitError, match="--max-queue is 1") as err:
             api.completions.create(**request)
         assert err.value.response.headers["retry-after"] == "1"
+        held.go.set()
         first.join(60)
         second.join(60)
         assert texts == {"first": expected(gen, 6, temperature=0).text, "second": expected(gen, 6, temperature=0).text}

@@ -138,6 +138,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         ],
         credentials=sec.credentials(),
         interceptors=sec.interceptors(),
+        max_workers=admission.slots + admission.max_waiting + 8,  # a queued Generate holds a thread; health needs some
     ).start()
     server.stop_on_signals()
     server.ready()

@@ -313,6 +313,8 @@ class Service:
             while not ticket.admitted:
                 with anyio.move_on_after(0.5):
                     await admitted.wait()
+                if self.stopping.is_set():
+                    raise ApiError(503, "the server is shutting down", type="service_unavailable")
                 if not ticket.admitted and await http.is_disconnected():
                     self.admission.leave(ticket)
                     return None
