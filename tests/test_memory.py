@@ -90,3 +90,18 @@ def test_a_loaded_model_keeps_no_mapping_of_its_weights_file(tmp_path):
     loaded = load_model(path)  # float32 as stored: nothing is cast, so nothing forces a copy
     assert loaded.model.cfg.num_layers == 2
     assert str(path / "model.safetensors") not in Path("/proc/self/maps").read_text()
+
+
+def test_a_truncated_safetensors_file_is_one_clear_error(model_dirs, tmp_path):
+    """A copy cut short (a download or disk that ran out) was a 28-line traceback from the node."""
+    from common.model.loading import load_model
+
+    src = model_dirs["target"]
+    for f in src.iterdir():
+        dest = tmp_path / f.name
+        if f.suffix == ".safetensors":
+            dest.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
+        elif f.is_file():
+            dest.write_bytes(f.read_bytes())
+    with pytest.raises(ValueError, match=r"model.safetensors \(a damaged or truncated file\?\)"):
+        load_model(tmp_path)

@@ -7,7 +7,7 @@ import ctypes
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from common.model import packed_linear, quantized_linear
 from common.model.loaded import LoadedModel, eos_token_ids, tokenizer_fingerprint
@@ -92,9 +92,12 @@ def _read_safetensors(path: Path, device: str, cast: torch.dtype | None) -> dict
         raise FileNotFoundError(f"{path} has no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        with safe_open(f, framework="pt", backend="pread") as weights:
-            for name in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                state[name] = weights.get_tensor(name).to(device=device, dtype=cast)
+        try:
+            with safe_open(f, framework="pt", backend="pread") as weights:
+                for name in weights.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    state[name] = weights.get_tensor(name).to(device=device, dtype=cast)
+        except SafetensorError as exc:
+            raise ValueError(f"could not read {f} (a damaged or truncated file?): {exc}") from None
     return state
 
 
