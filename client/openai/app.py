@@ -344,7 +344,7 @@ class Service:
             raise
         except Exception as exc:
             error = ApiError.from_exception(exc)
-            if error.status >= 500:
+            if error.status == 500:  # a bug; a node that is down (502-504) is the error response's one line
                 log.exception("generation failed")
             raise error from exc
 
