@@ -252,8 +252,8 @@ class Service:
         return 503, {"status": "unavailable", "target": f"down ({why})", "draft": draft}
 
     def draft_state(self) -> str:
-        """Asked now, not what the last request found: a draft that died since says "down", and one
-        that came back is probed (at most once per --draft-retry) and says "up" before any request."""
+        """Asked now, not what the last request found: a draft that died since says "down" (its health
+        check, each call), and one the link holds down is probed again at most once per --draft-retry."""
         link = self.gen.link
         if link is None:
             return "none"
