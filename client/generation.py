@@ -19,8 +19,8 @@ from typing import Any, Protocol
 from client.budget import BudgetPlanner, RegimeStats, regime
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.decoding.types import NodeInfo, VerifyResult, check_pair
-from common.runtime.faults import NodeFault, NodeUnavailable, SessionLost
+from common.decoding.types import NodeInfo, VerifyResult, check_pair, model_identity
+from common.runtime.faults import NodeChanged, NodeFault, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions, common_prefix
 
 PlannerSource = BudgetPlanner | Callable[[], BudgetPlanner | None] | None
@@ -232,9 +232,7 @@ class DraftLink:
         except Exception:
             self.lost(epoch)
             return False
-        if (info.model_id, info.tokenizer_fingerprint, info.vocab_size) != (
-            held.model_id, held.tokenizer_fingerprint, held.vocab_size,
-        ):
+        if model_identity(info) != model_identity(held):
             self.lost(epoch)
             return False
         return True
@@ -611,6 +609,8 @@ class Sequence:
                     self._reopen("target")
                     self._replayed = True
                     break
+                except NodeChanged:  # waiting cannot help, and its tokens must not join these
+                    raise
                 except NodeFault:
                     if time.monotonic() > deadline:
                         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import secrets
 import shutil
 import tempfile
@@ -17,7 +18,7 @@ from client.api import SpecExec
 from client.generation import Recovery
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.decoding.types import NodeInfo, VerifyResult
+from common.decoding.types import NodeInfo, VerifyResult, describe_model, model_identity
 from common.model.loading import tokenizer_fingerprint
 from common.model.store import cache_root
 from common.pb.specexec.v1 import specexec_pb2 as pb
@@ -32,8 +33,10 @@ from common.rpc.wire import (
     tree_params_to_proto,
     tree_to_proto,
 )
-from common.runtime.faults import NodeRefused, NodeUnavailable, SessionLost
+from common.runtime.faults import NodeChanged, NodeRefused, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions
+
+log = logging.getLogger("specexec.client")
 
 DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -170,8 +173,23 @@ class _RemoteNode:
 
     def info(self) -> NodeInfo:
         if self._info is None:
-            self._info = node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest()))
+            self._info = self._fresh_info()
         return self._info
+
+    def _fresh_info(self, timeout: float | None = None) -> NodeInfo:
+        return node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest(), timeout))
+
+    def _check_model(self, identity: tuple[str, str, str]) -> None:
+        """Raise `NodeChanged` if the node now serves another model than the one this client checked
+        (its last `info()`)."""
+        held = self._info
+        if held is None or identity == model_identity(held):
+            return
+        raise NodeChanged(
+            f"{self.role} node at {self.address} now serves {describe_model(identity)}, not "
+            f"{describe_model(model_identity(held))} as when this client checked it; restart the node "
+            f"with that model, or this client to use the new one"
+        )
 
     def serving(self, timeout: float = DEFAULT_PROBE_TIMEOUT) -> str | None:
         """None when the node answers its standard health check as SERVING, else why not: what a
@@ -194,8 +212,23 @@ class _RemoteNode:
             if exc.code == grpc.StatusCode.RESOURCE_EXHAUSTED:
                 raise TooManySessions(str(exc)) from exc
             raise
+        except ValueError:  # a prompt checked against the model it had may be one another cannot read
+            self._check_model(model_identity(self._fresh_info()))
+            raise
+        if opened.model_id:  # a node from before the field says nothing
+            try:
+                self._check_model((opened.model_id, opened.tokenizer_fingerprint, opened.dtype))
+            except NodeChanged:
+                self._close_quietly(opened.session_id)
+                raise
         self._steps[opened.session_id] = 0
         return opened.session_id
+
+    def _close_quietly(self, session_id: str) -> None:
+        try:
+            self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
+        except Exception as exc:  # cleanup on a node already refused: its idle timeout covers it
+            log.info("could not close %s session %s: %s", self.role, session_id, exc)
 
     def close_session(self, session_id: str) -> bool:
         self._steps.pop(session_id, None)
@@ -216,8 +249,10 @@ class RemoteDraft(_RemoteNode):
 
     def info(self) -> NodeInfo:
         """Asked afresh each time, under a short deadline: `DraftLink` probes a draft that may be down
-        with it, and a draft that came back may serve another model. The link keeps what it checked."""
-        return node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest(), self.probe_timeout))
+        with it, and a draft that came back may serve another model. Sessions are checked against the
+        last answer; the link keeps what it checked."""
+        self._info = self._fresh_info(self.probe_timeout)
+        return self._info
 
     def build_tree(
         self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
@@ -243,6 +278,18 @@ class RemoteTarget(_RemoteNode):
     def __init__(self, address: str, **kwargs: Any) -> None:
         super().__init__(address, **kwargs)
         self.stub = pb_grpc.TargetServiceStub(self.channel)
+
+    def serving(self, timeout: float = DEFAULT_PROBE_TIMEOUT) -> str | None:
+        """Serving, and as the model this client checked: a target restarted as another would fail
+        every request (a gateway's /health then says so), and is never used in its place."""
+        why = super().serving(timeout)
+        if why is not None or self._info is None:
+            return why
+        try:
+            self._check_model(model_identity(self._fresh_info(timeout)))
+        except (NodeChanged, NodeUnavailable, NodeError) as exc:
+            return str(exc)
+        return None
 
     def verify(
         self,

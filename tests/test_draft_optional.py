@@ -107,6 +107,18 @@ def odd_model(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def narrow_model(tmp_path_factory, odd_model) -> Path:
+    """The odd tokenizer on a model of 100 ids: the prompt's own ids are past its vocabulary."""
+    import shutil
+
+    path = make_tiny_model(tmp_path_factory.mktemp("narrow") / "narrow-vocabulary", vocab_size=100)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json"):
+        if (odd_model / name).exists():
+            shutil.copy(odd_model / name, path / name)
+    return path
+
+
 def recovery(notices: list[str]) -> Recovery:
     return Recovery(draft_retry_seconds=0.2, notify=notices.append)
 
@@ -220,6 +232,29 @@ def test_a_mismatched_draft_that_comes_up_later_is_refused_and_never_used(
     assert not out.stats.budgets and not again.stats.budgets and gen.planner is None
     assert kinds(notices) == ["down", "refused"]
     assert "odd-tokenizer" in notices[1] and draft.address in notices[1]
+
+
+@pytest.mark.parametrize("other", ["odd_model", "narrow_model"])
+def test_a_draft_restarted_as_another_model_unseen_is_caught_at_the_next_session(
+    target, draft, model_dirs, other, request
+):
+    """The draft restarts between two requests, too fast for the link to see it down. Another
+    tokenizer must never propose a token: the next session says the model changed (a prompt the new
+    model cannot even read included), the target alone answers, and the next probe refuses it."""
+    notices: list[str] = []
+    draft.start(model_dirs["truncated"])
+    gen = connect(draft.address, target, tree=TreeParams(budget=16), recovery=recovery(notices))
+    assert gen.generate(PROMPT, SHORT).stats.budgets
+    draft.kill()
+    draft.start(request.getfixturevalue(other))
+    out = gen.generate(PROMPT, SHORT)
+    time.sleep(0.3)  # past the retry period: the next request probes it
+    again = gen.generate(PROMPT, SHORT)
+    assert out.token_ids == again.token_ids == reference_decode(model_dirs["target"], PROMPT, SHORT)
+    assert not out.stats.budgets and not again.stats.budgets
+    assert kinds(notices) == ["lost", "refused"]
+    assert f"draft node at {draft.address} now serves" in notices[0] and "not 'truncated'" in notices[0]
+    assert "do not share a tokenizer" in notices[1]
 
 
 def test_a_draft_that_never_answers_costs_one_bounded_probe(target, model_dirs):

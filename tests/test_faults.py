@@ -113,6 +113,7 @@ def test_the_openai_health_route_follows_the_target(cluster, model_dirs):
         assert health()[0] == 200
         kill(procs, "draft")  # said at once, before any generation finds it gone
         assert health() == (200, {"status": "ok", "target": "up", "draft": "down"})
+        assert gen.link is not None and gen.link.info is None  # held down: probed once per --draft-retry
         collect(gen.stream(PROMPT, SamplingParams(max_new_tokens=4)))
         assert health()[1]["draft"] == "down"
         procs["draft"] = start("draft", model_dirs["truncated"], addrs["draft"])
@@ -189,6 +190,35 @@ def test_target_restart_mid_run_on_the_target_alone_replays_the_sequence(cluster
     out = collect(chunks())
     assert out.token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
     assert any("reopening the target session" in n for n in notices)
+
+
+def test_a_target_restarted_as_another_model_is_never_used_in_its_place(cluster, model_dirs):
+    """Same tokenizer, other weights: a replay onto it would stitch one answer from two models, and
+    every later answer would come from a model the client never checked, under the old one's name.
+    Refused instead, mid-generation and for new ones, and said by the health probe (a gateway's
+    /health); the right model back, all is as before."""
+    from common.runtime.faults import NodeChanged
+
+    addrs, procs = cluster
+
+    def restart_as(model: Path) -> None:
+        kill(procs, "target")
+        procs["target"] = start("target", model, addrs["target"])
+
+    notices: list[str] = []
+    with pytest.raises(NodeChanged, match=r"now serves 'truncated'.*not 'target'"):
+        generate_with_fault(addrs, lambda: restart_as(model_dirs["truncated"]), notices)
+    on_truncated = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+    restart_as(model_dirs["target"])
+    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+    restart_as(model_dirs["truncated"])
+    with pytest.raises(NodeChanged, match=r"target node at .* now serves 'truncated'"):
+        gen.generate(PROMPT, PARAMS)
+    assert "now serves 'truncated'" in (gen.target.serving() or "")
+    assert on_truncated.target.serving() is None  # the model it checked
+    restart_as(model_dirs["target"])
+    assert gen.target.serving() is None
+    assert gen.generate(PROMPT, PARAMS).token_ids == reference_decode(model_dirs["target"], PROMPT, PARAMS)
 
 
 def concurrent_with_fault(addrs, fault, notices: list[str], clients: int = 4):

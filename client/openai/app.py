@@ -253,14 +253,20 @@ class Service:
 
     def draft_state(self) -> str:
         """Asked now, not what the last request found: a draft that died since says "down" (its health
-        check, each call), and one the link holds down is probed again at most once per --draft-retry."""
+        check, each call). The link then holds it down, as a failed step would: it is probed again at
+        most once per --draft-retry, so a draft that hangs does not slow every /health by the probe's
+        deadline, and requests do not try it meanwhile."""
         link = self.gen.link
         if link is None:
             return "none"
         if link.ready(self.gen.recovery) is None:
             return "down"
+        epoch = link.epoch
         probe = getattr(link.draft, "serving", None)
-        return "up" if probe is None or probe() is None else "down"
+        if probe is None or probe() is None:
+            return "up"
+        link.lost(epoch)
+        return "down"
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:

@@ -32,6 +32,17 @@ class VerifyResult:
     shared_tokens: int = 0  # prompt tokens whose KV the step took from another session (prefix sharing)
 
 
+def model_identity(info: NodeInfo) -> tuple[str, str, str]:
+    """What makes two answers of a node the same model: the same weights, at the same precision,
+    reading the same tokens."""
+    return info.model_id, info.tokenizer_fingerprint, info.dtype
+
+
+def describe_model(identity: tuple[str, str, str]) -> str:
+    model_id, fingerprint, dtype = identity
+    return f"{model_id!r} ({dtype}, tokenizer {fingerprint})"
+
+
 class TokenizerMismatch(ValueError):
     pass
 

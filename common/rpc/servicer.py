@@ -54,9 +54,13 @@ class NodeServicer:
     def OpenSession(
         self, request: pb.OpenSessionRequest, context: grpc.ServicerContext
     ) -> pb.OpenSessionResponse:
-        sid = self._engine().open_session(list(request.prompt), client_key(context))
+        engine = self._engine()
+        sid = engine.open_session(list(request.prompt), client_key(context))
         session_event("opened", sid, prompt_tokens=len(request.prompt))
-        return pb.OpenSessionResponse(session_id=sid)
+        info = engine.info()
+        return pb.OpenSessionResponse(
+            session_id=sid, model_id=info.model_id, tokenizer_fingerprint=info.tokenizer_fingerprint, dtype=info.dtype
+        )
 
     @rpc_method
     def CloseSession(

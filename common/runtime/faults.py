@@ -23,3 +23,9 @@ class NodeUnavailable(NodeFault, ConnectionError):
 
 class SessionLost(NodeFault):
     """The node no longer knows the session (it restarted, or the session expired while idle or made room for another)."""
+
+
+class NodeChanged(NodeFault, ConnectionError):
+    """The node answers, but as another model than the one this client checked (it restarted with
+    another --model): its tokens would be another model's text. A draft then counts as down until it
+    is checked again; a target's session is not replayed onto it."""

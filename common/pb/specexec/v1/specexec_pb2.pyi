@@ -103,10 +103,16 @@ class OpenSessionRequest(_message.Message):
     def __init__(self, prompt: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class OpenSessionResponse(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "model_id", "tokenizer_fingerprint", "dtype")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENIZER_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    model_id: str
+    tokenizer_fingerprint: str
+    dtype: str
+    def __init__(self, session_id: _Optional[str] = ..., model_id: _Optional[str] = ..., tokenizer_fingerprint: _Optional[str] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class CloseSessionRequest(_message.Message):
     __slots__ = ("session_id",)
