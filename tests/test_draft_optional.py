@@ -326,6 +326,28 @@ def test_chat_command_with_the_draft_down(target, draft, env):
     assert out.stderr.count(DOWN) == 1 and "tokens/step" in out.stderr
 
 
+def test_generate_waits_for_a_target_started_after_it(env, logs, loaded, model_dirs):
+    """Three commands started together (a script, tmux): the client comes up before the target has
+    loaded. Without --wait-for-target it fails at once, saying the option exists; with it, it waits."""
+    address = f"127.0.0.1:{free_port()}"
+    args = ["generate", "--target", address, "--mode", "autoregressive", "--prompt", "Hello, ", "--max-new-tokens", "6",
+            "--json"]
+    refused = specexec(env, *args)
+    assert refused.returncode == 2 and "--wait-for-target SECONDS waits for it" in refused.stderr
+    client = subprocess.Popen([sys.executable, "-m", "client.cli.main", *args, "--wait-for-target", "120"],
+                              env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    time.sleep(1)
+    node = Proc("late-target", node_args("target_node", model_dirs["target"], address), env, logs)
+    try:
+        out, err = client.communicate(timeout=120)
+    finally:
+        node.stop()
+    assert client.returncode == 0, err
+    assert f"waiting up to 120 s for the target node at {address}" in err
+    ids = loaded["target"].tokenizer.encode("Hello, ")
+    assert json.loads(out)["token_ids"] == reference_decode(model_dirs["target"], ids, SamplingParams(max_new_tokens=6))
+
+
 def gateway_generate(address: str, params: SamplingParams) -> tuple[list[int], pb.GenerateFinal]:
     request = pb.GenerateRequest(
         token_ids=pb.TokenIds(ids=PROMPT),

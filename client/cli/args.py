@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -11,7 +12,7 @@ from client import planner_state
 from client.api import SpecExec, check_fits, render_chat
 from client.generation import Recovery
 from client.openai.server import TlsFiles
-from client.remote import connect
+from client.remote import connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.model.llama_cpp import BACKENDS
@@ -31,6 +32,7 @@ from common.options import (
     positive_float,
     positive_int,
 )
+from common.runtime.faults import NodeUnavailable
 
 
 def add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -95,6 +97,14 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         default=Recovery.draft_retry_seconds,
         help="seconds between attempts to reach a draft node that is down (the target generates alone "
         "meanwhile, with the same output)",
+    )
+    src.add_argument(
+        "--wait-for-target",
+        type=non_negative_float,
+        default=0.0,
+        metavar="SECONDS",
+        help="wait up to this long for the target node to serve (still loading its model, not started "
+        "yet) instead of failing at once; for three commands started together",
     )
     if in_process:
         before = {action.dest for action in p._actions}
@@ -229,17 +239,27 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             max_sessions=1,  # generate, chat and profile run one generation at a time
             planner_dir=planner_dir(args),
         )
-    return connect(
-        args.draft if args.mode != "autoregressive" or args.command == "serve" else None,  # serve: per request
-        args.target,
-        mode=args.mode,
-        tree=tree,
-        auto_budget=auto_budget(args),
-        step_timeout=args.step_timeout,
-        security=client_security(args),
-        recovery=Recovery(draft_retry_seconds=args.draft_retry),
-        planner_dir=planner_dir(args),
-    )
+    security = client_security(args)
+    if args.wait_for_target:
+        print(f"specexec: waiting up to {args.wait_for_target:g} s for the target node at {args.target}",
+              file=sys.stderr)  # fmt: skip
+        wait_until_serving(args.target, args.wait_for_target, security=security)
+    try:
+        return connect(
+            args.draft if args.mode != "autoregressive" or args.command == "serve" else None,  # serve: per request
+            args.target,
+            mode=args.mode,
+            tree=tree,
+            auto_budget=auto_budget(args),
+            step_timeout=args.step_timeout,
+            security=security,
+            recovery=Recovery(draft_retry_seconds=args.draft_retry),
+            planner_dir=planner_dir(args),
+        )
+    except NodeUnavailable as exc:
+        if args.wait_for_target:
+            raise
+        raise NodeUnavailable(f"{exc} (--wait-for-target SECONDS waits for it)") from exc
 
 
 def add_openai_args(parser: argparse.ArgumentParser) -> None:
