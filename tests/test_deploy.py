@@ -172,6 +172,17 @@ def test_precedence_command_line_over_env_over_table_over_top_level(tmp_path):
     assert parse(["--config", str(path), "target"]).max_tree == 20
 
 
+def test_an_unknown_specexec_variable_is_warned_about_with_the_nearest_option(capsys):
+    """A typo in a systemd unit's Environment= would silently do nothing."""
+    env = {"SPECEXEC_MAX_TRE": "5", "SPECEXEC_HOME": "/x", "SPECEXEC_HUGE_PAGES": "0", "SPECEXEC_MAX_QUEUE": "3",
+           "SPECEXEC_NO_PROFILE": "1"}  # fmt: skip
+    args = parse(["target", "--model", "m"], env)  # the node's parser: --max-queue is serve's, known all the same
+    assert args.profile is False
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["specexec: warning: SPECEXEC_MAX_TRE is not an option of any command and is ignored; "
+                   "did you mean SPECEXEC_MAX_TREE?"]  # fmt: skip
+
+
 def test_flag_and_list_options(tmp_path):
     path = tmp_path / "c.toml"
     path.write_text("[generate]\nno_profile = 1\n")

@@ -13,17 +13,19 @@ one file can configure all the services of a machine:
     specexec --config /etc/specexec/specexec.toml target     # or: specexec target --config PATH
     SPECEXEC_CONFIG=/etc/specexec/specexec.toml specexec draft
 
-Unknown tables and keys are errors (a typo must not be ignored silently); unknown `SPECEXEC_*`
-variables are not (`SPECEXEC_HOME` is the model cache, for one). For a `--no-X` flag write `X = false`
+Unknown tables and keys are errors (a typo must not be ignored silently); an unknown `SPECEXEC_*`
+variable gets a warning, since the environment is shared with other programs. For a `--no-X` flag write `X = false`
 or `no_X = true`; a repeatable option (`--stop`) takes a list.
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import functools
 import json
 import os
+import sys
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +36,9 @@ from common.ops.files import read_named
 ENV_PREFIX = "SPECEXEC_"
 CONFIG_ENV = "SPECEXEC_CONFIG"
 RESERVED_ENV = {"SPECEXEC_HOME", CONFIG_ENV}
+# Read by the code, not options: huge pages, llama.cpp's padded passes, the target's A/B switches, tests.
+SWITCH_ENV = {"SPECEXEC_HUGE_PAGES", "SPECEXEC_PAD_PASSES", "SPECEXEC_WAIT_DUE", "SPECEXEC_PROMPT_BUDGET",
+              "SPECEXEC_FUZZ_SCALE", "SPECEXEC_FUZZ_RANDOM"}  # fmt: skip
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
 _SKIP = {"help", "config", "func", "command", "version"}
@@ -221,10 +226,23 @@ def apply(
         if name in environ and name not in RESERVED_ENV:
             found[action.dest] = (action, _convert(action, environ[name], inverted, name))
             sources[action.dest] = "env"
+    _warn_unknown_env(parser, environ)
     for dest, (action, value) in found.items():
         sub.set_defaults(**{dest: value})
         action.required = False  # a required option given by the config file is given
     return sources
+
+
+def _warn_unknown_env(parser: argparse.ArgumentParser, environ: Mapping[str, str]) -> None:
+    """A `SPECEXEC_*` variable that is no subcommand's option is most likely a typo that would do
+    nothing (`SPECEXEC_MAX_TRE` in a systemd unit): said, with the nearest option's, not refused."""
+    keys = frozenset().union(*_all_keys().values(), *(_options(sub) for sub in subcommands(parser).values()))
+    known = {ENV_PREFIX + key.upper() for key in keys} | RESERVED_ENV | SWITCH_ENV
+    for name in sorted(environ):
+        if name.startswith(ENV_PREFIX) and name not in known:
+            near = difflib.get_close_matches(name, known, n=1)
+            hint = f"; did you mean {near[0]}?" if near else ""
+            print(f"specexec: warning: {name} is not an option of any command and is ignored{hint}", file=sys.stderr)
 
 
 def parse_args(
