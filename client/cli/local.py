@@ -11,10 +11,13 @@ import subprocess
 import sys
 import time
 
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from client.api import valid_text
 from client.cli.args import auto_budget, planner_dir, prompt_ids, sampling_from, tree_from
 from client.cli.output import print_stream
-from client.remote import connect, wait_until_serving
+from client.remote import connect, open_channel
 from common.model.llama_cpp import MAX_TREE_LEAVES, tree_limit
 from common.options import node_command
 from common.rpc.security import ClientSecurity
@@ -79,15 +82,44 @@ def stop_with_parent() -> None:
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def wait_ready(nodes: dict[str, tuple[subprocess.Popen, str]], security: ClientSecurity, timeout: float) -> None:
+    """Both nodes load at once: the first to exit while starting is named at once, without waiting
+    minutes for the other to load first."""
+    deadline = time.monotonic() + timeout
+    channels = {role: open_channel(address, security.channel_credentials()) for role, (_, address) in nodes.items()}
+    try:
+        waiting = {role: node for role, (node, _) in nodes.items()}
+        while waiting:
+            for role, node in list(waiting.items()):
+                if node.poll() is not None:
+                    raise OSError(f"the {role} node exited while starting (code {node.returncode}; its error is above)")
+                try:
+                    answer = health_pb2_grpc.HealthStub(channels[role]).Check(health_pb2.HealthCheckRequest(), timeout=1)
+                except grpc.RpcError:
+                    answer = None  # not listening yet
+                if answer is not None and answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    del waiting[role]
+            if waiting and time.monotonic() > deadline:
+                raise OSError(f"the {' and '.join(waiting)} node was not serving after {timeout:.0f} s")
+            time.sleep(0.2)
+    finally:
+        for channel in channels.values():
+            channel.close()
+
+
 def watch(nodes: dict[str, subprocess.Popen]) -> int:
-    """Without --prompt the nodes serve until one exits (or a signal stops this command): say which."""
-    while True:
-        for role, node in nodes.items():
-            if node.poll() is not None:
-                print(f"specexec local: the {role} node exited (code {node.returncode}); stopping the other",
-                      file=sys.stderr)  # fmt: skip
-                return 1
-        time.sleep(0.5)
+    """Without --prompt the nodes serve until one exits (1, saying which) or this command is asked to
+    stop (0, as the servers do)."""
+    try:
+        while True:
+            for role, node in nodes.items():
+                if node.poll() is not None:
+                    print(f"specexec local: the {role} node exited (code {node.returncode}); stopping the other",
+                          file=sys.stderr)  # fmt: skip
+                    return 1
+            time.sleep(0.5)
+    except KeyboardInterrupt:
+        return 0
 
 
 def run_local(args: argparse.Namespace) -> int:
@@ -96,7 +128,8 @@ def run_local(args: argparse.Namespace) -> int:
     if args.prompt is not None:  # named before minutes of loading
         sampling = sampling_from(args)
         valid_text(args.prompt, "--prompt")
-    signal.signal(signal.SIGTERM, lambda signum, _frame: sys.exit(128 + signum))  # the nodes are stopped below
+    # A requested stop, as for the servers: exit 0 once the nodes are stopped below.
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
     # The nodes get this command's server flags; the client trusts --node-tls-ca, presents
     # --node-tls-cert/--node-tls-key and sends the nodes' own --auth-token-file.
@@ -108,10 +141,7 @@ def run_local(args: argparse.Namespace) -> int:
     commands = node_commands(args, security_args)
     nodes = [subprocess.Popen(cmd, preexec_fn=stop_with_parent) for cmd in commands]
     try:
-        for node, addr in zip(nodes, (target_addr, draft_addr), strict=True):
-            wait_until_serving(addr, timeout=600, alive=lambda n=node: n.poll() is None, security=security)
-        if any(node.poll() is not None for node in nodes):
-            raise OSError("a node exited while starting (its error is above)")
+        wait_ready({"target": (nodes[0], target_addr), "draft": (nodes[1], draft_addr)}, security, timeout=600)
         client = " ".join(shlex.quote(item) for item in client_security_args(args))
         print(
             f"nodes ready: target {target_addr}, draft {draft_addr}\n"
