@@ -10,7 +10,7 @@ from dataclasses import replace
 
 import grpc
 
-from client.admission import Admission
+from client.admission import Admission, QueueFull
 from client.api import SpecExec, check_fits
 from client.generation import GenerationStats
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
@@ -21,6 +21,7 @@ from common.rpc.server import Server, abort_for, rpc_method
 from common.rpc.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
 
 TARGET_HEALTH_EVERY = 5.0  # seconds between the gateway's health checks of its target node
+RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # a refusal past --max-queue: HTTP's Retry-After, for gRPC's retry policies
 
 
 def follow_target(server: Server, gen: SpecExec, every: float = TARGET_HEALTH_EVERY) -> None:
@@ -119,4 +120,6 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     final = pb.GenerateFinal(finish_reason=chunk.finish_reason, stats=stats_to_proto(chunk.stats))
                     yield pb.GenerateResponse(request_id=rid, final=final)
         except Exception as exc:
+            if isinstance(exc, QueueFull):
+                context.set_trailing_metadata(((RETRY_PUSHBACK, str(round(QueueFull.retry_after * 1000))),))
             abort_for(context, exc, "Generate")

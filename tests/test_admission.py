@@ -136,6 +136,7 @@ def test_the_grpc_gateway_queues_refuses_and_drops_a_cancelled_call(loaded):
             with pytest.raises(grpc.RpcError) as err:
                 list(stub.Generate(request, timeout=60))
             assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "--max-queue is 1" in err.value.details()
+            assert ("grpc-retry-pushback-ms", "1000") in err.value.trailing_metadata()
             cancelled.cancel()
             wait_for(lambda: admission.waiting == 0)
             assert admission.running == 1
