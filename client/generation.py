@@ -259,6 +259,9 @@ class DraftLink:
             verb = "resumes" if self.epoch else "starts"
             notify(f"draft node {self.name} is up: speculative decoding {verb}")
         self._refused = ""
+        expect = getattr(self.draft, "expect", None)  # a remote draft checks each session it opens against it
+        if expect is not None:
+            expect(info)
         self.epoch += 1  # before `info`: a sequence that sees the info sees the epoch it belongs to
         self.info = info
         return None
@@ -461,7 +464,7 @@ class Sequence:
         try:
             self._reopen("draft")
             self._draft_kv = 0
-        except NodeFault as exc:
+        except (NodeFault, ValueError) as exc:
             self._draft_failed(exc, epoch, stats)
             return False
         except TooManySessions as exc:
@@ -478,7 +481,7 @@ class Sequence:
         try:
             truncate_to, append = self._sync("draft")
             drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
-        except NodeFault as exc:
+        except (NodeFault, ValueError) as exc:
             self._draft_failed(exc, self._draft_epoch, stats)
             return None
         self._draft_kv = len(self.tokens)
@@ -523,7 +526,7 @@ class Sequence:
         (call, epoch), self._catch_up = self._catch_up, None
         try:
             call.result()
-        except NodeFault as exc:
+        except (NodeFault, ValueError) as exc:
             self._draft_failed(exc, epoch, stats)
             return False
         except TooManySessions as exc:
@@ -541,7 +544,8 @@ class Sequence:
             self.recovery.notify(f"draft node has no session free ({exc}); this generation runs on the "
                                  "target alone until it has")  # fmt: skip
 
-    def _draft_failed(self, exc: NodeFault, epoch: int, stats: GenerationStats) -> None:
+    def _draft_failed(self, exc: Exception, epoch: int, stats: GenerationStats) -> None:
+        """A fault, or a refusal (ValueError): the draft is optional, so neither fails the request."""
         assert self.link is not None
         if isinstance(exc, SessionLost) and self.link.session_lost(epoch):
             log.info("%s; this sequence reopens its draft session", exc)

@@ -148,6 +148,7 @@ class _RemoteNode:
         self.step_timeout, self.call_timeout = step_timeout, call_timeout
         self._steps: dict[str, int] = {}
         self._info: NodeInfo | None = None
+        self._expected: tuple[str, str, str] | None = None  # (`expect`)
 
     def _rpc(self, fn: Any, request: Any, timeout: float | None = None) -> Any:
         timeout = timeout or self.call_timeout
@@ -174,21 +175,26 @@ class _RemoteNode:
     def info(self) -> NodeInfo:
         if self._info is None:
             self._info = self._fresh_info()
+            self.expect(self._info)
         return self._info
 
     def _fresh_info(self, timeout: float | None = None) -> NodeInfo:
         return node_info_from_proto(self._rpc(self.stub.Info, pb.InfoRequest(), timeout))
 
+    def expect(self, info: NodeInfo) -> None:
+        """The model this client checked: each session opened from now on must be served by it."""
+        self._expected = model_identity(info)
+
     def _check_model(self, identity: tuple[str, str, str]) -> None:
-        """Raise `NodeChanged` if the node now serves another model than the one this client checked
-        (its last `info()`)."""
-        held = self._info
-        if held is None or identity == model_identity(held):
+        """Raise `NodeChanged` if the node now serves another model than the one this client checked."""
+        expected = self._expected
+        if expected is None or identity == expected:
             return
+        advice = ("restart the node with that model, or this client to use the new one" if self.role == "target"
+                  else "it is used again once checked against the target")  # fmt: skip
         raise NodeChanged(
             f"{self.role} node at {self.address} now serves {describe_model(identity)}, not "
-            f"{describe_model(model_identity(held))} as when this client checked it; restart the node "
-            f"with that model, or this client to use the new one"
+            f"{describe_model(expected)} as when this client checked it; {advice}"
         )
 
     def serving(self, timeout: float = DEFAULT_PROBE_TIMEOUT) -> str | None:
@@ -249,10 +255,9 @@ class RemoteDraft(_RemoteNode):
 
     def info(self) -> NodeInfo:
         """Asked afresh each time, under a short deadline: `DraftLink` probes a draft that may be down
-        with it, and a draft that came back may serve another model. Sessions are checked against the
-        last answer; the link keeps what it checked."""
-        self._info = self._fresh_info(self.probe_timeout)
-        return self._info
+        with it, and a draft that came back may serve another model. The link keeps what it checked,
+        and tells this adapter (`expect`): sessions are checked against that, not the last answer."""
+        return self._fresh_info(self.probe_timeout)
 
     def build_tree(
         self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
@@ -283,7 +288,7 @@ class RemoteTarget(_RemoteNode):
         """Serving, and as the model this client checked: a target restarted as another would fail
         every request (a gateway's /health then says so), and is never used in its place."""
         why = super().serving(timeout)
-        if why is not None or self._info is None:
+        if why is not None or self._expected is None:
             return why
         try:
             self._check_model(model_identity(self._fresh_info(timeout)))
@@ -439,6 +444,7 @@ def wait_until_serving(
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     deadline = time.monotonic() + timeout
+    last = "no answer"
     with open_channel(address, security.channel_credentials() if security else None) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while time.monotonic() < deadline:
@@ -448,7 +454,8 @@ def wait_until_serving(
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
-            except grpc.RpcError:
-                pass  # not listening yet
+                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            except grpc.RpcError as exc:  # not listening yet, or a TLS mismatch: said if it never serves
+                last = f"{exc.code().name}: {exc.details()}{tls_hint(exc.code(), exc.details(), security)}"
             time.sleep(0.2)
-    raise NodeUnavailable(f"the node at {address} was not serving after {timeout:.0f} s")
+    raise NodeUnavailable(f"the node at {address} was not serving after {timeout:.0f} s (last: {last})")

@@ -247,6 +247,8 @@ def test_a_draft_restarted_as_another_model_unseen_is_caught_at_the_next_session
     assert gen.generate(PROMPT, SHORT).stats.budgets
     draft.kill()
     draft.start(request.getfixturevalue(other))
+    assert gen.link is not None
+    gen.link.draft.info()  # another sequence's check (a lost session) may see the new model first
     out = gen.generate(PROMPT, SHORT)
     time.sleep(0.3)  # past the retry period: the next request probes it
     again = gen.generate(PROMPT, SHORT)

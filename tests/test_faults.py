@@ -205,12 +205,32 @@ def test_a_target_restarted_as_another_model_is_never_used_in_its_place(cluster,
         kill(procs, "target")
         procs["target"] = start("target", model, addrs["target"])
 
-    notices: list[str] = []
-    with pytest.raises(NodeChanged, match=r"now serves 'truncated'.*not 'target'"):
-        generate_with_fault(addrs, lambda: restart_as(model_dirs["truncated"]), notices)
+    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16), step_timeout=20)
+    refused: list[NodeChanged] = []
+    opening = gen.target.open_session
+
+    def open_session(prompt: list[int]) -> str:
+        try:
+            return opening(prompt)
+        except NodeChanged as exc:
+            refused.append(exc)
+            raise
+
+    gen.target.open_session = open_session  # type: ignore[method-assign]
+
+    def chunks():
+        recovery = Recovery(target_retry_seconds=60, notify=lambda _: None)
+        for i, chunk in enumerate(gen.stream(PROMPT, PARAMS, recovery=recovery)):
+            if i == 3:
+                restart_as(model_dirs["truncated"])
+            yield chunk
+
+    with pytest.raises(NodeChanged, match=r"now serves 'truncated'.*not 'target'.*restart the node"):
+        collect(chunks())
+    assert len(refused) == 1  # at once: waiting out the replay window cannot bring the model back
     on_truncated = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
     restart_as(model_dirs["target"])
-    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))
+    gen = connect(addrs["draft"], addrs["target"], tree=TreeParams(budget=16))  # checks 'target' afresh
     restart_as(model_dirs["truncated"])
     with pytest.raises(NodeChanged, match=r"target node at .* now serves 'truncated'"):
         gen.generate(PROMPT, PARAMS)

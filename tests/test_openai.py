@@ -282,6 +282,41 @@ def test_bearer_token(gen):
         srv.stop()
 
 
+def test_browser_pages_on_this_machine_and_named_origins_may_call_it(gen):
+    """CORS: a chat page on localhost passes the browser's preflight, with the bearer token it will
+    send; another site only when --allowed-origins names it. HEAD /health answers as GET does."""
+    import http.client
+
+    srv = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL, token="s3cret",
+                       allowed_origins=("https://chat.example.lan",)).start()  # fmt: skip
+    host, port = address(srv)
+
+    def ask(method: str, path: str, headers: dict[str, str]) -> http.client.HTTPResponse:
+        connection = http.client.HTTPConnection(host, port, timeout=30)
+        connection.request(method, path, headers=headers)
+        answer = connection.getresponse()
+        answer.read()
+        connection.close()
+        return answer
+
+    preflight = {"Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "authorization,content-type"}
+    try:
+        for origin in ("http://localhost:3000", "http://127.0.0.1:8080", "https://chat.example.lan"):
+            answer = ask("OPTIONS", "/v1/chat/completions", {"Origin": origin, **preflight})
+            assert answer.status == 200 and answer.getheader("access-control-allow-origin") == origin
+            assert "authorization" in answer.getheader("access-control-allow-headers").lower()
+            answer = ask("GET", "/v1/models", {"Origin": origin, "Authorization": "Bearer s3cret"})
+            assert answer.status == 200 and answer.getheader("access-control-allow-origin") == origin
+        answer = ask("OPTIONS", "/v1/chat/completions", {"Origin": "https://evil.example", **preflight})
+        assert answer.status == 400 and answer.getheader("access-control-allow-origin") is None
+        answer = ask("GET", "/v1/models", {"Origin": "https://evil.example", "Authorization": "Bearer s3cret"})
+        assert answer.getheader("access-control-allow-origin") is None  # the browser keeps the answer from the page
+        answer = ask("HEAD", "/health", {})
+        assert answer.status == 200
+    finally:
+        srv.stop()
+
+
 def raw(url: str, data: bytes | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:

@@ -104,7 +104,7 @@ def add_remote_args(p: argparse.ArgumentParser, *, in_process: bool) -> None:
         default=0.0,
         metavar="SECONDS",
         help="wait up to this long for the target node to serve (still loading its model, not started "
-        "yet) instead of failing at once; for three commands started together",
+        "yet) instead of failing at once: for a target, draft and client started together",
     )
     if in_process:
         before = {action.dest for action in p._actions}
@@ -257,9 +257,13 @@ def generator_from(args: argparse.Namespace) -> SpecExec:
             planner_dir=planner_dir(args),
         )
     except NodeUnavailable as exc:
-        if args.wait_for_target:
-            raise
+        if args.wait_for_target or exc.timed_out or "--node-tls-ca" in str(exc):
+            raise  # waiting would not help a node that hangs, or a TLS mismatch (its hint names the flag)
         raise NodeUnavailable(f"{exc} (--wait-for-target SECONDS waits for it)") from exc
+
+
+def comma_list(value: str) -> tuple[str, ...]:
+    return tuple(item.strip() for item in value.split(",") if item.strip())
 
 
 def add_openai_args(parser: argparse.ArgumentParser) -> None:
@@ -268,6 +272,14 @@ def add_openai_args(parser: argparse.ArgumentParser) -> None:
         "--openai", metavar="HOST:PORT", help="also (or only) serve /v1/completions, /v1/chat/completions"
     )
     g.add_argument("--served-model-name", help="the model id clients send (default: the target's model id)")
+    g.add_argument(
+        "--allowed-origins",
+        type=comma_list,
+        default=(),
+        metavar="ORIGIN,...",
+        help="browser origins besides this machine's (localhost) that may call the endpoint (CORS), "
+        "e.g. https://chat.example.lan; * for any",
+    )
     g.add_argument(
         "--default-max-tokens",
         type=positive_int,

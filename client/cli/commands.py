@@ -115,6 +115,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             token=sec.token,
             tls=tls_files(args),
             admission=admission,
+            allowed_origins=args.allowed_origins,
         )
     if not args.listen:
         serve_until_signal(http)

@@ -90,9 +90,11 @@ def wait_ready(nodes: dict[str, tuple[subprocess.Popen, str]], security: ClientS
     try:
         waiting = {role: node for role, (node, _) in nodes.items()}
         while waiting:
-            for role, node in list(waiting.items()):
+            for role, (node, _) in nodes.items():  # one that served may die while the other loads
                 if node.poll() is not None:
-                    raise OSError(f"the {role} node exited while starting (code {node.returncode}; its error is above)")
+                    raise OSError(f"the {role} node exited while starting ({exit_status(node.returncode)}; "
+                                  f"its error is above)")  # fmt: skip
+            for role in list(waiting):
                 try:
                     answer = health_pb2_grpc.HealthStub(channels[role]).Check(health_pb2.HealthCheckRequest(), timeout=1)
                 except grpc.RpcError:
@@ -100,11 +102,16 @@ def wait_ready(nodes: dict[str, tuple[subprocess.Popen, str]], security: ClientS
                 if answer is not None and answer.status == health_pb2.HealthCheckResponse.SERVING:
                     del waiting[role]
             if waiting and time.monotonic() > deadline:
-                raise OSError(f"the {' and '.join(waiting)} node was not serving after {timeout:.0f} s")
+                late = " and ".join(waiting) + (" nodes were" if len(waiting) > 1 else " node was")
+                raise OSError(f"the {late} not serving after {timeout:.0f} s")
             time.sleep(0.2)
     finally:
         for channel in channels.values():
             channel.close()
+
+
+def exit_status(code: int) -> str:
+    return f"killed by {signal.Signals(-code).name}" if code < 0 else f"code {code}"
 
 
 def watch(nodes: dict[str, subprocess.Popen]) -> int:
@@ -114,8 +121,8 @@ def watch(nodes: dict[str, subprocess.Popen]) -> int:
         while True:
             for role, node in nodes.items():
                 if node.poll() is not None:
-                    print(f"specexec local: the {role} node exited (code {node.returncode}); stopping the other",
-                          file=sys.stderr)  # fmt: skip
+                    print(f"specexec local: the {role} node exited ({exit_status(node.returncode)}); stopping "
+                          "the other", file=sys.stderr)  # fmt: skip
                     return 1
             time.sleep(0.5)
     except KeyboardInterrupt:
@@ -128,8 +135,10 @@ def run_local(args: argparse.Namespace) -> int:
     if args.prompt is not None:  # named before minutes of loading
         sampling = sampling_from(args)
         valid_text(args.prompt, "--prompt")
-    # A requested stop, as for the servers: exit 0 once the nodes are stopped below.
-    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(0))
+    # Serving, a requested stop exits 0 as the servers do; a generation cut short does not. Either
+    # way the nodes are stopped below.
+    status = 0 if args.prompt is None else 128 + signal.SIGTERM
+    signal.signal(signal.SIGTERM, lambda _signum, _frame: sys.exit(status))
     target_addr, draft_addr = f"127.0.0.1:{args.target_port}", f"127.0.0.1:{args.draft_port}"
     # The nodes get this command's server flags; the client trusts --node-tls-ca, presents
     # --node-tls-cert/--node-tls-key and sends the nodes' own --auth-token-file.

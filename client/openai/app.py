@@ -26,6 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.responses import Response, StreamingResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -263,8 +264,12 @@ class Service:
             return "down"
         epoch = link.epoch
         probe = getattr(link.draft, "serving", None)
-        if probe is None or probe() is None:
+        why = None if probe is None else probe()
+        if why is None:
             return "up"
+        if link.info is not None and epoch == link.epoch:
+            self.gen.recovery.notify(f"draft node {link.name} fails its health check ({why}); generating with "
+                                     "the target alone until it passes")  # fmt: skip
         link.lost(epoch)
         return "down"
 
@@ -521,12 +526,28 @@ class Metrics:
 # The app
 
 
-def create_app(service: Service, *, token: str | None = None) -> FastAPI:
+# Browser pages served from this machine (a chat UI on localhost) may call the endpoint, as Ollama
+# allows by default; others only when --allowed-origins names them ("*": any, as vLLM's default).
+LOCAL_ORIGINS = r"https?://(localhost|127\.0\.0\.1|\[::1\])(:\d+)?"
+
+
+def cors(allowed_origins: tuple[str, ...] = ()) -> Middleware:
+    return Middleware(
+        CORSMiddleware,
+        allow_origins=list(allowed_origins),
+        allow_origin_regex=LOCAL_ORIGINS,
+        allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
+        allow_headers=["*"],
+        max_age=600,
+    )
+
+
+def create_app(service: Service, *, token: str | None = None, allowed_origins: tuple[str, ...] = ()) -> FastAPI:
     """The endpoint for `service`; with `token`, every route but /health needs it as a bearer token."""
     app = FastAPI(
         title="specexec OpenAI-compatible API",
         default_response_class=JSONAnswer,
-        middleware=[Middleware(Metrics), Middleware(BodyLimit, limit=MAX_BODY_BYTES)],
+        middleware=[cors(allowed_origins), Middleware(Metrics), Middleware(BodyLimit, limit=MAX_BODY_BYTES)],
         exception_handlers={
             ApiError: on_api_error,
             RequestValidationError: on_validation_error,
@@ -536,7 +557,7 @@ def create_app(service: Service, *, token: str | None = None) -> FastAPI:
     )
     v1 = APIRouter(prefix="/v1", dependencies=[bearer_auth(token)] if token is not None else [])
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
         status, body = await run_in_threadpool(service.health)
         return JSONAnswer(body, status_code=status)

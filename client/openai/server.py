@@ -8,6 +8,9 @@
     POST /v1/chat/completions     messages rendered with the target tokenizer's chat template
     GET  /health                  200 while the target serves, else 503 (no token needed)
 
+Browser pages on this machine (http://localhost:PORT, 127.0.0.1, [::1]) may call it (CORS), as
+Ollama allows; `--allowed-origins` names others ("*" for any).
+
 Both POST routes stream server-sent events (`"stream": true`, ending with `data: [DONE]`, usage in a
 last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON object with `usage`.
 Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
@@ -80,6 +83,7 @@ class OpenAIServer:
         tls: TlsFiles | None = None,
         keep_alive: float = KEEP_ALIVE_SECONDS,
         admission: Admission | None = None,
+        allowed_origins: tuple[str, ...] = (),
     ) -> None:
         """`admission`: the queue for the target's sessions (default: one of its own, as the target
         node's --max-sessions allows)."""
@@ -88,7 +92,7 @@ class OpenAIServer:
         admission = admission or Admission.for_target(info)
         self.service = Service(gen, model_name or info.model_id, default_max_tokens, keep_alive, admission)
         self.model_name = self.service.model_name
-        self.app = create_app(self.service, token=token)
+        self.app = create_app(self.service, token=token, allowed_origins=allowed_origins)
         config = uvicorn.Config(
             self.app,
             http="h11",
@@ -169,10 +173,11 @@ def start_openai(
     token: str | None = None,
     tls: TlsFiles | None = None,
     admission: Admission | None = None,
+    allowed_origins: tuple[str, ...] = (),
 ) -> OpenAIServer:
     """`specexec serve --openai HOST:PORT`: start the endpoint in front of `gen`, and say where."""
     server = OpenAIServer(listen, gen, model_name=model_name, default_max_tokens=default_max_tokens, token=token,
-                          tls=tls, admission=admission).start()  # fmt: skip
+                          tls=tls, admission=admission, allowed_origins=allowed_origins).start()  # fmt: skip
     auth = "token required" if token is not None else "no token"
     print(f"OpenAI-compatible endpoint at {server.url} ({auth})", file=sys.stderr, flush=True)
     event(log, "openai_listening", url=server.url, model=server.model_name)

@@ -240,8 +240,9 @@ def _warn_unknown_env(parser: argparse.ArgumentParser, environ: Mapping[str, str
     known = {ENV_PREFIX + key.upper() for key in keys} | RESERVED_ENV | SWITCH_ENV
     for name in sorted(environ):
         if name.startswith(ENV_PREFIX) and name not in known:
-            near = difflib.get_close_matches(name, known, n=1)
-            hint = f"; did you mean {near[0]}?" if near else ""
+            near = difflib.get_close_matches(name.removeprefix(ENV_PREFIX), [k.removeprefix(ENV_PREFIX) for k in known],
+                                             n=1, cutoff=0.75)  # fmt: skip
+            hint = f"; did you mean {ENV_PREFIX}{near[0]}?" if near else ""
             print(f"specexec: warning: {name} is not an option of any command and is ignored{hint}", file=sys.stderr)
 
 
