@@ -357,13 +357,28 @@ def valid_text(text: str, what: str) -> str:
     return text
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, str]]) -> list[int]:
-    """Token ids of a conversation in the model's chat template, ready for the assistant's turn."""
+def render_chat(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    *,
+    continue_final: bool = False,
+    template_kwargs: dict[str, Any] | None = None,
+) -> list[int]:
+    """Token ids of a conversation in the model's chat template, ready for the assistant's turn; or,
+    with `continue_final`, ending inside the last (assistant) message, so the model goes on with it
+    (a prefilled answer). `template_kwargs` are the template's own variables (Qwen3's
+    `enable_thinking`)."""
     for i, m in enumerate(messages):
         valid_text(m["content"], f"message {i}'s content")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    text = tokenizer.apply_chat_template(
+        messages,
+        add_generation_prompt=not continue_final,
+        continue_final_message=continue_final,
+        tokenize=False,
+        **(template_kwargs or {}),
+    )
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 import time
 import urllib.error
@@ -119,6 +120,35 @@ def test_chat_uses_the_chat_template(client, gen):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == want
     assert chunks[-1].choices[0].finish_reason == "length"
+
+
+def test_a_prefilled_assistant_message_is_continued(client, gen):
+    """vLLM's continue_final_message: the answer goes on from the assistant's own start instead of a
+    new turn. chat_template_kwargs reach the template, but not apply_chat_template's own parameters."""
+    from client.api import render_chat
+
+    messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
+    ids = render_chat(gen.tokenizer, messages, continue_final=True)
+    assert gen.tokenizer.decode(ids).endswith("<assistant>1, 2,")
+    want = gen.generate(ids, SamplingParams(max_new_tokens=8, ignore_eos=True)).text
+    extra = {"ignore_eos": True, "continue_final_message": True, "add_generation_prompt": False,
+             "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0, extra_body=extra)
+    assert out.choices[0].message.content == want
+    alone = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, temperature=0,
+                                           extra_body={"ignore_eos": True, "continue_final_message": True})  # fmt: skip
+    assert alone.choices[0].message.content == want  # vLLM wants add_generation_prompt false too; implied here
+    for body, needle in [
+        ({"continue_final_message": True, "add_generation_prompt": True}, "cannot both be true"),
+        ({"continue_final_message": True, "add_generation_prompt": False, "messages": messages[:1]},
+         "needs the last message to be the assistant's, not 'user'"),
+        ({"add_generation_prompt": False}, "only with continue_final_message true"),
+        ({"chat_template_kwargs": {"tokenize": True}}, "'chat_template_kwargs' may not set tokenize"),
+        ({"continue_final_message": "yes"}, "continue_final_message"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
+            client.chat.completions.create(model=MODEL, messages=body.pop("messages", messages), max_tokens=4,
+                                           extra_body=body)  # fmt: skip
 
 
 def test_stop_strings(client, gen):

@@ -353,6 +353,21 @@ class CompletionRequest(SamplingRequest):
         return list(tokenizer.encode(self.prompt)) if isinstance(self.prompt, str) else list(self.prompt)
 
 
+# apply_chat_template's own parameters: not the template's variables, so not the client's to set.
+_RENDER_PARAMETERS = frozenset({
+    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
+    "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+})  # fmt: skip
+
+
+def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
+    clash = sorted(set(value or {}) & _RENDER_PARAMETERS)
+    if clash:
+        raise field_error(f"may not set {', '.join(clash)}: those are not the template's variables")
+    return value
+
+
 class ChatMessage(BaseModel):
     """A text turn; other keys (`name`, ...) are ignored. As in OpenAI's API, only an assistant turn
     may leave out its content (or send null)."""
@@ -375,10 +390,12 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
     max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
-    continue_final_message: Annotated[Any, unless(False)] = None
-    add_generation_prompt: Annotated[Any, unless(True)] = None
+    # vLLM's: go on with a prefilled last assistant message instead of starting a new one; and the
+    # template's own variables (Qwen3's enable_thinking).
+    continue_final_message: Annotated[bool | None, Field(strict=True)] = None
+    add_generation_prompt: Annotated[bool | None, Field(strict=True)] = None
     chat_template: Annotated[Any, unless()] = None
-    chat_template_kwargs: Annotated[Any, unless({})] = None
+    chat_template_kwargs: Annotated[dict[str, Any] | None, AfterValidator(_template_kwargs)] = None
     prediction: Annotated[Any, unless()] = None
     modalities: Annotated[Any, unless(["text"])] = None
     audio: Annotated[Any, unless()] = None
@@ -389,10 +406,25 @@ class ChatCompletionRequest(SamplingRequest):
         return super().max_new_tokens(default)
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
+        self._check_continuation()
         try:
-            return render_chat(tokenizer, self.rendered())
+            return render_chat(tokenizer, self.rendered(), continue_final=bool(self.continue_final_message),
+                               template_kwargs=self.chat_template_kwargs)  # fmt: skip
         except Exception as exc:  # no template, or one that refuses this conversation
             raise bad(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
+
+    def _check_continuation(self) -> None:
+        if not self.continue_final_message:
+            if self.add_generation_prompt is False:
+                raise bad("add_generation_prompt false is supported only with continue_final_message true",
+                          "add_generation_prompt")  # fmt: skip
+            return
+        if self.add_generation_prompt:
+            raise bad("continue_final_message and add_generation_prompt cannot both be true: the first goes "
+                      "on with the last message, the second starts a new one", "continue_final_message")  # fmt: skip
+        if self.messages[-1].role != "assistant":
+            raise bad(f"continue_final_message needs the last message to be the assistant's, not "
+                      f"{self.messages[-1].role!r}", "continue_final_message")  # fmt: skip
 
     def rendered(self) -> list[dict[str, str]]:
         return [{"role": m.role, "content": m.content} for m in self.messages]
