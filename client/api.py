@@ -32,6 +32,7 @@ from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
 from client.text import TextAssembler
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams, TreeTooLarge
+from common.decoding.types import TokenLogprob
 from common.model.compiled_forward import compile_model
 from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, locate_gguf, resolve_backend
 from common.model.loading import load_model
@@ -50,6 +51,7 @@ class Chunk:
     token_ids: list[int]
     finish_reason: str | None = None
     stats: GenerationStats | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
 
 
 @dataclass
@@ -330,7 +332,13 @@ class SpecExec:
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
             stats.new_tokens -= len(result.tokens) - text.used  # tokens a step accepted past a stop string
-            yield Chunk(piece, result.tokens[: text.used])
+            logprobs = None
+            if sampling.logprobs is not None:
+                if result.logprobs is None and result.tokens:
+                    raise ValueError("logprobs: the target node does not report log-probabilities (a node from "
+                                     "before them); update it, or ask without them")  # fmt: skip
+                logprobs = (result.logprobs or [])[: text.used]
+            yield Chunk(piece, result.tokens[: text.used], logprobs=logprobs)
             if text.stopped:
                 finish = "stop"
                 break

@@ -18,7 +18,7 @@ from common.ops.metrics import track_generation
 from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.server import Server, abort_for, rpc_method
-from common.rpc.wire import node_info_to_proto, sampling_from_proto, tree_params_from_proto
+from common.rpc.wire import logprobs_to_proto, node_info_to_proto, sampling_from_proto, tree_params_from_proto
 
 TARGET_HEALTH_EVERY = 5.0  # seconds between the gateway's health checks of its target node
 RETRY_PUSHBACK = "grpc-retry-pushback-ms"  # a refusal past --max-queue: HTTP's Retry-After, for gRPC's retry policies
@@ -110,9 +110,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     if cancelled.is_set():
                         return
                     if chunk.finish_reason is None:
-                        yield pb.GenerateResponse(
-                            request_id=rid, chunk=pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids)
+                        piece = pb.GenerateChunk(
+                            text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs_to_proto(chunk.logprobs)
                         )
+                        yield pb.GenerateResponse(request_id=rid, chunk=piece)
                         continue
                     if chunk.text:
                         yield pb.GenerateResponse(request_id=rid, chunk=pb.GenerateChunk(text=chunk.text))

@@ -27,6 +27,7 @@ from common.rpc.security import ClientSecurity
 from common.rpc.server import CHANNEL_OPTIONS
 from common.rpc.servicer import CLIENT_KEY
 from common.rpc.wire import (
+    logprobs_from_proto,
     node_info_from_proto,
     sampling_to_proto,
     tree_from_proto,
@@ -399,6 +400,7 @@ def _verify_result(r: pb.VerifyResponse) -> VerifyResult:
         pass_sessions=max(r.pass_sessions, 1),
         pass_tokens=r.pass_tokens,
         shared_tokens=r.cached_tokens,
+        logprobs=logprobs_from_proto(r.logprobs),
     )
 
 

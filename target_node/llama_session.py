@@ -7,10 +7,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
 from common.model.llama_cpp import LlamaContext, LlamaCppModel, committed_cells, run_trees, tree_leaves
-from target_node.session import TargetSession, TreeTicket, accept_path
+from target_node.session import TargetSession, TreeTicket, accept_path, draw_at
 
 
 class LlamaTargetSession(TargetSession):
@@ -118,12 +117,12 @@ class LlamaTargetSession(TargetSession):
         return drawn.__getitem__
 
     def _draw_from(self, ticket: TreeTicket, logits: np.ndarray) -> Callable[[int], int]:
-        structure, params = ticket.structure, ticket.params
+        structure = ticket.structure
         root_pos = len(self.committed) - 1
 
         def draw(node: int) -> int:
             position = root_pos + int(structure.depths[node]) + 1
-            return int(sample_rows(logits[node : node + 1], params, [position])[0])
+            return draw_at(ticket, node, logits[node : node + 1], position)
 
         return draw
 

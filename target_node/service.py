@@ -13,7 +13,7 @@ from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.server import abort_for, rpc_method
 from common.rpc.servicer import NodeServicer, client_key
-from common.rpc.wire import sampling_from_proto, tree_from_proto
+from common.rpc.wire import logprobs_to_proto, sampling_from_proto, tree_from_proto
 from common.runtime.sessions import StepTiming
 
 TOKENIZER_FILES = (
@@ -101,4 +101,5 @@ def _response(result: VerifyResult, timing: StepTiming) -> pb.VerifyResponse:
         pass_sessions=result.pass_sessions,
         pass_tokens=result.pass_tokens,
         cached_tokens=result.shared_tokens,
+        logprobs=logprobs_to_proto(result.logprobs),
     )

@@ -9,14 +9,14 @@ same forward pass.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from common.decoding.sampling import SamplingParams
+from common.decoding.sampling import SamplingParams, sample_rows, token_logprob
 from common.decoding.tree import TokenTree, TreeError, TreeStructure
-from common.decoding.types import VerifyResult
+from common.decoding.types import TokenLogprob, VerifyResult
 from common.runtime.sessions import common_prefix
 
 
@@ -228,7 +228,9 @@ class TargetSession:
         accepted = min(accepted, len(tokens))
         self._keep(ticket, path[: len(tokens)])  # the root and every new token but the last, the next root
         self.committed.extend(tokens)
-        return VerifyResult(tokens, accepted, finish)
+        # tokens[i] is the draw at path[i]: the accepted child's token, then the target's own
+        logprobs = [ticket.logprobs[n] for n in path[: len(tokens)]] if params.logprobs is not None else None
+        return VerifyResult(tokens, accepted, finish, logprobs=logprobs)
 
     def run_alone(self, ticket: TreeTicket) -> Callable[[int], int] | None:
         """This session's pass alone; `run_together` serves several sessions in one."""
@@ -275,3 +277,13 @@ class TreeTicket:
     segment: Any = None  # the backend's pass for it (torch: a `Segment`); None on llama.cpp, which lays out its own
     logit_nodes: Any = None  # torch: int64 [k], the nodes whose logits the batched LM-head call computes
     chunk: int = 0  # >0: this pass runs only that many pending committed tokens, and the tree a later one
+    logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # node -> its draw's, when asked (`draw_at`)
+
+
+def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) -> int:
+    """The target's draw at `node` from its logits [1, V] (`sample_rows`, as everywhere), keeping
+    its log-probs on the ticket when the sampling asks for them."""
+    token = int(sample_rows(logits, ticket.params, [position])[0])
+    if ticket.params.logprobs is not None:
+        ticket.logprobs[node] = token_logprob(logits[0], token, ticket.params.logprobs)
+    return token

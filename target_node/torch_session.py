@@ -8,10 +8,9 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from common.decoding.sampling import sample_rows
 from common.decoding.tree import TokenTree, TreeStructure
 from common.model.transformer import Segment, Transformer, attention_bias
-from target_node.session import TargetSession, TreeTicket
+from target_node.session import TargetSession, TreeTicket, draw_at
 
 # Trees up to this size get every node's logits in one LM-head call. The head reads its whole weight
 # (0.47 GB for Qwen2.5-1.5B) per call, so on a CPU 1-8 rows cost about the same (14-19 ms) and a
@@ -95,7 +94,7 @@ class TorchTargetSession(TargetSession):
 
     def _drawer(self, ticket: TreeTicket, hidden: Tensor, logits: Tensor | None) -> Callable[[int], int]:
         """`hidden` [n, h]: the tree's rows; `logits` [len(logit_nodes), vocab]: theirs, batched."""
-        tree, structure, params = ticket.tree, ticket.structure, ticket.params
+        tree, structure = ticket.tree, ticket.structure
         rows = torch.full((tree.size,), -1, dtype=torch.long)
         rows[ticket.logit_nodes] = torch.arange(ticket.logit_nodes.numel())
         root_pos = len(self.committed) - 1
@@ -107,7 +106,7 @@ class TorchTargetSession(TargetSession):
             else:
                 node_logits = self.model.logits(hidden[node : node + 1])
             position = root_pos + int(structure.depths[node]) + 1
-            return int(sample_rows(node_logits.float().cpu().numpy(), params, [position])[0])  # one row per draw
+            return draw_at(ticket, node, node_logits.float().cpu().numpy(), position)  # one row per draw
 
         return draw
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -37,6 +38,19 @@ def reference_decode(
 
 
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_node(role: str, model: Path, addr: str) -> subprocess.Popen:
+    """A node process on `addr`, unprofiled, once it serves; its output is dropped."""
+    from client.remote import wait_until_serving
+
+    cmd = [sys.executable, "-m", f"{role}_node", "--model", str(model), "--listen", addr, "--no-profile",
+           "--max-tree", "32"]  # fmt: skip
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stderr=subprocess.DEVNULL
+    )
+    wait_until_serving(addr, timeout=120, alive=lambda: proc.poll() is None)
+    return proc
 
 
 class Proc:

@@ -17,7 +17,7 @@ from client.generation import Recovery
 from client.remote import connect, wait_until_serving
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
-from tests.helpers import free_port, reference_decode
+from tests.helpers import free_port, reference_decode, start_node
 
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
@@ -25,13 +25,7 @@ PARAMS = SamplingParams(temperature=0.9, top_p=0.95, seed=21, max_new_tokens=60,
 
 
 def start(role: str, model: Path, addr: str) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", f"{role}_node", "--model", str(model), "--listen", addr, "--no-profile",
-           "--max-tree", "32"]  # fmt: skip
-    proc = subprocess.Popen(
-        cmd, env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT, stderr=subprocess.DEVNULL
-    )
-    wait_until_serving(addr, timeout=120, alive=lambda: proc.poll() is None)
-    return proc
+    return start_node(role, model, addr)
 
 
 @pytest.fixture

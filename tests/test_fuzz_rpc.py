@@ -268,6 +268,8 @@ def valid_sampling(draw) -> pb.SamplingParams:
     msg.stop.extend(draw(st.lists(st.text(min_size=1, max_size=8), max_size=2)))
     if draw(st.booleans()):
         msg.ignore_eos = draw(st.booleans())
+    if draw(st.booleans()):
+        msg.logprobs = draw(st.integers(0, 20))
     return msg
 
 
@@ -281,6 +283,7 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         ("seed", any_u64),
         ("max_new_tokens", absurd_u32),
         ("ignore_eos", st.booleans()),
+        ("logprobs", absurd_u32),
     ):
         if draw(st.booleans()):
             setattr(msg, name, draw(values))

@@ -384,6 +384,21 @@ def test_specexec_on_llama_cpp_f32_equals_its_autoregressive_output(ggufs, setti
     assert runs["specexec"].stats.target_steps < runs["autoregressive"].stats.target_steps
 
 
+def test_logprobs_on_llama_cpp_are_its_own_logits(ggufs):
+    """Tree steps and one-token steps give each token's log-probs from llama.cpp's own logits: the
+    F32 file's, within float rounding of the Hugging Face model it was converted from."""
+    from tests.test_logprobs import check_close, reference_logprobs
+
+    sampling = SamplingParams(max_new_tokens=24, ignore_eos=True, temperature=0.8, seed=5, logprobs=2)
+    for mode in ("autoregressive", "specexec"):
+        gen = SpecExec.local(str(ggufs["draft"]), str(ggufs["F32"]), mode=mode, tree=TreeParams(budget=16),
+                             backend="llama.cpp", kv_type="f32")  # fmt: skip
+        chunks = list(gen.stream(PROMPT, sampling))
+        ids = [t for c in chunks for t in c.token_ids]
+        got = [lp for c in chunks for lp in (c.logprobs or [])]
+        check_close(got, reference_logprobs(ggufs["hf"], PROMPT, ids, 2), tolerance=2e-3)
+
+
 def test_a_kept_sequences_next_turn_on_llama_cpp_equals_its_autoregressive_output(ggufs):
     """The prompt cache on llama.cpp: a chat's next turn on the kept sessions (both nodes rolled back
     to the shared prefix) equals the target alone on the whole turn."""

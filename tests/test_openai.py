@@ -14,7 +14,7 @@ import urllib.request
 import openai
 import pytest
 
-from client.api import Chat, SpecExec
+from client.api import Chat, SpecExec, render_chat
 from client.openai.server import OpenAIServer
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -151,6 +151,45 @@ def test_a_prefilled_assistant_message_is_continued(client, gen):
                                            extra_body=body)  # fmt: skip
 
 
+def test_logprobs_in_openai_shapes(client, gen):
+    """Chat's `logprobs.content` and the legacy completions' parallel lists, streamed and not: the
+    Python API's numbers (tests/test_logprobs.py checks those against the target's own), the tokens'
+    text, and the same token ids as without them."""
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=0.7, seed=5, logprobs=2)
+    want = [lp for c in gen.stream(PROMPT, params) for lp in (c.logprobs or [])]
+    tok = gen.tokenizer
+    text = gen.generate(PROMPT, params).text
+    sampling = dict(max_tokens=12, temperature=0.7, seed=5, extra_body={"ignore_eos": True})
+
+    out = client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, **sampling)
+    got = out.choices[0].logprobs
+    assert out.choices[0].text == text and "".join(got.tokens) == text
+    assert got.token_logprobs == pytest.approx([lp.logprob for lp in want])
+    assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
+    for top, lp, token in zip(got.top_logprobs, want, got.tokens, strict=True):
+        assert top == pytest.approx({**{tok.decode([i]): v for i, v in lp.top}, token: lp.logprob})
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, logprobs=2, stream=True, **sampling))
+    assert [v for c in streamed for v in c.choices[0].logprobs.token_logprobs] == got.token_logprobs
+
+    messages = [{"role": "user", "content": "Hi"}]
+    chat_want = [lp for c in gen.stream(render_chat(tok, messages), params) for lp in (c.logprobs or [])]
+    out = client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2, **sampling)
+    content = out.choices[0].logprobs.content
+    assert "".join(e.token for e in content) == out.choices[0].message.content
+    assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in chat_want])
+    assert [[t.token for t in e.top_logprobs] for e in content] == [[tok.decode([i]) for i, _ in lp.top]
+                                                                    for lp in chat_want]  # fmt: skip
+    assert all(e.bytes == list(e.token.encode()) for e in content)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2,
+                                                 stream=True, **sampling))  # fmt: skip
+    streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert streamed == [e.logprob for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, **sampling)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == out.choices[0].message.content
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
+        client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2, **sampling)
+
+
 def test_stop_strings(client, gen):
     full = expected(gen, max_tokens=32, temperature=0).text
     stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
@@ -201,7 +240,7 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(stop=["a", "b", "c", "d", "e"]), "stop", "at most 4"),
         (dict(stop=["a", "b" * 1000]), "stop", "got one of 1000"),
         (dict(prompt=[65, 10**6]), "prompt", "holds token id 1000000: the model's ids are below"),
-        (dict(logprobs=2), "logprobs", "not supported"),
+        (dict(logprobs=21), "logprobs", "between 0 and 20"),
         (dict(prompt=["one", "two"]), "prompt", "one prompt"),
     ],
 )

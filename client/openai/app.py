@@ -40,6 +40,7 @@ from client.openai.protocol import (
     Job,
     validation_error,
 )
+from common.decoding.types import TokenLogprob
 from common.ops.logs import event
 from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
 
@@ -130,6 +131,8 @@ class Generation:
         """The whole answer, or nothing if the client leaves first: one that timed out (and may be
         retrying) must not keep both nodes busy for the rest of its max_tokens."""
         texts, count, finish, cached = [], 0, None, 0
+        ids: list[int] = []
+        logprobs: list[TokenLogprob] = []
         try:
             while (chunk := await self.next()) is not None:
                 if await request.is_disconnected():
@@ -137,17 +140,21 @@ class Generation:
                     return Response(status_code=CLIENT_CLOSED)
                 texts.append(chunk.text)
                 count += len(chunk.token_ids)
+                ids += chunk.token_ids
+                logprobs += chunk.logprobs or []
                 finish = chunk.finish_reason or finish
                 cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
         finally:
             await self.close()
-        return JSONAnswer(self.answer.whole("".join(texts), finish, count, cached))
+        return JSONAnswer(self.answer.whole("".join(texts), finish, count, cached, self.answer.logprobs(ids, logprobs)))
 
     async def events(self) -> AsyncIterator[bytes]:
         """The server-sent events. A failure after the first event cannot change the status any more:
         it is reported in-band, as OpenAI does. A step that takes long (a target node restarting and
         replaying) sends keep-alive comments meanwhile, so no proxy's read timeout cuts the stream."""
         answer, count, cached = self.answer, 0, 0
+        ids: list[int] = []  # tokens since the last event: a held-back text's go with the next one
+        logprobs: list[TokenLogprob] = []
         step: asyncio.Task[Chunk | None] | None = None
         try:
             if answer.job.chat:
@@ -163,8 +170,11 @@ class Generation:
                     break
                 count += len(chunk.token_ids)
                 cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
+                ids += chunk.token_ids
+                logprobs += chunk.logprobs or []
                 if chunk.finish_reason is not None or chunk.text:
-                    yield sse(answer.event(chunk.text, chunk.finish_reason))
+                    yield sse(answer.event(chunk.text, chunk.finish_reason, logprobs=answer.logprobs(ids, logprobs)))
+                    ids, logprobs = [], []
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))
         except Exception as exc:
@@ -296,7 +306,7 @@ class Service:
     def start(self, job: Job, release: Callable[[], None]) -> Generation:
         """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
         any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
-        answer = Answer(job, self.model_name)
+        answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
         chunks = track_generation(
             self.gen.stream(job.prompt_ids, job.sampling),
             request_id=answer.id,

@@ -2,7 +2,7 @@
 in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
-that would change the output and cannot be served (`logprobs`, `echo`, `best_of`, penalties,
+that would change the output and cannot be served (`echo`, `best_of`, penalties,
 `logit_bias`, tools, a non-text `response_format`, `n` > 1) is a 400, not silently ignored; `user`
 and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
@@ -28,7 +28,8 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
-from common.decoding.sampling import MAX_SEED, MAX_STOP_CHARS, SamplingParams
+from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
+from common.decoding.types import TokenLogprob
 from common.rpc.server import status_for
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -270,8 +271,6 @@ class SamplingRequest(BaseModel):
 
     best_of: Annotated[Any, refused(lambda v: v in (None, 1))] = None
     echo: Annotated[Any, refused(lambda v: not v)] = None
-    logprobs: Annotated[Any, refused(lambda v: v in (None, False, 0))] = None
-    top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     suffix: Annotated[Any, refused(lambda v: v in (None, ""))] = None
     presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     frequency_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
@@ -321,6 +320,10 @@ class SamplingRequest(BaseModel):
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else default
 
+    def logprob_count(self) -> int | None:
+        """None: no log-probs; k: each token's, with its k most likely alternatives."""
+        return None
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """OpenAI's defaults: temperature 1 (sampling), a random seed when none is given."""
         top_p, top_k = self.top_p if self.top_p is not None else 1.0, max(self.top_k or 0, 0)
@@ -335,6 +338,7 @@ class SamplingRequest(BaseModel):
                 max_new_tokens=self.max_new_tokens(default_max_tokens),
                 stop=self.stop,
                 ignore_eos=bool(self.ignore_eos),
+                logprobs=self.logprob_count(),
             )
         except ValueError as exc:
             raise bad(str(exc)) from exc
@@ -348,6 +352,11 @@ class CompletionRequest(SamplingRequest):
     """POST /v1/completions: one prompt, as text or token ids."""
 
     prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    # The legacy API's: the k most likely alternatives of each token, and always its own.
+    logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
+
+    def logprob_count(self) -> int | None:
+        return self.logprobs
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         return list(tokenizer.encode(self.prompt)) if isinstance(self.prompt, str) else list(self.prompt)
@@ -390,6 +399,18 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
     max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
+    logprobs: Annotated[bool | None, Field(strict=True)] = None
+    top_logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _top_needs_logprobs(cls, top: int | None, info: ValidationInfo) -> int | None:
+        if top and not info.data.get("logprobs"):
+            raise sentence_error("'top_logprobs' needs 'logprobs': true")
+        return top
+
+    def logprob_count(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
     # vLLM's: go on with a prefilled last assistant message instead of starting a new one; and the
     # template's own variables (Qwen3's enable_thinking).
     continue_final_message: Annotated[bool | None, Field(strict=True)] = None
@@ -465,9 +486,37 @@ class Answer:
     model: str
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
+    tokenizer: Any = None  # renders the tokens of `logprobs`
+    chars: int = field(default=0, init=False, repr=False)  # of the tokens rendered so far: completions' text_offset
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
+
+    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
+        """A choice's (or stream event's) `logprobs` for the next `token_ids`, in OpenAI's shape: chat's
+        `content` list, or the legacy completions' parallel lists. None unless the request asked."""
+        if self.job.sampling.logprobs is None:
+            return None
+        texts = [self._text(t) for t in token_ids]
+        entries = logprobs or []
+        if self.job.chat:
+            return {"content": [{**self._token(text, lp.logprob), "top_logprobs": [self._token(self._text(i), v)
+                                                                                  for i, v in lp.top]}
+                                for text, lp in zip(texts, entries, strict=True)]}  # fmt: skip
+        offsets = []
+        for text in texts:
+            offsets.append(self.chars)
+            self.chars += len(text)
+        tops = [{**{self._text(i): v for i, v in lp.top}, text: lp.logprob} for text, lp in zip(texts, entries, strict=True)]
+        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries], "top_logprobs": tops,
+                "text_offset": offsets}  # fmt: skip
+
+    def _text(self, token: int) -> str:
+        return self.tokenizer.decode([token])
+
+    @staticmethod
+    def _token(text: str, logprob: float) -> dict[str, Any]:
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.job.chat else "text_completion"
@@ -486,17 +535,22 @@ class Answer:
             "prompt_tokens_details": {"cached_tokens": cached_tokens},
         }
 
-    def whole(self, text: str, finish: str | None, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    def whole(
+        self, text: str, finish: str | None, completion_tokens: int, cached_tokens: int = 0,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
         out = self._envelope(chunk=False)
         if self.job.chat:
             choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
         else:
             choice = {"index": 0, "text": text}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         out.update(choices=[choice], usage=self.usage(completion_tokens, cached_tokens))
         return out
 
-    def event(self, text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
+    def event(
+        self, text: str | None, finish: str | None, *, role: bool = False, logprobs: dict[str, Any] | None = None
+    ) -> dict[str, Any]:
         """One stream event; a chat stream opens with the assistant's role and no text."""
         out = self._envelope(chunk=True)
         if self.job.chat:
@@ -506,7 +560,7 @@ class Answer:
             choice: dict[str, Any] = {"index": 0, "delta": delta}
         else:
             choice = {"index": 0, "text": text or ""}
-        choice.update(logprobs=None, finish_reason=finish)
+        choice.update(logprobs=logprobs, finish_reason=finish)
         out["choices"] = [choice]
         if self.job.include_usage:
             out["usage"] = None

@@ -14,11 +14,11 @@ Ollama allows; `--allowed-origins` names others ("*" for any).
 Both POST routes stream server-sent events (`"stream": true`, ending with `data: [DONE]`, usage in a
 last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON object with `usage`.
 Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
-`stop` (a string or up to 4), `seed`, `n` (1 only), `stream`, `stream_options`, `user` (ignored), and
+`stop` (a string or up to 4), `seed`, `n` (1 only), `stream`, `stream_options`, `user` (ignored),
+`logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`), and
 the vLLM extensions `top_k`, `ignore_eos`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
-Qwen3's `enable_thinking`). Anything else that would change the output (`logprobs`,
-`echo`, `best_of`, penalties, `logit_bias`, tools, a non-text `response_format`, and vLLM's or
+Qwen3's `enable_thinking`). Anything else that would change the output (`echo`, `best_of`, penalties, `logit_bias`, tools, a non-text `response_format`, and vLLM's or
 llama.cpp's extensions such as `min_p` or `guided_json`) is refused with 400 rather than silently
 ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.

@@ -14,9 +14,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.decoding.types import TokenLogprob
+
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per string: the client scans each one against the text's tail every step
+MAX_LOGPROBS = 20  # alternatives a token's log-probs may list, as OpenAI's top_logprobs
 _MASK64 = 2**64 - 1
 _NUCLEUS_PROBE = 256
 
@@ -32,6 +35,9 @@ class SamplingParams:
     max_new_tokens: int = 128
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    # None: no log-probs; k: each token's log-probability under the target's own logits (before
+    # temperature and filters, as vLLM reports them), with its k most likely alternatives.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -66,6 +72,11 @@ class SamplingParams:
             raise ValueError("stop strings must be non-empty")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise ValueError(f"stop takes at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        if self.logprobs is not None and (
+            isinstance(self.logprobs, bool) or not isinstance(self.logprobs, numbers.Integral)
+            or not 0 <= self.logprobs <= MAX_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(f"logprobs must be a whole number in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
@@ -112,6 +123,18 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
     if candidates is not None:
         picked = np.take_along_axis(candidates, picked, -1)
     return np.where(overflowed, logits.argmax(-1), picked[:, 0]).astype(np.int64)
+
+
+def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
+    """`token`'s log-probability in one row of logits [V], and the `top` most likely ids with theirs
+    (descending; ties: the lower id first)."""
+    row = np.asarray(logits, dtype=np.float64)
+    shifted = row - row.max()
+    logprobs = shifted - math.log(np.exp(shifted).sum())  # [V]
+    if not top:
+        return TokenLogprob(float(logprobs[token]))
+    values, ids = _top(logprobs[None, :], top)  # [1, top]
+    return TokenLogprob(float(logprobs[token]), tuple(zip(ids[0].tolist(), values[0].tolist(), strict=True)))
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:

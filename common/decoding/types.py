@@ -22,6 +22,12 @@ class NodeInfo:
 
 
 @dataclass(frozen=True)
+class TokenLogprob:
+    logprob: float  # of the token drawn, under the target's logits
+    top: tuple[tuple[int, float], ...] = ()  # the most likely ids and their log-probs, descending
+
+
+@dataclass(frozen=True)
 class VerifyResult:
     tokens: list[int]  # newly committed tokens: the accepted path, then the target's own token
     accepted: int  # how many of `tokens` came from the tree
@@ -30,6 +36,7 @@ class VerifyResult:
     pass_sessions: int = 1  # sessions whose trees shared the forward pass (common.runtime.batching)
     pass_tokens: int = 0  # tree tokens of that pass, every session's; 0: not reported
     shared_tokens: int = 0  # prompt tokens whose KV the step took from another session (prefix sharing)
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the sampling asked for them
 
 
 def model_identity(info: NodeInfo) -> tuple[str, str, str]:

@@ -6,11 +6,13 @@ Python loop however large the tree, and a malformed payload is caught before it 
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
-from common.decoding.types import NodeInfo
+from common.decoding.types import NodeInfo, TokenLogprob
 from common.pb.specexec.v1 import specexec_pb2 as pb
 
 TREE_FORMAT_VERSION = 1
@@ -61,16 +63,29 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         max_new_tokens=p.max_new_tokens,
         stop=list(p.stop),
         ignore_eos=p.ignore_eos,
+        logprobs=p.logprobs,
     )
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; set ones are validated there."""
     kwargs: dict = {}
-    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos"):
+    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
+
+
+def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(logprob=lp.logprob, top_ids=[i for i, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in logprobs or ()]  # fmt: skip
+
+
+def logprobs_from_proto(msgs: Any) -> list[TokenLogprob] | None:
+    """None for none sent: a step asked without them, or a node from before them."""
+    if not msgs:
+        return None
+    return [TokenLogprob(m.logprob, tuple(zip(m.top_ids, m.top_logprobs, strict=True))) for m in msgs]
 
 
 def tree_params_to_proto(p: TreeParams) -> pb.TreeParams:
