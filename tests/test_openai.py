@@ -775,6 +775,9 @@ def test_a_model_that_is_not_served_and_routes_that_do_not_exist(server):
     assert status == 404 and "/v1/completions" in body["error"]["message"]
     status, body = raw(base + "/v1/completions", b"")
     assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    with urllib.request.urlopen(base + "/metrics", timeout=30) as answer:  # as vLLM: on the API port, no token
+        text = answer.read().decode()
+    assert answer.status == 200 and "specexec:num_requests_waiting" in text and "specexec:http_requests_total" in text
 
 
 def test_requests_past_the_sessions_wait_their_turn_and_past_the_queue_get_429(gen):

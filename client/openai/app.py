@@ -23,6 +23,7 @@ import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -42,12 +43,12 @@ from client.openai.protocol import (
 )
 from common.decoding.types import TokenLogprob
 from common.ops.logs import event
-from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, track_generation
+from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, role_registry, track_generation
 
 log = logging.getLogger("specexec.openai")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
@@ -591,6 +592,13 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         return await service.answer(body, request)
+
+    registry = role_registry("gateway")
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        """The gateway's Prometheus metrics on the API port too, as vLLM serves them (no token, as /health)."""
+        return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
     return app
