@@ -60,14 +60,18 @@ class Completion:
     token_ids: list[int]
     finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
 
     def as_dict(self) -> dict[str, Any]:
-        return {
+        out = {
             "text": self.text,
             "token_ids": self.token_ids,
             "finish_reason": self.finish_reason,
             "stats": self.stats.as_dict(),
         }
+        if self.logprobs is not None:
+            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        return out
 
 
 class SpecExec:
@@ -430,12 +434,15 @@ def collect(chunks: Iterator[Chunk]) -> Completion:
     """Runs the stream to its end, so the sessions it opened are closed before this returns."""
     texts: list[str] = []
     ids: list[int] = []
+    logprobs: list[TokenLogprob] | None = None
     final: Chunk | None = None
     for chunk in chunks:
         texts.append(chunk.text)
         ids += chunk.token_ids
+        if chunk.logprobs is not None:
+            logprobs = (logprobs or []) + chunk.logprobs
         if chunk.finish_reason is not None:
             final = chunk
     if final is None or final.stats is None:
         raise RuntimeError("generation ended without a final chunk")
-    return Completion("".join(texts), ids, final.finish_reason, final.stats)
+    return Completion("".join(texts), ids, final.finish_reason, final.stats, logprobs)

@@ -392,6 +392,8 @@ class RemoteTarget(_RemoteNode):
 
 
 def _verify_result(r: pb.VerifyResponse) -> VerifyResult:
+    if r.logprobs and len(r.logprobs) != len(r.tokens):
+        raise ValueError(f"the target node sent {len(r.logprobs)} log-probabilities for {len(r.tokens)} tokens")
     return VerifyResult(
         list(r.tokens),
         r.accepted,

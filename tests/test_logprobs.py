@@ -4,14 +4,17 @@ changes no token. In process, and through real nodes over gRPC."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
 from client.api import SpecExec, collect
-from common.decoding.sampling import SamplingParams, token_logprob
+from common.decoding.sampling import LOGPROB_FLOOR, SamplingParams, token_logprob
 from common.decoding.tree import TreeParams
+from common.decoding.types import TokenLogprob
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
 from tests.helpers import free_port, start_node
@@ -19,12 +22,18 @@ from tests.helpers import free_port, start_node
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
 
-def reference_logprobs(model_dir, prompt: list[int], tokens: list[int], top: int) -> list:
-    """One pass over prompt + tokens, no cache: each token's log-prob where it was drawn."""
+def reference_logprobs(model_dir, prompt: list[int], tokens: list[int], top: int) -> list[TokenLogprob]:
+    """One pass over prompt + tokens, no cache, and torch's own log-softmax in float64: each token's
+    log-prob where it was drawn, and the top ones."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with torch.no_grad():
-        logits = hf(torch.tensor([prompt + tokens])).logits[0].float().numpy()  # [n, V]
-    return [token_logprob(logits[len(prompt) - 1 + i], t, top) for i, t in enumerate(tokens)]
+        logits = hf(torch.tensor([prompt + tokens])).logits[0]  # [n, V]
+    rows = torch.log_softmax(logits.double(), -1)[len(prompt) - 1 :]  # [len(tokens) + 1, V]
+    out = []
+    for row, token in zip(rows, tokens, strict=False):
+        values, ids = row.topk(top) if top else (torch.zeros(0), torch.zeros(0, dtype=torch.long))
+        out.append(TokenLogprob(float(row[token]), tuple(zip(ids.tolist(), values.tolist(), strict=True))))
+    return out
 
 
 def check_close(got: list, want: list, tolerance: float = 1e-4) -> None:
@@ -55,6 +64,68 @@ def test_logprobs_are_the_targets_own_and_change_no_token(gen, model_dirs, sampl
     assert all(len(c.logprobs or []) == len(c.token_ids) for c in chunks)
     assert all(len(lp.top) == top for lp in got)
     check_close(got, reference_logprobs(model_dirs["target"], PROMPT, out.token_ids, top))
+
+
+def test_every_cut_keeps_logprobs_and_tokens_together(gen, loaded, model_dirs):
+    """An EOS inside a step's accepted path, a stop string, max_new_tokens inside a step: the
+    log-probs are cut where the tokens are, and `generate` keeps them too."""
+    sampling = {"temperature": 0.8, "seed": 3, "logprobs": 2}
+    full = gen.generate(PROMPT, SamplingParams(max_new_tokens=40, ignore_eos=True, **sampling))
+    cases = [("max_new_tokens", gen, SamplingParams(max_new_tokens=13, ignore_eos=True, **sampling))]
+    stop = next(full.text[i : i + 2] for i in range(10, len(full.text) - 2) if full.text[i : i + 2].strip())
+    cases.append(("stop", gen, SamplingParams(max_new_tokens=40, ignore_eos=True, stop=(stop,), **sampling)))
+    eos = replace(loaded["target"], eos_token_ids=(full.token_ids[9],))  # the 10th token ends it
+    with_eos = SpecExec(TargetEngine(eos, max_context=256, max_tree=16),
+                        DraftEngine(loaded["truncated"], max_context=256, max_tree=16),
+                        eos.tokenizer, tree=TreeParams(budget=16))  # fmt: skip
+    cases.append(("eos", with_eos, SamplingParams(max_new_tokens=40, **sampling)))
+    for name, generator, params in cases:
+        out = generator.generate(PROMPT, params)
+        assert out.logprobs is not None and len(out.logprobs) == len(out.token_ids), name
+        assert out.token_ids == full.token_ids[: len(out.token_ids)], name
+        check_close(out.logprobs, full.logprobs[: len(out.token_ids)])
+    assert [c[0] for c in cases] == ["max_new_tokens", "stop", "eos"]
+    check_close(full.logprobs, reference_logprobs(model_dirs["target"], PROMPT, full.token_ids, 2))
+
+
+def test_sessions_sharing_a_pass_each_get_their_own(gen, model_dirs):
+    """Four sessions in shared passes, asking for none, 0, 2 and 5 alternatives."""
+    import threading
+
+    runs: dict[tuple[int, int | None], list] = {}
+
+    def run(k: int, top: int | None) -> None:
+        params = SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=k, logprobs=top)
+        runs[(k, top)] = list(gen.stream(PROMPT[:k], params))
+
+    threads = [threading.Thread(target=run, args=case) for case in [(7, 2), (6, None), (5, 0), (4, 5)]]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    for (k, top), chunks in runs.items():
+        if top is None:
+            assert all(c.logprobs is None for c in chunks)
+            continue
+        out = collect(iter(chunks))
+        check_close(out.logprobs, reference_logprobs(model_dirs["target"], PROMPT[:k], out.token_ids, top))
+
+
+def test_a_logprob_that_is_not_finite_reads_as_the_floor():
+    """JSON has no infinities: vLLM's -9999."""
+    row = np.zeros(8, dtype=np.float32)
+    row[3] = -np.inf
+    assert token_logprob(row, 3, 0).logprob == LOGPROB_FLOOR
+    row[5] = np.inf
+    assert all(v == LOGPROB_FLOOR for v in [token_logprob(row, 3, 2).logprob, *(v for _, v in token_logprob(row, 3, 2).top)])
+
+
+def test_a_target_whose_logprobs_do_not_match_its_tokens_is_refused():
+    from client.remote import _verify_result
+    from common.pb.specexec.v1 import specexec_pb2 as pb
+
+    with pytest.raises(ValueError, match="sent 1 log-probabilities for 2 tokens"):
+        _verify_result(pb.VerifyResponse(tokens=[5, 6], logprobs=[pb.TokenLogprob(logprob=-1.0)]))
 
 
 def test_no_logprobs_unless_asked(gen):

@@ -126,6 +126,15 @@ def test_a_prefilled_assistant_message_is_continued(client, gen):
     """vLLM's continue_final_message: the answer goes on from the assistant's own start instead of a
     new turn. chat_template_kwargs reach the template, but not apply_chat_template's own parameters."""
     from client.api import render_chat
+    from client.openai.protocol import ChatCompletionRequest
+    from tests.tiny_models import make_tokenizer
+
+    thinking = make_tokenizer()
+    thinking.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}{% if enable_thinking %}<think>{% endif %}"
+    for on in (True, False):
+        request = ChatCompletionRequest(model=MODEL, messages=[{"role": "user", "content": "x"}],
+                                        chat_template_kwargs={"enable_thinking": on})  # fmt: skip
+        assert thinking.decode(request.prompt_ids(thinking)).endswith("<think>") == on
 
     messages = [{"role": "user", "content": "Count"}, {"role": "assistant", "content": "1, 2,"}]
     ids = render_chat(gen.tokenizer, messages, continue_final=True)
@@ -144,6 +153,7 @@ def test_a_prefilled_assistant_message_is_continued(client, gen):
          "needs the last message to be the assistant's, not 'user'"),
         ({"add_generation_prompt": False}, "only with continue_final_message true"),
         ({"chat_template_kwargs": {"tokenize": True}}, "'chat_template_kwargs' may not set tokenize"),
+        ({"chat_template_kwargs": {"eos_token": "x"}}, "may not set eos_token"),
         ({"continue_final_message": "yes"}, "continue_final_message"),
     ]:
         with pytest.raises(openai.BadRequestError, match=re.escape(needle)):
@@ -179,7 +189,16 @@ def test_logprobs_in_openai_shapes(client, gen):
     assert [e.logprob for e in content] == pytest.approx([lp.logprob for lp in chat_want])
     assert [[t.token for t in e.top_logprobs] for e in content] == [[tok.decode([i]) for i, _ in lp.top]
                                                                     for lp in chat_want]  # fmt: skip
-    assert all(e.bytes == list(e.token.encode()) for e in content)
+    # each token's own bytes: one that holds part of a character decodes alone to U+FFFD, but its
+    # bytes rebuild the text
+    text = b"".join(bytes(e.bytes) for e in content).decode("utf-8", errors="replace")
+    assert text == out.choices[0].message.content
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    from client.openai.protocol import token_bytes
+
+    half = tok.convert_tokens_to_ids(bytes_to_unicode()[0xC3])  # the first byte of "é"
+    assert tok.decode([half]) == "\ufffd" and token_bytes(tok, half) == b"\xc3"
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, logprobs=True, top_logprobs=2,
                                                  stream=True, **sampling))  # fmt: skip
     streamed = [e.logprob for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
@@ -288,13 +307,15 @@ def test_errors_before_output_are_http_errors(client, server):
 
 
 @pytest.mark.parametrize("field, value", [("min_p", 0.1), ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}),
-                                          ("stop_token_ids", [5]), ("grammar", "root ::= x")])  # fmt: skip
+                                          ("stop_token_ids", [5]), ("grammar", "root ::= x"),
+                                          ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
     """vLLM's and llama.cpp's extensions: ignored, they would give text the client did not ask for."""
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "stop_token_ids": [], "grammar": ""}[field]
+    neutral = {"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "stop_token_ids": [], "grammar": "",
+               "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200
 

@@ -174,7 +174,8 @@ class Generation:
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
                 if chunk.finish_reason is not None or chunk.text:
-                    yield sse(answer.event(chunk.text, chunk.finish_reason, logprobs=answer.logprobs(ids, logprobs)))
+                    pending = answer.logprobs(ids, logprobs) if ids else None
+                    yield sse(answer.event(chunk.text, chunk.finish_reason, logprobs=pending))
                     ids, logprobs = [], []
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))

@@ -9,6 +9,8 @@ and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` i
 
 from __future__ import annotations
 
+import functools
+import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
@@ -354,6 +356,7 @@ class CompletionRequest(SamplingRequest):
     prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
     # The legacy API's: the k most likely alternatives of each token, and always its own.
     logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
+    top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None  # chat's; here `logprobs` takes k
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -363,10 +366,13 @@ class CompletionRequest(SamplingRequest):
 
 
 # apply_chat_template's own parameters: not the template's variables, so not the client's to set.
+# Nor the special tokens transformers hands the template: a client must not redefine eos_token.
 _RENDER_PARAMETERS = frozenset({
-    "conversation", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
+    "conversation", "conversations", "messages", "tools", "documents", "chat_template", "add_generation_prompt",
     "continue_final_message", "tokenize", "padding", "truncation", "max_length", "return_tensors",
     "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs", "sanitize_control_tokens",
+    "bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token",
+    "additional_special_tokens",
 })  # fmt: skip
 
 
@@ -478,6 +484,25 @@ class Job:
 # Answers
 
 
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+def token_bytes(tokenizer: Any, token: int) -> bytes:
+    """A token's own bytes, as OpenAI's `bytes` gives them: a byte-level BPE token holding part of a
+    character decodes alone to U+FFFD, but its bytes rebuild the character with its neighbours'."""
+    piece = tokenizer.convert_ids_to_tokens(token) or ""
+    decoder = _byte_decoder()
+    if piece and all(char in decoder for char in piece):  # byte-level BPE (GPT-2, Llama 3, Qwen)
+        return bytes(decoder[char] for char in piece)
+    if re.fullmatch(r"<0x[0-9A-Fa-f]{2}>", piece):  # SentencePiece's byte fallback
+        return bytes([int(piece[3:5], 16)])
+    return tokenizer.decode([token]).encode("utf-8")
+
+
 @dataclass
 class Answer:
     """The JSON objects of one request's answer: the whole completion, or its stream's events."""
@@ -497,12 +522,11 @@ class Answer:
         `content` list, or the legacy completions' parallel lists. None unless the request asked."""
         if self.job.sampling.logprobs is None:
             return None
-        texts = [self._text(t) for t in token_ids]
         entries = logprobs or []
         if self.job.chat:
-            return {"content": [{**self._token(text, lp.logprob), "top_logprobs": [self._token(self._text(i), v)
-                                                                                  for i, v in lp.top]}
-                                for text, lp in zip(texts, entries, strict=True)]}  # fmt: skip
+            return {"content": [{**self._token(t, lp.logprob), "top_logprobs": [self._token(i, v) for i, v in lp.top]}
+                                for t, lp in zip(token_ids, entries, strict=True)]}  # fmt: skip
+        texts = [self._text(t) for t in token_ids]
         offsets = []
         for text in texts:
             offsets.append(self.chars)
@@ -514,9 +538,8 @@ class Answer:
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
 
-    @staticmethod
-    def _token(text: str, logprob: float) -> dict[str, Any]:
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+    def _token(self, token: int, logprob: float) -> dict[str, Any]:
+        return {"token": self._text(token), "logprob": logprob, "bytes": list(token_bytes(self.tokenizer, token))}
 
     def _envelope(self, chunk: bool) -> dict[str, Any]:
         kind = "chat.completion" if self.job.chat else "text_completion"

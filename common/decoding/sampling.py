@@ -20,6 +20,7 @@ MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256  # per string: the client scans each one against the text's tail every step
 MAX_LOGPROBS = 20  # alternatives a token's log-probs may list, as OpenAI's top_logprobs
+LOGPROB_FLOOR = -9999.0  # what a log-prob that is not finite reads as (vLLM's)
 _MASK64 = 2**64 - 1
 _NUCLEUS_PROBE = 256
 
@@ -126,15 +127,24 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
 
 
 def token_logprob(logits: np.ndarray, token: int, top: int) -> TokenLogprob:
-    """`token`'s log-probability in one row of logits [V], and the `top` most likely ids with theirs
-    (descending; ties: the lower id first)."""
-    row = np.asarray(logits, dtype=np.float64)
-    shifted = row - row.max()
-    logprobs = shifted - math.log(np.exp(shifted).sum())  # [V]
+    """`token`'s log-probability in one row of logits [V], and the `top` most likely ids with theirs,
+    descending. On the pass's thread for every drawn node: one log-sum-exp over the row, and the
+    top of the logits themselves (the same order), with no second row built. A log-prob that is not
+    finite (a -inf logit, an overflowed row) reads as LOGPROB_FLOOR, as vLLM clamps it: JSON has no
+    infinities."""
+    row = np.asarray(logits, dtype=np.float32)  # [V]
+    peak = float(row.max())
+    with np.errstate(invalid="ignore", over="ignore"):
+        lse = peak + math.log(float(np.exp(row - peak).sum(dtype=np.float64)))
     if not top:
-        return TokenLogprob(float(logprobs[token]))
-    values, ids = _top(logprobs[None, :], top)  # [1, top]
-    return TokenLogprob(float(logprobs[token]), tuple(zip(ids[0].tolist(), values[0].tolist(), strict=True)))
+        return TokenLogprob(_floor(float(row[token]) - lse))
+    values, ids = _top(row[None, :], top)  # [1, top]
+    alternatives = tuple((int(i), _floor(float(v) - lse)) for i, v in zip(ids[0], values[0], strict=True))
+    return TokenLogprob(_floor(float(row[token]) - lse), alternatives)
+
+
+def _floor(logprob: float) -> float:
+    return logprob if math.isfinite(logprob) else LOGPROB_FLOOR
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
@@ -144,7 +154,8 @@ def _softmax(scores: np.ndarray) -> np.ndarray:
 
 
 def _top(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """The k largest of each row, in descending order (ties: the lower id first), and their ids."""
+    """The k largest of each row, in descending order, and their ids (ties among those picked: the
+    lower id first; which of several tied at the k-th place are picked is argpartition's)."""
     if k >= values.shape[-1]:
         order = np.argsort(-values, axis=-1, kind="stable")
         return np.take_along_axis(values, order, -1), order
