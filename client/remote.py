@@ -458,7 +458,7 @@ def wait_until_serving(
                 status = stub.Check(health_pb2.HealthCheckRequest(), timeout=2).status
                 if status == health_pb2.HealthCheckResponse.SERVING:
                     return
-                last = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+                last = "NOT_SERVING: it answers, and is still loading its model or measuring its forward-time curve"
             except grpc.RpcError as exc:  # not listening yet, or a TLS mismatch: said if it never serves
                 last = f"{exc.code().name}: {exc.details()}{tls_hint(exc.code(), exc.details(), security)}"
             time.sleep(0.2)
