@@ -208,6 +208,11 @@ class DraftLink:
             recovery.notify(f"draft node {self.name} refused: {refusal}; generating with the target alone")
         return self.info
 
+    @property
+    def refusal(self) -> str:
+        """Why the draft that answered last was refused (another tokenizer, ...); "" if it was not."""
+        return self._refused
+
     def probe_in(self, recovery: Recovery) -> float:
         """Seconds until `ready` may probe a draft that is down."""
         return max(0.0, self._failed_at + recovery.draft_retry_seconds - time.monotonic())
@@ -249,6 +254,7 @@ class DraftLink:
                 needs_curve(info)
         except NodeFault as exc:
             self._failed_at = time.monotonic()
+            self._refused = ""  # down now: whatever answered before is gone
             if first:
                 notify(f"{exc}; generating with the target alone until it comes up")
             return None
@@ -257,7 +263,7 @@ class DraftLink:
             return exc
         if not first:
             verb = "resumes" if self.epoch else "starts"
-            notify(f"draft node {self.name} is up: speculative decoding {verb}")
+            notify(f"draft node {self.name} is up ({info.model_id}): speculative decoding {verb}")
         self._refused = ""
         expect = getattr(self.draft, "expect", None)  # a remote draft checks each session it opens against it
         if expect is not None:

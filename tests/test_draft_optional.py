@@ -232,6 +232,9 @@ def test_a_mismatched_draft_that_comes_up_later_is_refused_and_never_used(
     assert not out.stats.budgets and not again.stats.budgets and gen.planner is None
     assert kinds(notices) == ["down", "refused"]
     assert "odd-tokenizer" in notices[1] and draft.address in notices[1]
+    from client.openai.app import Service
+
+    assert Service(gen, "m").draft_state() == "refused"  # /health: up, but not used
 
 
 @pytest.mark.parametrize("other", ["odd_model", "narrow_model"])

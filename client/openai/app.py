@@ -273,7 +273,7 @@ class Service:
         if link is None:
             return "none"
         if link.ready(self.gen.recovery) is None:
-            return "down"
+            return "refused" if link.refusal else "down"
         epoch = link.epoch
         probe = getattr(link.draft, "serving", None)
         why = None if probe is None else probe()
@@ -550,6 +550,7 @@ def cors(allowed_origins: tuple[str, ...] = ()) -> Middleware:
         allow_origin_regex=LOCAL_ORIGINS,
         allow_methods=["GET", "POST", "HEAD", "OPTIONS"],
         allow_headers=["*"],
+        allow_private_network=True,  # Chrome's preflight from a page to this LAN address: allowed origins only
         max_age=600,
     )
 
