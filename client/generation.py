@@ -404,7 +404,7 @@ class Sequence:
         and one of its session slots until the idle timeout."""
         backend = self.target if node == "target" else self.draft
         assert backend is not None
-        _close_quietly(backend, self.target_session if node == "target" else self.draft_session)
+        close_quietly(backend, self.target_session if node == "target" else self.draft_session)
         if node == "target":  # tried once: a reopen retried while the node restarts does not try again
             self.target_session = ""
         else:
@@ -521,7 +521,7 @@ class Sequence:
         failed catch-up's session is closed with the next reopen; nothing else reads it until the
         call has settled."""
         assert self.draft is not None
-        _close_quietly(self.draft, old)
+        close_quietly(self.draft, old)
         self.draft_session = self.draft.open_session(prompt)
         self.draft.build_tree(self.draft_session, [], CATCH_UP)
 
@@ -706,9 +706,9 @@ class Sequence:
             if failure is not None:
                 log.debug("the draft's catch-up ended in %r as its sequence closed", failure)
             self._catch_up = None
-        _close_quietly(self.target, self.target_session)
+        close_quietly(self.target, self.target_session)
         if self.draft is not None and self.link is not None and self.link.info is not None:
-            _close_quietly(self.draft, self.draft_session)
+            close_quietly(self.draft, self.draft_session)
 
 
 def wire_seconds(call_seconds: float, node_seconds: float | None) -> float:
@@ -717,7 +717,7 @@ def wire_seconds(call_seconds: float, node_seconds: float | None) -> float:
     return 0.0 if node_seconds is None else max(0.0, call_seconds - node_seconds)
 
 
-def _close_quietly(backend: TargetBackend | DraftBackend, session: str) -> None:
+def close_quietly(backend: TargetBackend | DraftBackend, session: str) -> None:
     """Closing is cleanup: whatever it raises (the node is down, has restarted, refused) must not stop
     the other node's session from being closed or a fresh one from being opened. Logged, not raised."""
     if not session:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import secrets
 import shutil
 import tempfile
@@ -15,7 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.api import SpecExec
-from client.generation import Recovery
+from client.generation import Recovery, close_quietly
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, describe_model, model_identity
@@ -36,8 +35,6 @@ from common.rpc.wire import (
 )
 from common.runtime.faults import NodeChanged, NodeRefused, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions
-
-log = logging.getLogger("specexec.client")
 
 DEFAULT_STEP_TIMEOUT = 120.0
 DEFAULT_CALL_TIMEOUT = 30.0
@@ -226,16 +223,10 @@ class _RemoteNode:
             try:
                 self._check_model((opened.model_id, opened.tokenizer_fingerprint, opened.dtype))
             except NodeChanged:
-                self._close_quietly(opened.session_id)
+                close_quietly(self, opened.session_id)
                 raise
         self._steps[opened.session_id] = 0
         return opened.session_id
-
-    def _close_quietly(self, session_id: str) -> None:
-        try:
-            self._rpc(self.stub.CloseSession, pb.CloseSessionRequest(session_id=session_id))
-        except Exception as exc:  # cleanup on a node already refused: its idle timeout covers it
-            log.info("could not close %s session %s: %s", self.role, session_id, exc)
 
     def close_session(self, session_id: str) -> bool:
         self._steps.pop(session_id, None)
