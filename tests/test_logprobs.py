@@ -164,3 +164,30 @@ def test_logprobs_through_the_nodes(nodes, model_dirs, mode):
     out = collect(iter(chunks))
     got = [lp for c in chunks for lp in (c.logprobs or [])]
     check_close(got, reference_logprobs(model_dirs["target"], PROMPT, out.token_ids, 2))
+
+
+def test_logprobs_through_the_grpc_gateway(gen):
+    """GenerateChunk carries one per token id."""
+    import grpc
+
+    from client.gateway import GenerationServicer
+    from common.pb.specexec.v1 import specexec_pb2 as pb
+    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+    from common.rpc.server import Server
+
+    servicer = GenerationServicer(lambda mode, tree: gen, gen)
+    server = Server("127.0.0.1:0", [(pb_grpc.add_GenerationServiceServicer_to_server, servicer, "g")]).start()
+    sampling = pb.SamplingParams(temperature=0.8, seed=4, max_new_tokens=16, ignore_eos=True, logprobs=1)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            answers = list(pb_grpc.GenerationServiceStub(channel).Generate(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling), timeout=60))  # fmt: skip
+    finally:
+        server.stop(0)
+    chunks = [a.chunk for a in answers if a.HasField("chunk") and a.chunk.token_ids]
+    want = gen.generate(PROMPT, SamplingParams(temperature=0.8, seed=4, max_new_tokens=16, ignore_eos=True, logprobs=1))
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids
+    assert all(len(c.logprobs) == len(c.token_ids) for c in chunks)
+    got = [lp.logprob for c in chunks for lp in c.logprobs]
+    assert got == pytest.approx([lp.logprob for lp in want.logprobs], abs=1e-6)
+    assert all(len(lp.top_ids) == 1 for c in chunks for lp in c.logprobs)
