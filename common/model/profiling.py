@@ -102,8 +102,10 @@ def forward_curve(
     bar = tqdm(sizes, desc="measuring forward-pass times (once per model and machine, then cached)", unit="size", disable=not progress)
     # Not smoothed into a non-decreasing curve: a pass over more rows can cost less (profile_sizes).
     curve = [(n, seconds(n)) for n in bar]
-    for _ in range(REMEASURES):
-        for i in disturbed(curve):
+    for round_ in range(REMEASURES):
+        again = disturbed(curve)
+        label = f"measuring {len(again)} disturbed sizes again (round {round_ + 1} of {REMEASURES})"
+        for i in tqdm(again, desc=label, unit="size", disable=not progress or not again):
             n, t = curve[i]
             curve[i] = (n, min(t, seconds(n)))
     return curve
