@@ -209,6 +209,31 @@ def test_logprobs_in_openai_shapes(client, gen):
         client.chat.completions.create(model=MODEL, messages=messages, top_logprobs=2, **sampling)
 
 
+def test_n_choices_each_from_its_own_seed(client, gen):
+    """`n`: choice i is what one request with seed + i gives (so choice 0 is n=1's), streamed or not,
+    chat or completions; usage counts every choice's tokens, the prompt once."""
+    want = [gen.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.9, seed=11 + i, ignore_eos=True))
+            for i in range(3)]  # fmt: skip
+    sampling = dict(max_tokens=8, temperature=0.9, seed=11, extra_body={"ignore_eos": True})
+    out = client.completions.create(model=MODEL, prompt=PROMPT, n=3, **sampling)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == len(gen.tokenizer.encode(PROMPT))
+    assert len({w.text for w in want}) > 1  # draws of their own
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, n=3, stream=True, **sampling))
+    assert ["".join(c.choices[0].text for c in streamed if c.choices[0].index == i) for i in range(3)] == [
+        w.text for w in want]  # fmt: skip
+    messages = [{"role": "user", "content": "Hi"}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, n=2, logprobs=True, **sampling)
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, n=2, stream=True, **sampling))
+    for i in range(2):
+        assert whole.choices[i].index == i and whole.choices[i].finish_reason == "length"
+        assert len(whole.choices[i].logprobs.content) == 8
+        mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == whole.choices[i].message.content
+
+
 def test_stop_strings(client, gen):
     full = expected(gen, max_tokens=32, temperature=0).text
     stop = next(full[i : i + 2] for i in range(4, len(full) - 2) if full[i : i + 2].strip())
@@ -248,7 +273,7 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
 @pytest.mark.parametrize(
     "kwargs, param, needle",
     [
-        (dict(n=2), "n", "n=1"),
+        (dict(n=17), "n", "between 1 and 16"),
         (dict(temperature=3.5), "temperature", "between 0"),
         (dict(top_p=1.5), "top_p", "top_p"),
         (dict(max_tokens=0), "max_tokens", "max_tokens"),

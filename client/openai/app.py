@@ -17,6 +17,7 @@ import logging
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import closing
 from typing import Annotated, Any
 
 import anyio
@@ -52,6 +53,7 @@ ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
+Choice = tuple[int, Chunk]  # a chunk of the request's choice number int (`n`)
 
 
 def json_text(payload: dict[str, Any]) -> str:
@@ -92,8 +94,8 @@ class Generation:
     def __init__(
         self,
         answer: Answer,
-        chunks: Iterator[Chunk],
-        first: Chunk,
+        chunks: Iterator[Choice],
+        first: Choice,
         stopping: threading.Event,
         keep_alive: float = KEEP_ALIVE_SECONDS,
         release: Callable[[], None] = lambda: None,
@@ -103,7 +105,7 @@ class Generation:
         self._lock = threading.Lock()
         self._closed = False
 
-    async def next(self) -> Chunk | None:
+    async def next(self) -> Choice | None:
         if self._first is not None:
             first, self._first = self._first, None
             return first
@@ -115,7 +117,7 @@ class Generation:
             with anyio.CancelScope(shield=True):
                 await run_in_threadpool(self._close)
 
-    def _step(self) -> Chunk | None:
+    def _step(self) -> Choice | None:
         if self._stopping.is_set():
             raise ApiError(503, "the server is shutting down", type="service_unavailable")
         with self._lock:
@@ -131,23 +133,28 @@ class Generation:
     async def whole(self, request: Request) -> Response:
         """The whole answer, or nothing if the client leaves first: one that timed out (and may be
         retrying) must not keep both nodes busy for the rest of its max_tokens."""
-        texts, count, finish, cached = [], 0, None, 0
-        ids: list[int] = []
-        logprobs: list[TokenLogprob] = []
+        n = self.answer.job.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        ids: list[list[int]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finishes: list[str | None] = [None] * n
+        count, cached = 0, 0
         try:
-            while (chunk := await self.next()) is not None:
+            while (step := await self.next()) is not None:
                 if await request.is_disconnected():
                     event(log, "client_gone", request=self.answer.id)
                     return Response(status_code=CLIENT_CLOSED)
-                texts.append(chunk.text)
+                index, chunk = step
+                texts[index].append(chunk.text)
                 count += len(chunk.token_ids)
-                ids += chunk.token_ids
-                logprobs += chunk.logprobs or []
-                finish = chunk.finish_reason or finish
+                ids[index] += chunk.token_ids
+                logprobs[index] += chunk.logprobs or []
+                finishes[index] = chunk.finish_reason or finishes[index]
                 cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
         finally:
             await self.close()
-        return JSONAnswer(self.answer.whole("".join(texts), finish, count, cached, self.answer.logprobs(ids, logprobs)))
+        choices = [("".join(texts[i]), finishes[i], self.answer.logprobs(ids[i], logprobs[i], i)) for i in range(n)]
+        return JSONAnswer(self.answer.whole(choices, count, cached))
 
     async def events(self) -> AsyncIterator[bytes]:
         """The server-sent events. A failure after the first event cannot change the status any more:
@@ -156,26 +163,28 @@ class Generation:
         answer, count, cached = self.answer, 0, 0
         ids: list[int] = []  # tokens since the last event: a held-back text's go with the next one
         logprobs: list[TokenLogprob] = []
-        step: asyncio.Task[Chunk | None] | None = None
+        step: asyncio.Task[Choice | None] | None = None
         try:
             if answer.job.chat:
-                yield sse(answer.event(None, None, role=True))
+                for index in range(answer.job.n):
+                    yield sse(answer.event(None, None, index=index, role=True))
             while True:
                 step = step or asyncio.ensure_future(self.next())
                 done, _ = await asyncio.wait({step}, timeout=self.keep_alive)
                 if not done:
                     yield KEEP_ALIVE
                     continue
-                chunk, step = step.result(), None
-                if chunk is None:
+                result, step = step.result(), None
+                if result is None:
                     break
+                index, chunk = result  # choices come one after another: what is pending is this one's
                 count += len(chunk.token_ids)
                 cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
                 if chunk.finish_reason is not None or chunk.text:
-                    pending = answer.logprobs(ids, logprobs) if ids else None
-                    yield sse(answer.event(chunk.text, chunk.finish_reason, logprobs=pending))
+                    pending = answer.logprobs(ids, logprobs, index) if ids else None
+                    yield sse(answer.event(chunk.text, chunk.finish_reason, index=index, logprobs=pending))
                     ids, logprobs = [], []
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))
@@ -309,13 +318,7 @@ class Service:
         """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
         any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
         answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
-        chunks = track_generation(
-            self.gen.stream(job.prompt_ids, job.sampling),
-            request_id=answer.id,
-            endpoint="chat" if job.chat else "completions",
-            prompt_tokens=len(job.prompt_ids),
-            prompt=job.prompt_text,
-        )
+        chunks = self._choices(job, answer.id)
         try:
             first = next(chunks)
         except StopIteration:
@@ -324,6 +327,21 @@ class Service:
             chunks.close()
             raise
         return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
+
+    def _choices(self, job: Job, request_id: str) -> Iterator[Choice]:
+        """The request's `n` choices, one after another on the one slot it was admitted to: each a
+        generation of its own (the prompt's KV is kept between them, `--prompt-cache`)."""
+        for index in range(job.n):
+            chunks = track_generation(
+                self.gen.stream(job.prompt_ids, job.choice(index)),
+                request_id=request_id if job.n == 1 else f"{request_id}-{index}",
+                endpoint="chat" if job.chat else "completions",
+                prompt_tokens=len(job.prompt_ids),
+                prompt=job.prompt_text,
+            )
+            with closing(chunks):
+                for chunk in chunks:
+                    yield index, chunk
 
     async def admit(self, http: Request) -> Callable[[], None] | None:
         """A slot once one is free, as the call that gives it back (None: the client left while it

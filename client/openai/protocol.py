@@ -3,7 +3,7 @@ in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
 that would change the output and cannot be served (`echo`, `best_of`, penalties,
-`logit_bias`, tools, a non-text `response_format`, `n` > 1) is a 400, not silently ignored; `user`
+`logit_bias`, tools, a non-text `response_format`) is a 400, not silently ignored; `user`
 and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
 
@@ -14,7 +14,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Annotated, Any
 
 from pydantic import (
@@ -83,8 +83,8 @@ def bad(message: str, param: str | None = None) -> ApiError:
 # Validation errors
 #
 # Field checks raise one of two pydantic error types of ours: FIELD messages read after the field's
-# path ("'top_p' must be between 0.0 and 1.0, got 1.5"), SENTENCE messages stand alone ("only n=1 is
-# supported: ..."). `validation_error` turns the first error of a failed validation into the 400.
+# path ("'top_p' must be between 0.0 and 1.0, got 1.5"), SENTENCE messages stand alone ("'top_logprobs'
+# needs 'logprobs': true"). `validation_error` turns the first error of a failed validation into the 400.
 
 FIELD, SENTENCE = "openai_field", "openai_sentence"
 
@@ -171,12 +171,7 @@ Integer = Annotated[int | None, Field(strict=True)]
 Number = Annotated[float | None, Field(strict=True)]
 Flag = Annotated[bool | None, Field(strict=True)]
 MaxTokens = Annotated[Integer, between(1, MAX_TOKENS)]
-
-
-def _only_one(value: Any) -> Any:
-    if value is not None and (isinstance(value, bool) or value != 1):
-        raise sentence_error("only n=1 is supported: one completion per request")
-    return value
+MAX_CHOICES = 16  # `n`: generated one after another, each a whole generation
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -265,7 +260,7 @@ class SamplingRequest(BaseModel):
     top_k: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # vLLM's extension; -1 or 0: off
     seed: Annotated[Integer, between(0, MAX_SEED)] = None
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop)] = ()
-    n: Annotated[Integer, BeforeValidator(_only_one)] = None
+    n: Annotated[Integer, between(1, MAX_CHOICES)] = None  # choices, each from its own seed (`Job.choice`)
     ignore_eos: Flag = None  # vLLM's extension
     stream: Flag = None
     stream_options: StreamOptions | None = None
@@ -467,6 +462,12 @@ class Job:
     sampling: SamplingParams
     stream: bool
     include_usage: bool
+    n: int = 1
+
+    def choice(self, index: int) -> SamplingParams:
+        """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
+        text n=1 gives, and each other one a draw of its own (greedy: the same text)."""
+        return replace(self.sampling, seed=(self.sampling.seed + index) % (MAX_SEED + 1))
 
     @staticmethod
     def of(request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, chat_max_tokens: int) -> Job:
@@ -477,7 +478,7 @@ class Job:
             chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
         sampling = request.sampling(default_max_tokens)
         ids = request.prompt_ids(tokenizer)
-        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage)
+        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -512,14 +513,17 @@ class Answer:
     id: str = ""
     created: int = field(default_factory=lambda: int(time.time()))
     tokenizer: Any = None  # renders the tokens of `logprobs`
-    chars: int = field(default=0, init=False, repr=False)  # of the tokens rendered so far: completions' text_offset
+    # each choice's characters of the tokens rendered so far: completions' text_offset
+    chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
 
-    def logprobs(self, token_ids: list[int], logprobs: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """A choice's (or stream event's) `logprobs` for the next `token_ids`, in OpenAI's shape: chat's
-        `content` list, or the legacy completions' parallel lists. None unless the request asked."""
+    def logprobs(
+        self, token_ids: list[int], logprobs: list[TokenLogprob] | None, index: int = 0
+    ) -> dict[str, Any] | None:
+        """Choice `index`'s (or its stream event's) `logprobs` for its next `token_ids`, in OpenAI's
+        shape: chat's `content` list, or the legacy completions' parallel lists. None unless asked."""
         if self.job.sampling.logprobs is None:
             return None
         entries = logprobs or []
@@ -529,8 +533,8 @@ class Answer:
         texts = [self._text(t) for t in token_ids]
         offsets = []
         for text in texts:
-            offsets.append(self.chars)
-            self.chars += len(text)
+            offsets.append(self.chars.get(index, 0))
+            self.chars[index] = offsets[-1] + len(text)
         tops = [{**{self._text(i): v for i, v in lp.top}, text: lp.logprob} for text, lp in zip(texts, entries, strict=True)]
         return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries], "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
@@ -559,30 +563,35 @@ class Answer:
         }
 
     def whole(
-        self, text: str, finish: str | None, completion_tokens: int, cached_tokens: int = 0,
-        logprobs: dict[str, Any] | None = None,
+        self, choices: list[tuple[str, str | None, dict[str, Any] | None]], completion_tokens: int,
+        cached_tokens: int = 0,
     ) -> dict[str, Any]:  # fmt: skip
+        """`choices`: each one's (text, finish_reason, logprobs), in index order."""
         out = self._envelope(chunk=False)
-        if self.job.chat:
-            choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
-        else:
-            choice = {"index": 0, "text": text}
-        choice.update(logprobs=logprobs, finish_reason=finish)
-        out.update(choices=[choice], usage=self.usage(completion_tokens, cached_tokens))
+        listed = []
+        for index, (text, finish, logprobs) in enumerate(choices):
+            if self.job.chat:
+                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+            else:
+                choice = {"index": index, "text": text}
+            choice.update(logprobs=logprobs, finish_reason=finish)
+            listed.append(choice)
+        out.update(choices=listed, usage=self.usage(completion_tokens, cached_tokens))
         return out
 
     def event(
-        self, text: str | None, finish: str | None, *, role: bool = False, logprobs: dict[str, Any] | None = None
-    ) -> dict[str, Any]:
-        """One stream event; a chat stream opens with the assistant's role and no text."""
+        self, text: str | None, finish: str | None, *, index: int = 0, role: bool = False,
+        logprobs: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """One stream event of choice `index`; a chat choice opens with the assistant's role and no text."""
         out = self._envelope(chunk=True)
         if self.job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
-            choice: dict[str, Any] = {"index": 0, "delta": delta}
+            choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
-            choice = {"index": 0, "text": text or ""}
+            choice = {"index": index, "text": text or ""}
         choice.update(logprobs=logprobs, finish_reason=finish)
         out["choices"] = [choice]
         if self.job.include_usage:

@@ -14,7 +14,7 @@ Ollama allows; `--allowed-origins` names others ("*" for any).
 Both POST routes stream server-sent events (`"stream": true`, ending with `data: [DONE]`, usage in a
 last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON object with `usage`.
 Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
-`stop` (a string or up to 4), `seed`, `n` (1 only), `stream`, `stream_options`, `user` (ignored),
+`stop` (a string or up to 4), `seed`, `n` (choices one after another, choice i from `seed` + i), `stream`, `stream_options`, `user` (ignored),
 `logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`), and
 the vLLM extensions `top_k`, `ignore_eos`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
