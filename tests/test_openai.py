@@ -232,6 +232,27 @@ def test_n_choices_each_from_its_own_seed(client, gen):
         mine = [c.choices[0] for c in chunks if c.choices[0].index == i]
         assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
         assert "".join(c.delta.content or "" for c in mine) == whole.choices[i].message.content
+    assert client.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=2, **sampling).choices[1].text == want[1].text
+    with pytest.raises(openai.BadRequestError, match="'best_of' must equal n here, got 3"):
+        client.completions.create(model=MODEL, prompt=PROMPT, n=2, best_of=3, **sampling)
+
+
+def test_n_choices_report_the_prompt_cache_as_the_first_found_it(loaded):
+    """Choice 1 finds the prompt choice 0 left: the request's cached tokens are choice 0's."""
+    target = TargetEngine(loaded["target"], max_context=512, max_tree=8)
+    draft = DraftEngine(loaded["truncated"], max_context=512, max_tree=8)
+    cached = SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=8))
+    cached.use_prompt_cache(2)
+    srv = OpenAIServer("127.0.0.1:0", cached, model_name=MODEL).start()
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        ask = dict(model=MODEL, prompt="A prompt never seen before", max_tokens=4, temperature=0.5, seed=1)
+        first = client.completions.create(n=2, **ask)
+        again = client.completions.create(n=1, **ask)
+    finally:
+        srv.stop()
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
 
 
 def test_stop_strings(client, gen):

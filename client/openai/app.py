@@ -150,7 +150,8 @@ class Generation:
                 ids[index] += chunk.token_ids
                 logprobs[index] += chunk.logprobs or []
                 finishes[index] = chunk.finish_reason or finishes[index]
-                cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
+                if index == 0 and chunk.stats is not None:  # later choices find the prompt that choice 0 left
+                    cached = chunk.stats.cached_prompt_tokens
         finally:
             await self.close()
         choices = [("".join(texts[i]), finishes[i], self.answer.logprobs(ids[i], logprobs[i], i)) for i in range(n)]
@@ -179,7 +180,8 @@ class Generation:
                     break
                 index, chunk = result  # choices come one after another: what is pending is this one's
                 count += len(chunk.token_ids)
-                cached = chunk.stats.cached_prompt_tokens if chunk.stats is not None else cached
+                if index == 0 and chunk.stats is not None:  # later choices find the prompt that choice 0 left
+                    cached = chunk.stats.cached_prompt_tokens
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
                 if chunk.finish_reason is not None or chunk.text:

@@ -266,7 +266,7 @@ class SamplingRequest(BaseModel):
     stream_options: StreamOptions | None = None
     user: Any = None
 
-    best_of: Annotated[Any, refused(lambda v: v in (None, 1))] = None
+    best_of: Integer = None  # OpenAI's: at least n; only n itself changes nothing here (`_best_of_n`)
     echo: Annotated[Any, refused(lambda v: not v)] = None
     suffix: Annotated[Any, refused(lambda v: v in (None, ""))] = None
     presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
@@ -306,6 +306,13 @@ class SamplingRequest(BaseModel):
     prompt_logprobs: Annotated[Any, unless(0)] = None
     n_probs: Annotated[Any, unless(0)] = None
     skip_special_tokens: Annotated[Any, unless(True)] = None
+
+    @field_validator("best_of")
+    @classmethod
+    def _best_of_n(cls, best_of: int | None, info: ValidationInfo) -> int | None:
+        if best_of is not None and best_of != (info.data.get("n") or 1):
+            raise field_error(f"must equal n here, got {best_of}: every choice is returned, none picked from more")
+        return best_of
 
     @field_validator("stream_options")
     @classmethod
