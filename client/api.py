@@ -371,15 +371,16 @@ def valid_text(text: str, what: str) -> str:
 
 def render_chat(
     tokenizer: Any,
-    messages: list[dict[str, str]],
+    messages: list[dict[str, Any]],
     *,
     continue_final: bool = False,
     template_kwargs: dict[str, Any] | None = None,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[int]:
     """Token ids of a conversation in the model's chat template, ready for the assistant's turn; or,
     with `continue_final`, ending inside the last (assistant) message, so the model goes on with it
     (a prefilled answer). `template_kwargs` are the template's own variables (Qwen3's
-    `enable_thinking`)."""
+    `enable_thinking`); `tools`, OpenAI's function definitions, which the template shows the model."""
     for i, m in enumerate(messages):
         valid_text(m["content"], f"message {i}'s content")
     if not getattr(tokenizer, "chat_template", None):
@@ -389,6 +390,7 @@ def render_chat(
         add_generation_prompt=not continue_final,
         continue_final_message=continue_final,
         tokenize=False,
+        tools=tools,
         **(template_kwargs or {}),
     )
     return list(tokenizer.encode(text, add_special_tokens=False))

@@ -340,8 +340,8 @@ def test_errors_before_output_are_http_errors(client, server):
     with pytest.raises(openai.NotFoundError) as err:
         client.completions.create(model="gpt-4o", prompt=PROMPT, max_tokens=4)
     assert err.value.body["code"] == "model_not_found"
-    with pytest.raises(openai.BadRequestError, match="role"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "tool", "content": "x"}], max_tokens=4)
+    with pytest.raises(openai.BadRequestError, match="must be one of system, user, assistant, tool"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "narrator", "content": "x"}], max_tokens=4)
     with pytest.raises(openai.BadRequestError, match=r"'messages\[0\]' needs a 'content' for role user"):
         client.chat.completions.create(model=MODEL, messages=[{"role": "user"}], max_tokens=4)
     base = server.url.removesuffix("/v1")

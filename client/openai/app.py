@@ -184,9 +184,10 @@ class Generation:
                     cached = chunk.stats.cached_prompt_tokens
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
-                if chunk.finish_reason is not None or chunk.text:
+                text, calls, finish = answer.read(index, chunk.text, chunk.finish_reason, chunk.finish_reason is not None)
+                if finish is not None or text or calls:
                     pending = answer.logprobs(ids, logprobs, index) if ids else None
-                    yield sse(answer.event(chunk.text, chunk.finish_reason, index=index, logprobs=pending))
+                    yield sse(answer.event(text, finish, index=index, logprobs=pending, calls=calls))
                     ids, logprobs = [], []
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))

@@ -3,19 +3,20 @@ in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
 that would change the output and cannot be served (`echo`, `best_of`, penalties,
-`logit_bias`, tools, a non-text `response_format`) is a 400, not silently ignored; `user`
-and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
+`logit_bias`, a forced `tool_choice`, a non-text `response_format`) is a 400, not silently ignored;
+`user` and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import re
 import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -30,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
+from client.openai.tool_calls import ToolCall, ToolCallReader, reads_tool_calls
 from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
 from common.decoding.types import TokenLogprob
 from common.rpc.server import status_for
@@ -45,7 +47,7 @@ GRPC_TO_HTTP = {
     "UNAUTHENTICATED": (502, "server_error"),  # a node refused this gateway: a deployment problem
     "PERMISSION_DENIED": (502, "server_error"),
 }
-CHAT_ROLES = ("system", "user", "assistant")
+CHAT_ROLES = ("system", "user", "assistant", "tool")
 
 
 class ApiError(Exception):
@@ -272,9 +274,8 @@ class SamplingRequest(BaseModel):
     presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     frequency_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
     logit_bias: Annotated[Any, refused(lambda v: not v)] = None
-    tools: Annotated[Any, refused(lambda v: not v)] = None
-    functions: Annotated[Any, refused(lambda v: not v)] = None
-    tool_choice: Annotated[Any, refused(lambda v: v in (None, "none"))] = None
+    functions: Annotated[Any, refused(lambda v: not v)] = None  # the legacy API's: chat takes `tools`
+    function_call: Annotated[Any, refused(lambda v: v in (None, "none", "auto"))] = None
     response_format: Annotated[
         Any, refused(lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
     ] = None
@@ -359,6 +360,8 @@ class CompletionRequest(SamplingRequest):
     # The legacy API's: the k most likely alternatives of each token, and always its own.
     logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
     top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None  # chat's; here `logprobs` takes k
+    tools: Annotated[Any, refused(lambda v: not v)] = None  # chat's
+    tool_choice: Annotated[Any, refused(lambda v: v in (None, "none"))] = None
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -385,12 +388,70 @@ def _template_kwargs(value: dict[str, Any] | None) -> dict[str, Any] | None:
     return value
 
 
+def _tool_name(name: Any) -> Any:
+    if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.-]{1,64}", name):
+        raise field_error(f"must be 1 to 64 letters, digits, '_', '.' or '-', got {_shown(name)}")
+    return name
+
+
+def _arguments(arguments: Any) -> dict[str, Any]:
+    """OpenAI sends a call's arguments as JSON text; chat templates render them as an object."""
+    value = arguments
+    if isinstance(arguments, str):
+        try:
+            value = json.loads(arguments)
+        except ValueError as exc:
+            raise field_error(f"must be a JSON object's text: {exc}") from None
+    if not isinstance(value, dict):
+        raise field_error(f"must be a JSON object's text, got {_shown(arguments)}")
+    return value
+
+
+def _tool_choice(choice: Any) -> Any:
+    if choice in (None, "none", "auto"):
+        return choice
+    if choice == "required" or isinstance(choice, dict):
+        raise field_error("cannot force a call here (this server has no constrained decoding): send 'auto', "
+                          "and the model calls a tool when it decides to")  # fmt: skip
+    raise field_error(f"must be 'none' or 'auto', got {_shown(choice)}")
+
+
+class FunctionDefinition(BaseModel):
+    name: Annotated[str, BeforeValidator(_tool_name)]
+    description: Annotated[str | None, Field(strict=True)] = None
+    parameters: dict[str, Any] | None = None  # a JSON schema, shown to the model by its chat template
+    strict: Flag = None  # accepted, as vLLM does; the schema is the model's to follow, not enforced
+
+
+class ToolDefinition(BaseModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+    def rendered(self) -> dict[str, Any]:
+        return {"type": "function", "function": self.function.model_dump(exclude_none=True, exclude={"strict"})}
+
+
+class FunctionCall(BaseModel):
+    name: Annotated[str, Field(strict=True)]
+    arguments: Annotated[dict[str, Any], BeforeValidator(_arguments)]
+
+
+class CalledTool(BaseModel):
+    """A call in an earlier assistant turn, sent back with the tool's answer."""
+
+    id: Annotated[str | None, Field(strict=True)] = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
-    """A text turn; other keys (`name`, ...) are ignored. As in OpenAI's API, only an assistant turn
-    may leave out its content (or send null)."""
+    """A text turn, an assistant's tool calls, or a tool's answer; other keys (`name`, ...) are
+    ignored. As in OpenAI's API, only an assistant turn may leave out its content (or send null)."""
 
     role: Annotated[str, BeforeValidator(_role)]
     content: Annotated[str | None, BeforeValidator(_text_content)] = None
+    tool_calls: list[CalledTool] | None = None
+    tool_call_id: Annotated[str | None, Field(strict=True)] = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -398,7 +459,18 @@ class ChatMessage(BaseModel):
             if self.role != "assistant":
                 raise field_error(f"needs a 'content' for role {self.role}")
             self.content = ""
+        if self.tool_calls and self.role != "assistant":
+            raise field_error(f"may carry 'tool_calls' only for role assistant, not {self.role}")
         return self
+
+    def rendered(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"role": self.role, "content": self.content}
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": c.function.model_dump()}
+                                 for c in self.tool_calls]  # fmt: skip
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
 class ChatCompletionRequest(SamplingRequest):
@@ -407,6 +479,9 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
     max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
+    tools: list[ToolDefinition] | None = None
+    tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
+    parallel_tool_calls: Flag = None  # false: at most one call an answer
     logprobs: Annotated[bool | None, Field(strict=True)] = None
     top_logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
 
@@ -434,11 +509,22 @@ class ChatCompletionRequest(SamplingRequest):
             return self.max_completion_tokens
         return super().max_new_tokens(default)
 
+    def offered_tools(self) -> list[dict[str, Any]] | None:
+        """The tools the model is shown, and whose calls are read from its answer: none with
+        tool_choice 'none', as OpenAI's model then answers in words."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [tool.rendered() for tool in self.tools]
+
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         self._check_continuation()
+        tools = self.offered_tools()
+        if tools and not reads_tool_calls(chat_template(tokenizer)):
+            raise bad("this model's chat template has no tool-call format this server reads (the Hermes "
+                      "<tool_call> tags of Qwen2.5's and Qwen3's templates)", "tools")  # fmt: skip
         try:
             return render_chat(tokenizer, self.rendered(), continue_final=bool(self.continue_final_message),
-                               template_kwargs=self.chat_template_kwargs)  # fmt: skip
+                               template_kwargs=self.chat_template_kwargs, tools=tools)  # fmt: skip
         except Exception as exc:  # no template, or one that refuses this conversation
             raise bad(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
 
@@ -455,8 +541,17 @@ class ChatCompletionRequest(SamplingRequest):
             raise bad(f"continue_final_message needs the last message to be the assistant's, not "
                       f"{self.messages[-1].role!r}", "continue_final_message")  # fmt: skip
 
-    def rendered(self) -> list[dict[str, str]]:
-        return [{"role": m.role, "content": m.content} for m in self.messages]
+    def rendered(self) -> list[dict[str, Any]]:
+        return [m.rendered() for m in self.messages]
+
+
+def chat_template(tokenizer: Any) -> str | None:
+    """The template a conversation with tools renders with: transformers takes a 'tool_use' one
+    where a tokenizer names several."""
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):
+        return template.get("tool_use") or template.get("default")
+    return template
 
 
 @dataclass
@@ -470,6 +565,8 @@ class Job:
     stream: bool
     include_usage: bool
     n: int = 1
+    tool_names: frozenset[str] | None = None  # the offered tools: their calls are read out of the answer
+    max_calls: int | None = None  # parallel_tool_calls false: 1
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
@@ -479,13 +576,18 @@ class Job:
     @staticmethod
     def of(request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, chat_max_tokens: int) -> Job:
         """Tokenizes the prompt: slow for a long one, so callers run this off the event loop."""
+        tools, max_calls = None, None
         if isinstance(request, ChatCompletionRequest):
             chat, prompt, default_max_tokens = True, request.rendered(), chat_max_tokens
+            offered = request.offered_tools()
+            tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
+            max_calls = 1 if request.parallel_tool_calls is False else None
         else:
             chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
         sampling = request.sampling(default_max_tokens)
         ids = request.prompt_ids(tokenizer)
-        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1)
+        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1,
+                   tools, max_calls)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -522,6 +624,7 @@ class Answer:
     tokenizer: Any = None  # renders the tokens of `logprobs`
     # each choice's characters of the tokens rendered so far: completions' text_offset
     chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
+    readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # streamed choices'
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
@@ -545,6 +648,24 @@ class Answer:
         tops = [{**{self._text(i): v for i, v in lp.top}, text: lp.logprob} for text, lp in zip(texts, entries, strict=True)]
         return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries], "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
+
+    def read(
+        self, index: int, text: str, finish: str | None, last: bool
+    ) -> tuple[str, list[tuple[int, ToolCall]], str | None]:
+        """Choice `index`'s next piece as it is sent (`last`: the choice's end): its content, the tool
+        calls read out of it (with their index in the choice), and its finish reason: 'tool_calls' once
+        it called one and stopped."""
+        if self.job.tool_names is None:
+            return text, [], finish
+        reader = self.readers.setdefault(index, ToolCallReader(self.job.max_calls, self.job.tool_names))
+        content, calls = reader.feed(text)
+        if last:
+            rest, last = reader.end()
+            content, calls = content + rest, calls + last
+            if finish == "stop" and reader.calls:
+                finish = "tool_calls"
+        first = reader.calls - len(calls)
+        return content, list(enumerate(calls, first)), finish
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -578,7 +699,11 @@ class Answer:
         listed = []
         for index, (text, finish, logprobs) in enumerate(choices):
             if self.job.chat:
-                choice: dict[str, Any] = {"index": index, "message": {"role": "assistant", "content": text}}
+                content, calls, finish = self.read(index, text, finish, last=True)
+                message: dict[str, Any] = {"role": "assistant", "content": content}
+                if calls:
+                    message.update(content=content or None, tool_calls=[call.as_dict() for _, call in calls])
+                choice: dict[str, Any] = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
             choice.update(logprobs=logprobs, finish_reason=finish)
@@ -588,14 +713,17 @@ class Answer:
 
     def event(
         self, text: str | None, finish: str | None, *, index: int = 0, role: bool = False,
-        logprobs: dict[str, Any] | None = None,
+        logprobs: dict[str, Any] | None = None, calls: Sequence[tuple[int, ToolCall]] = (),
     ) -> dict[str, Any]:  # fmt: skip
-        """One stream event of choice `index`; a chat choice opens with the assistant's role and no text."""
+        """One stream event of choice `index`; a chat choice opens with the assistant's role and no text.
+        A tool call comes whole, in one delta."""
         out = self._envelope(chunk=True)
         if self.job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
             if text:
                 delta["content"] = text
+            if calls:
+                delta["tool_calls"] = [{"index": i, **call.as_dict()} for i, call in calls]
             choice: dict[str, Any] = {"index": index, "delta": delta}
         else:
             choice = {"index": index, "text": text or ""}

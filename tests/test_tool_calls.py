@@ -1,0 +1,297 @@
+"""Tool calls on the OpenAI endpoint: the tools shown to the model through its chat template, its
+`<tool_call>` blocks (or bare JSON calls) read back into OpenAI's `tool_calls`, streamed and whole
+alike, and the conversation's earlier calls and tool answers rendered for the next turn."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import openai
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from client.api import Chunk, SpecExec
+from client.openai.server import OpenAIServer
+from client.openai.tool_calls import ToolCallReader, parse_bare_calls, read_tool_calls
+from target_node.engine import TargetEngine
+
+MODEL = "tiny-tools"
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+NAMES = frozenset({"get_weather", "get_time"})
+
+# Qwen2.5's template, cut to what it does with tools, calls and tool answers.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|system|>\n# Tools\n<tools>{% for tool in tools %}\n{{ tool | tojson }}{% endfor %}\n"
+    "</tools>\nAnswer a call as <tool_call>\n{\"name\": <name>, \"arguments\": <args>}\n</tool_call>\n"
+    "{% endif %}"
+    "{% for m in messages %}"
+    "{% if m.role == 'assistant' and m.tool_calls %}<assistant>{{ m.content }}"
+    "{% for c in m.tool_calls %}\n<tool_call>\n{\"name\": \"{{ c.function.name }}\", \"arguments\": "
+    "{{ c.function.arguments | tojson }}}\n</tool_call>{% endfor %}\n"
+    "{% elif m.role == 'tool' %}<tool_response>\n{{ m.content }}\n</tool_response>\n"
+    "{% else %}<{{ m.role }}>{{ m.content }}\n"
+    "{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def call(name: str, **arguments: object) -> str:
+    return "<tool_call>\n" + json.dumps({"name": name, "arguments": arguments}) + "\n</tool_call>"
+
+
+# ------------------------------------------------------------------------------------------------
+# Reading the model's text
+
+
+def streamed(text: str, cuts: list[int], max_calls: int | None = None, names=None):
+    reader, content, calls, at = ToolCallReader(max_calls, names), "", [], 0
+    for cut in [*sorted(set(cuts)), len(text)]:
+        piece_content, piece_calls = reader.feed(text[at:cut])
+        content, calls, at = content + piece_content, calls + piece_calls, cut
+    rest, last = reader.end()
+    return content + rest, [(c.name, json.loads(c.arguments)) for c in calls + last]
+
+
+def whole(text: str, max_calls: int | None = None, names=None):
+    content, calls = read_tool_calls(text, max_calls, names)
+    return content, [(c.name, json.loads(c.arguments)) for c in calls]
+
+
+@pytest.mark.parametrize(
+    "text, content, calls",
+    [
+        ("Just words.\n", "Just words.\n", []),
+        (call("get_weather", city="Paris"), None, [("get_weather", {"city": "Paris"})]),
+        ("Let me look.\n" + call("get_weather", city="Paris") + "\n" + call("get_time", tz="UTC") + "\n",
+         "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]),
+        ('<tool_call>\n{"name": "f", "parameters": {"a": 1}}\n</tool_call>', None, [("f", {"a": 1})]),
+        ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),  # no closing tag
+        ("<tool_call>\nnot json\n</tool_call> after", "<tool_call>\nnot json\n</tool_call> after", []),
+        ('<tool_call>{"name": "f", "arguments": {"a"', '<tool_call>{"name": "f", "arguments": {"a"', []),
+        ("a <tool_ b", "a <tool_ b", []),
+        ("x </tool_call> y", "x </tool_call> y", []),
+    ],
+)  # fmt: skip
+def test_tagged_calls_are_read_and_anything_else_stays_text(text, content, calls):
+    assert whole(text) == (content, calls)
+    for cut in range(len(text) + 1):
+        assert streamed(text, [cut]) == (content or "", calls)
+
+
+@pytest.mark.parametrize(
+    "text, calls",
+    [
+        ('{"name": "get_weather", "arguments": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+        ('```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Oslo"}\n}\n```\n',
+         [("get_weather", {"city": "Oslo"})]),
+        ('[{"name": "get_weather", "arguments": {"city": "A"}}, {"name": "get_time", "arguments": {}}]',
+         [("get_weather", {"city": "A"}), ("get_time", {})]),
+        ('```\n{"name": "get_time", "arguments": {}}\n```\n{"name": "get_time", "arguments": {"tz": "X"}}',
+         [("get_time", {}), ("get_time", {"tz": "X"})]),
+    ],
+)  # fmt: skip
+def test_an_answer_of_bare_json_calls_to_offered_tools_is_read_as_calls(text, calls):
+    assert whole(text, names=NAMES) == (None, calls)
+    assert whole(text) == (text, [])  # no tools offered: it is text
+    for cut in range(0, len(text) + 1, 3):
+        assert streamed(text, [cut], names=NAMES) == ("", calls)
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '{"name": "rm_rf", "arguments": {}}',  # not an offered tool
+        '{"name": "get_time", "arguments": {}} and then words',
+        '{"city": "Paris"}',
+        '```json\n{"name": "get_time", "arguments": {}}\n',  # the fence never closes
+        '```python\nprint({"name": "get_time"})\n```',
+        '{"name": "get_time", "arguments": {',
+    ],
+)
+def test_json_that_is_not_only_calls_to_offered_tools_stays_text(text):
+    assert parse_bare_calls(text, NAMES) is None
+    assert whole(text, names=NAMES) == (text, [])
+    assert streamed(text, list(range(len(text))), names=NAMES) == (text, [])
+
+
+def test_a_streamed_answer_is_not_held_once_it_cannot_be_bare_calls():
+    reader = ToolCallReader(names=NAMES)
+    assert reader.feed("```") == ("", [])
+    assert reader.feed("py") == ("```py", [])
+    reader = ToolCallReader(names=NAMES)
+    assert reader.feed("  {") == ("", [])
+    assert reader.feed('"a": 1}') == ("", [])  # JSON is held to its end: only then is it known
+    assert reader.end() == ('  {"a": 1}', [])
+    reader = ToolCallReader(names=NAMES)
+    assert reader.feed("Sure") == ("Sure", [])
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = call("get_weather", city="A") + call("get_weather", city="B")
+    assert whole(text, max_calls=1) == (None, [("get_weather", {"city": "A"})])
+    bare = '[{"name": "get_time", "arguments": {}}, {"name": "get_weather", "arguments": {"city": "C"}}]'
+    assert whole(bare, max_calls=1, names=NAMES) == (None, [("get_time", {})])
+
+
+PIECES = st.sampled_from([
+    "Sure. ", "\n", "  ", "text", "{", "}", "```json\n", "```", "<tool_", "call>", "</tool_call>",
+    call("get_weather", city="Paris"), call("get_time"), "<tool_call>{bad}</tool_call>",
+    '{"name": "get_time", "arguments": {}}', '<tool_call>{"name": "f", "arguments": {"x": 1}}',
+])  # fmt: skip
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(PIECES, max_size=8).map("".join), st.lists(st.integers(0, 200), max_size=6),
+       st.sampled_from([None, NAMES]), st.sampled_from([None, 1]))  # fmt: skip
+def test_any_cut_of_the_stream_reads_as_the_whole_text(text, cuts, names, max_calls):
+    content, calls = whole(text, max_calls, names)
+    assert streamed(text, [c for c in cuts if c <= len(text)], max_calls, names) == (content or "", calls)
+    if not calls:
+        assert content == text  # nothing is lost, nothing added
+
+
+# ------------------------------------------------------------------------------------------------
+# Through the endpoint
+
+
+class Scripted:
+    """A generator that answers `reply` (as a model would, in pieces of a few tokens), and keeps the
+    prompts it was given."""
+
+    def __init__(self, gen: SpecExec, tokenizer) -> None:
+        self.gen, self.tokenizer, self.target, self.link = gen, tokenizer, gen.target, None
+        self.recovery = gen.recovery
+        self.reply, self.prompts = "", []
+
+    def stream(self, prompt, sampling):
+        self.prompts.append(self.tokenizer.decode(prompt))
+        ids = self.tokenizer.encode(self.reply)
+        for at in range(0, len(ids), 3):
+            piece = ids[at : at + 3]
+            last = at + 3 >= len(ids)
+            yield Chunk(self.tokenizer.decode(piece), piece, "stop" if last else None)
+
+
+@pytest.fixture(scope="module")
+def tools_gen(loaded) -> Scripted:
+    tokenizer = copy.deepcopy(loaded["target"].tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    gen = SpecExec(TargetEngine(loaded["target"], max_context=512, max_tree=8), None, tokenizer, mode="autoregressive")
+    return Scripted(gen, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def api(tools_gen):
+    srv = OpenAIServer("127.0.0.1:0", tools_gen, model_name=MODEL).start()  # type: ignore[arg-type]
+    yield openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    srv.stop()
+
+
+def test_a_tool_call_whole_and_streamed(api, tools_gen):
+    tools_gen.reply = "I'll check.\n" + call("get_weather", city="Paris") + "\n" + call("get_weather", city="Oslo")
+    messages = [{"role": "user", "content": "Weather in Paris and Oslo?"}]
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    choice = out.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll check."
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]  # fmt: skip
+    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
+    assert len({c.id for c in choice.message.tool_calls}) == 2
+    prompt = tools_gen.prompts[-1]
+    assert json.dumps(WEATHER) in prompt and prompt.endswith("<user>Weather in Paris and Oslo?\n<assistant>")
+
+    events = list(api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+    deltas = [e.choices[0].delta for e in events]
+    assert "".join(d.content or "" for d in deltas) == "I'll check."
+    streamed_calls = [c for d in deltas for c in d.tool_calls or []]
+    assert [(c.index, c.function.name, json.loads(c.function.arguments)) for c in streamed_calls] == [
+        (0, "get_weather", {"city": "Paris"}), (1, "get_weather", {"city": "Oslo"})]  # fmt: skip
+    assert events[-1].choices[0].finish_reason == "tool_calls"
+
+
+def test_the_next_turn_renders_the_calls_and_the_tools_answers(api, tools_gen):
+    tools_gen.reply = "It is 18 C in Paris."
+    messages = [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp_c": 18}'},
+    ]  # fmt: skip
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert out.choices[0].message.content == "It is 18 C in Paris." and out.choices[0].finish_reason == "stop"
+    assert out.choices[0].message.tool_calls is None
+    prompt = tools_gen.prompts[-1]
+    assert ('<user>Weather in Paris?\n<assistant><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+            '<tool_response>\n{"temp_c": 18}\n</tool_response>\n<assistant>') in prompt  # fmt: skip
+
+
+def test_tool_choice_none_shows_no_tools_and_reads_no_calls(api, tools_gen):
+    tools_gen.reply = call("get_weather", city="Paris")
+    messages = [{"role": "user", "content": "Hi"}]
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")
+    assert out.choices[0].message.content == tools_gen.reply and out.choices[0].finish_reason == "stop"
+    assert "<tools>" not in tools_gen.prompts[-1]
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="auto",
+                                      parallel_tool_calls=False, n=2)  # fmt: skip
+    assert [len(c.message.tool_calls) for c in out.choices] == [1, 1]
+
+
+def test_bare_json_calls_through_the_endpoint(api, tools_gen):
+    tools_gen.reply = '```json\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n```'
+    messages = [{"role": "user", "content": "Rome?"}]
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert out.choices[0].finish_reason == "tool_calls" and out.choices[0].message.content is None
+    assert out.choices[0].message.tool_calls[0].function.arguments == '{"city": "Rome"}'
+    out = api.chat.completions.create(model=MODEL, messages=messages)  # no tools: the same text is text
+    assert out.choices[0].message.content == tools_gen.reply and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"tool_choice": "required"}, "tool_choice", "cannot force a call"),
+        ({"tool_choice": {"type": "function", "function": {"name": "get_weather"}}}, "tool_choice", "cannot force"),
+        ({"tool_choice": "sometimes"}, "tool_choice", "must be 'none' or 'auto'"),
+        ({"tools": [{"type": "function", "function": {"name": "get weather"}}]}, "tools",
+         "'tools[0].function.name' must be 1 to 64 letters"),
+        ({"tools": [{"type": "retrieval"}]}, "tools", "tools[0].type"),
+        ({"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f", "arguments": "{oops"}}]}]},
+         "messages", "'messages[0].tool_calls[0].function.arguments' must be a JSON object's text"),
+        ({"messages": [{"role": "user", "content": "x", "tool_calls": [{"function": {"name": "f", "arguments": "{}"}}]}]},
+         "messages", "may carry 'tool_calls' only for role assistant"),
+        ({"messages": [{"role": "tool", "tool_call_id": "c"}]}, "messages", "needs a 'content' for role tool"),
+    ],
+)  # fmt: skip
+def test_tool_requests_this_server_cannot_serve_are_400s_naming_the_field(api, body, param, needle):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "tools": [WEATHER], **body}
+    with pytest.raises(openai.BadRequestError) as err:
+        api.chat.completions.create(**request)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+def test_tools_need_a_template_that_teaches_a_call_format(gen_plain_server):
+    with pytest.raises(openai.BadRequestError) as err:
+        gen_plain_server.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
+                                                 tools=[WEATHER])  # fmt: skip
+    assert err.value.body["param"] == "tools" and "no tool-call format" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        gen_plain_server.completions.create(model="tiny", prompt="Hi", extra_body={"tools": [WEATHER]})
+    assert err.value.body["param"] == "tools"
+
+
+@pytest.fixture(scope="module")
+def gen_plain_server(tools_gen, loaded):
+    plain = Scripted(tools_gen.gen, loaded["target"].tokenizer)  # the tiny template: no tool format
+    srv = OpenAIServer("127.0.0.1:0", plain, model_name="tiny").start()  # type: ignore[arg-type]
+    yield openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    srv.stop()
