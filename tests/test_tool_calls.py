@@ -1,6 +1,7 @@
 """Tool calls on the OpenAI endpoint: the tools shown to the model through its chat template, its
 `<tool_call>` blocks (or bare JSON calls) read back into OpenAI's `tool_calls`, streamed and whole
-alike, and the conversation's earlier calls and tool answers rendered for the next turn."""
+alike, and the conversation's earlier calls and tool answers rendered for the next turn; and a
+thinking model's thoughts sent apart, as `reasoning_content`."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from client.api import Chunk, SpecExec
+from client.openai.reasoning import ReasoningReader
 from client.openai.server import OpenAIServer
 from client.openai.tool_calls import ToolCallReader, parse_bare_calls, read_tool_calls
 from target_node.engine import TargetEngine
@@ -295,3 +297,70 @@ def gen_plain_server(tools_gen, loaded):
     srv = OpenAIServer("127.0.0.1:0", plain, model_name="tiny").start()  # type: ignore[arg-type]
     yield openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
     srv.stop()
+
+
+# ------------------------------------------------------------------------------------------------
+# A thinking model's thoughts
+
+THOUGHT_CUTS = st.lists(st.integers(0, 120), max_size=6)
+
+
+def split(text: str, cuts: list[int], state: str = "start") -> tuple[str, str]:
+    reader, reasoning, content, at = ReasoningReader(state), "", "", 0
+    for cut in [*sorted(c for c in set(cuts) if c <= len(text)), len(text)]:
+        r, c = reader.feed(text[at:cut])
+        reasoning, content, at = reasoning + r, content + c, cut
+    r, c = reader.end()
+    return reasoning + r, content + c
+
+
+@pytest.mark.parametrize(
+    "text, state, reasoning, content",
+    [
+        ("<think>\nTwo and two.\n</think>\n\nFour.", "start", "Two and two.", "Four."),
+        ("\n<think>a</think>b", "start", "a", "b"),
+        ("Four.", "start", "", "Four."),
+        ("  <thin", "start", "", "  <thin"),
+        ("<think>\ncut short", "start", "cut short", ""),
+        ("Two and two.\n</think>\n\nFour.", "thinking", "Two and two.", "Four."),  # the prompt opened it
+        ("<think>x</think>" + call("get_time"), "start", "x", call("get_time")),
+    ],
+)  # fmt: skip
+def test_thoughts_are_split_from_the_answer_at_any_cut(text, state, reasoning, content):
+    for cut in range(len(text) + 1):
+        assert split(text, [cut], state) == (reasoning, content)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.sampled_from(["<think>", "</think>", "<thi", "nk>", "\n", " ", "words", "</"]), max_size=8).map("".join),
+       THOUGHT_CUTS, st.sampled_from(["start", "thinking"]))  # fmt: skip
+def test_any_cut_of_a_thought_splits_as_the_whole(text, cuts, state):
+    assert split(text, cuts, state) == split(text, [], state)
+
+
+@pytest.fixture(scope="module")
+def thinking_api(tools_gen):
+    tokenizer = copy.deepcopy(tools_gen.tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE.replace("<assistant>{% endif %}", "<assistant><think>\n{% endif %}")
+    tokenizer.chat_template += "{# a thought ends at </think> #}"
+    thinking = Scripted(tools_gen.gen, tokenizer)
+    srv = OpenAIServer("127.0.0.1:0", thinking, model_name=MODEL).start()  # type: ignore[arg-type]
+    yield thinking, openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    srv.stop()
+
+
+def test_thoughts_are_reasoning_content_whole_and_streamed(thinking_api):
+    thinking, client = thinking_api
+    thinking.reply = "The user wants Paris.\n</think>\n\n" + call("get_weather", city="Paris")
+    messages = [{"role": "user", "content": "Paris?"}]
+    out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    message = out.choices[0].message
+    assert message.model_extra["reasoning_content"] == "The user wants Paris."
+    assert message.content is None and message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+    events = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], stream=True))
+    deltas = [e.choices[0].delta for e in events]
+    assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == "The user wants Paris."
+    assert [c.function.name for d in deltas for c in d.tool_calls or []] == ["get_weather"]
+    out = client.chat.completions.create(model=MODEL, messages=messages, extra_body={"reasoning_format": "none"})
+    assert out.choices[0].message.content == thinking.reply  # kept inline, as asked
+    assert "reasoning_content" not in (out.choices[0].message.model_extra or {})

@@ -184,10 +184,11 @@ class Generation:
                     cached = chunk.stats.cached_prompt_tokens
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
-                text, calls, finish = answer.read(index, chunk.text, chunk.finish_reason, chunk.finish_reason is not None)
-                if finish is not None or text or calls:
+                piece = answer.read(index, chunk.text, chunk.finish_reason, chunk.finish_reason is not None)
+                if piece.finish is not None or piece.content or piece.calls or piece.reasoning:
                     pending = answer.logprobs(ids, logprobs, index) if ids else None
-                    yield sse(answer.event(text, finish, index=index, logprobs=pending, calls=calls))
+                    yield sse(answer.event(piece.content, piece.finish, index=index, logprobs=pending,
+                                           calls=piece.calls, reasoning=piece.reasoning))  # fmt: skip
                     ids, logprobs = [], []
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))

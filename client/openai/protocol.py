@@ -31,6 +31,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
+from client.openai.reasoning import THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, reads_tool_calls
 from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
 from common.decoding.types import TokenLogprob
@@ -482,6 +483,8 @@ class ChatCompletionRequest(SamplingRequest):
     tools: list[ToolDefinition] | None = None
     tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
     parallel_tool_calls: Flag = None  # false: at most one call an answer
+    # llama.cpp's server's: "none" keeps a thinking model's thoughts in the content
+    reasoning_format: Literal["none", "auto", "deepseek", "deepseek-legacy"] | None = None
     logprobs: Annotated[bool | None, Field(strict=True)] = None
     top_logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
 
@@ -567,6 +570,7 @@ class Job:
     n: int = 1
     tool_names: frozenset[str] | None = None  # the offered tools: their calls are read out of the answer
     max_calls: int | None = None  # parallel_tool_calls false: 1
+    reasoning: str | None = None  # how the answer starts, for a thinking template: ReasoningReader.state
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
@@ -586,8 +590,11 @@ class Job:
             chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
         sampling = request.sampling(default_max_tokens)
         ids = request.prompt_ids(tokenizer)
+        reasoning = None
+        if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
+            reasoning = THINKING if opens_thought(tokenizer.decode(ids[-8:])) else "start"
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1,
-                   tools, max_calls)  # fmt: skip
+                   tools, max_calls, reasoning)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -614,6 +621,16 @@ def token_bytes(tokenizer: Any, token: int) -> bytes:
 
 
 @dataclass
+class Piece:
+    """What a choice's next text is sent as."""
+
+    reasoning: str
+    content: str
+    calls: list[tuple[int, ToolCall]]  # with their index in the choice
+    finish: str | None
+
+
+@dataclass
 class Answer:
     """The JSON objects of one request's answer: the whole completion, or its stream's events."""
 
@@ -624,7 +641,8 @@ class Answer:
     tokenizer: Any = None  # renders the tokens of `logprobs`
     # each choice's characters of the tokens rendered so far: completions' text_offset
     chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
-    readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # streamed choices'
+    readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # each choice's
+    thoughts: dict[int, ReasoningReader] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
@@ -649,23 +667,27 @@ class Answer:
         return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries], "top_logprobs": tops,
                 "text_offset": offsets}  # fmt: skip
 
-    def read(
-        self, index: int, text: str, finish: str | None, last: bool
-    ) -> tuple[str, list[tuple[int, ToolCall]], str | None]:
-        """Choice `index`'s next piece as it is sent (`last`: the choice's end): its content, the tool
-        calls read out of it (with their index in the choice), and its finish reason: 'tool_calls' once
-        it called one and stopped."""
+    def read(self, index: int, text: str, finish: str | None, last: bool) -> Piece:
+        """Choice `index`'s next piece as it is sent (`last`: the choice's end): its thoughts, its
+        content, the tool calls read out of it, and its finish reason ('tool_calls' once it called
+        one and stopped)."""
+        reasoning = ""
+        if self.job.reasoning is not None:
+            split = self.thoughts.setdefault(index, ReasoningReader(self.job.reasoning))
+            reasoning, text = split.feed(text)
+            if last:
+                more, rest = split.end()
+                reasoning, text = reasoning + more, text + rest
         if self.job.tool_names is None:
-            return text, [], finish
+            return Piece(reasoning, text, [], finish)
         reader = self.readers.setdefault(index, ToolCallReader(self.job.max_calls, self.job.tool_names))
         content, calls = reader.feed(text)
         if last:
-            rest, last = reader.end()
-            content, calls = content + rest, calls + last
+            rest, closing = reader.end()
+            content, calls = content + rest, calls + closing
             if finish == "stop" and reader.calls:
                 finish = "tool_calls"
-        first = reader.calls - len(calls)
-        return content, list(enumerate(calls, first)), finish
+        return Piece(reasoning, content, list(enumerate(calls, reader.calls - len(calls))), finish)
 
     def _text(self, token: int) -> str:
         return self.tokenizer.decode([token])
@@ -699,10 +721,14 @@ class Answer:
         listed = []
         for index, (text, finish, logprobs) in enumerate(choices):
             if self.job.chat:
-                content, calls, finish = self.read(index, text, finish, last=True)
-                message: dict[str, Any] = {"role": "assistant", "content": content}
-                if calls:
-                    message.update(content=content or None, tool_calls=[call.as_dict() for _, call in calls])
+                piece = self.read(index, text, finish, last=True)
+                finish = piece.finish
+                message: dict[str, Any] = {"role": "assistant", "content": piece.content}
+                if piece.reasoning:
+                    message["reasoning_content"] = piece.reasoning
+                if piece.calls:
+                    message.update(content=piece.content or None,
+                                   tool_calls=[call.as_dict() for _, call in piece.calls])  # fmt: skip
                 choice: dict[str, Any] = {"index": index, "message": message}
             else:
                 choice = {"index": index, "text": text}
@@ -713,13 +739,15 @@ class Answer:
 
     def event(
         self, text: str | None, finish: str | None, *, index: int = 0, role: bool = False,
-        logprobs: dict[str, Any] | None = None, calls: Sequence[tuple[int, ToolCall]] = (),
+        logprobs: dict[str, Any] | None = None, calls: Sequence[tuple[int, ToolCall]] = (), reasoning: str = "",
     ) -> dict[str, Any]:  # fmt: skip
         """One stream event of choice `index`; a chat choice opens with the assistant's role and no text.
         A tool call comes whole, in one delta."""
         out = self._envelope(chunk=True)
         if self.job.chat:
             delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {}
+            if reasoning:
+                delta["reasoning_content"] = reasoning
             if text:
                 delta["content"] = text
             if calls:

@@ -18,15 +18,18 @@ Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `te
 `logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`), and
 the vLLM extensions `top_k`, `ignore_eos`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
-Qwen3's `enable_thinking`). Anything else that would change the output (`echo`, `best_of`, penalties, `logit_bias`, tools, a non-text `response_format`, and vLLM's or
-llama.cpp's extensions such as `min_p` or `guided_json`) is refused with 400 rather than silently
-ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
+Qwen3's `enable_thinking`). Chat takes `tools` (`client.openai.tool_calls` reads the calls) and sends
+a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Anything else that
+would change the output (`echo`, `best_of`, penalties, `logit_bias`, a forced `tool_choice`, a
+non-text `response_format`, and vLLM's or llama.cpp's extensions such as `min_p` or `guided_json`)
+is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.
 
 Defaults follow OpenAI, not `specexec generate`: `temperature` 1.0 (sampling, not greedy; send 0 for
 greedy), `top_p` 1, a random `seed` when none is given (the same seed gives the same text, identical
 to `specexec generate --seed` with the same parameters), `max_tokens` 16 for completions and
-`--default-max-tokens` (1024) for chat. `finish_reason` is `stop` (EOS or a stop string) or `length`.
+`--default-max-tokens` (1024) for chat. `finish_reason` is `stop` (EOS or a stop string), `length`,
+or `tool_calls`.
 
 With `--auth-token-file` the endpoint requires `Authorization: Bearer <token>` (the OpenAI client's
 api_key); with `--tls-cert/--tls-key` it serves HTTPS (and with `--tls-client-ca` asks for client
