@@ -238,7 +238,7 @@ class SpecExec:
         elif drafting:
             if draft_n_gpu_layers:
                 raise ValueError("draft_n_gpu_layers (--draft-n-gpu-layers) needs a GGUF draft on llama.cpp")
-            draft_model = resolve_model(str(draft_model))
+            draft_model = resolve_model(str(draft_model), "draft_model (--draft-model)")
         if not llama_target and (n_gpu_layers or (kv_type != "f16" and not llama_draft)):
             raise ValueError("n_gpu_layers (--n-gpu-layers) and kv_type (--kv-type) are for a model on llama.cpp; "
                              f"the target {target_model} runs on torch (a GGUF runs on llama.cpp)")  # fmt: skip
@@ -247,7 +247,7 @@ class SpecExec:
                 raise ValueError("the llama.cpp backend takes no offload plan, compile buckets or device")
             target_loaded = load_gguf(target_model, n_gpu_layers=n_gpu_layers, kv_type=kv_type, repack=repack)
         else:
-            target_model = resolve_model(str(target_model))
+            target_model = resolve_model(str(target_model), "target_model (--target-model)")
             target_loaded = load_target(target_model, dtype=dtype, device=device, repack=repack, plan=offload)
         target_tree = max_tree if isinstance(target_loaded.model, torch.nn.Module) else min(max_tree, MAX_TREE_LEAVES)
         target = TargetEngine(target_loaded, max_context=max_context, max_tree=target_tree, max_sessions=max_sessions)

@@ -140,7 +140,7 @@ def test_bad_arguments_exit_with_a_clear_message(model_dirs):
     out = run(
         "generate", "--target-model", "/nonexistent", "--prompt", "x", "--mode", "autoregressive", check=False
     )
-    assert out.returncode == 2 and "/nonexistent does not exist" in out.stderr
+    assert out.returncode == 2 and "target_model (--target-model): model path /nonexistent does not exist" in out.stderr
     out = run("generate", "--target-model", "t", "--prompt", "x", "--compile-buckets", "0,4", check=False)
     assert out.returncode == 2 and "compile buckets must be in [1, 4096], got '0,4'" in out.stderr
     # An ask the context cannot hold is refused, as the gateway and the OpenAI route refuse it: not cut short.
@@ -228,7 +228,8 @@ def test_local_names_the_node_that_fails_to_start(tmp_path, model_dirs):
     out = run("local", "--draft-model", str(tmp_path / "missing"), "--target-model", str(model_dirs["target"]),
               "--target-port", str(free_port()), "--draft-port", str(free_port()), "--prompt", "x", check=False)  # fmt: skip
     assert out.returncode == 2 and "the draft node exited while starting (code 2; its error is above)" in out.stderr
-    assert "missing does not exist" in out.stderr and "nodes ready" not in out.stderr, out.stderr
+    assert "--model: model path" in out.stderr and "missing does not exist" in out.stderr, out.stderr
+    assert "nodes ready" not in out.stderr, out.stderr
 
 
 def children(pid: int) -> list[int]:

@@ -365,13 +365,23 @@ def check_gguf_header(path: Path) -> None:
         raise BadModelFileError(f"{path} is not a GGUF file: it does not start with the GGUF magic bytes")
 
 
-def resolve_model(spec: str) -> Path:
+def resolve_model(spec: str, option: str | None = None) -> Path:
     """Turn whatever the user typed into a local HF directory, without ever downloading a default model.
-    (`resolve_gguf` is the llama.cpp backend's counterpart.)
+    (`resolve_gguf` is the llama.cpp backend's counterpart.) `option`: what the user typed it as
+    (`--target-model`), named in the error.
 
     Default models are installed only explicitly (`specexec models install`), because that is a
     1.5 GB download that must not start as a side effect of serving.
     """
+    if option is None:
+        return _resolve_model(spec)
+    try:
+        return _resolve_model(spec)
+    except ModelStoreError as exc:
+        raise type(exc)(f"{option}: {exc}") from exc
+
+
+def _resolve_model(spec: str) -> Path:
     if spec in DEFAULT_MODELS:
         out = model_dir(spec)
         if not is_installed(spec):
@@ -402,7 +412,8 @@ def resolve_model(spec: str) -> Path:
         known = ", ".join(sorted(DEFAULT_MODELS))
         raise UnknownModelSpecError(
             f"model spec {spec!r} is neither a known model name ({known}), a local directory with "
-            f"config.json, a .gguf file, nor a reachable Hugging Face hub id ({type(exc).__name__}: {exc})"
+            f"config.json, a .gguf file, nor a reachable Hugging Face hub id ({type(exc).__name__}: "
+            f"{(str(exc).splitlines() or [''])[0]})"
         ) from exc
 
 

@@ -154,7 +154,7 @@ def _start(config: NodeConfig, role: NodeRole, servicer: Any, server: Server) ->
         sharing = limits.max_sessions if config.max_batch_tokens > 1 and role.name == "target" else 1
         limits = replace(limits, max_tree=limits.max_tree or tree_limit(sharing))
     else:
-        path = resolve_model(config.model)
+        path = resolve_model(config.model, "--model")
         loaded = load(config, path)
         limits = replace(limits, max_tree=limits.max_tree or 1024)
     if config.compile_buckets is not None:
