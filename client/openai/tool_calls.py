@@ -118,9 +118,9 @@ class ToolCallReader:
 
     max_calls: int | None = None
     names: frozenset[str] | None = None  # the offered tools: an answer of bare JSON calls to them is read
-    held: str = ""
+    held: str = ""  # text not yet sent: whitespace, what may be a tag's start, an open block
     gap: str = ""  # the whitespace before the open block: text again if the block is not a call
-    undecided: bool = field(default=False, init=False)  # the answer so far may be bare calls  # text not yet sent: whitespace, or what may be the start of a tag
+    undecided: bool = field(default=False, init=False)  # the answer so far may be bare calls
     inside: bool = False  # within a block
     after_call: bool = False  # the last thing read was a call
     calls: int = 0
