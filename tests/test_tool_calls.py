@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import copy
 import json
+import time
+import urllib.request
 
 import openai
 import pytest
@@ -76,6 +78,11 @@ def whole(text: str, max_calls: int | None = None, names=None):
         ("Let me look.\n" + call("get_weather", city="Paris") + "\n" + call("get_time", tz="UTC") + "\n",
          "Let me look.", [("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]),
         ('<tool_call>\n{"name": "f", "parameters": {"a": 1}}\n</tool_call>', None, [("f", {"a": 1})]),
+        ('<tool_call>\n{{"name": "f", "arguments": {"a": 1}}}\n</tool_call>', None, [("f", {"a": 1})]),  # Qwen's braces
+        ('<tool_call>{"name": "f", "arguments": "{\\"a\\": 2}"}</tool_call>', None, [("f", {"a": 2})]),
+        ('<tool_call>{"name": "f", "arguments": null}</tool_call>', None, [("f", {})]),
+        ('<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>', '<tool_call>{"name": "f", "arguments": "Paris"}</tool_call>', []),
+        ('<tool_call>{"name": "f", "arguments": [1]}</tool_call>', '<tool_call>{"name": "f", "arguments": [1]}</tool_call>', []),
         ('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2]}}', None, [("f", {"a": [1, 2]})]),  # no closing tag
         ("<tool_call>\nnot json\n</tool_call> after", "<tool_call>\nnot json\n</tool_call> after", []),
         ('<tool_call>{"name": "f", "arguments": {"a"', '<tool_call>{"name": "f", "arguments": {"a"', []),
@@ -99,6 +106,8 @@ def test_tagged_calls_are_read_and_anything_else_stays_text(text, content, calls
          [("get_weather", {"city": "A"}), ("get_time", {})]),
         ('```\n{"name": "get_time", "arguments": {}}\n```\n{"name": "get_time", "arguments": {"tz": "X"}}',
          [("get_time", {}), ("get_time", {"tz": "X"})]),
+        ('{{"name": "get_weather", "arguments": {"city": "Rome"}}}', [("get_weather", {"city": "Rome"})]),
+        ('```json\n{{"name": "get_time", "arguments": {}}}\n```', [("get_time", {})]),
     ],
 )  # fmt: skip
 def test_an_answer_of_bare_json_calls_to_offered_tools_is_read_as_calls(text, calls):
@@ -135,6 +144,9 @@ def test_a_streamed_answer_is_not_held_once_it_cannot_be_bare_calls():
     assert reader.end() == ('  {"a": 1}', [])
     reader = ToolCallReader(names=NAMES)
     assert reader.feed("Sure") == ("Sure", [])
+    reader = ToolCallReader(names=NAMES)
+    assert reader.feed("[") == ("", [])
+    assert reader.feed("1] Knuth") == ("[1] Knuth", [])  # prose; a list of calls opens with [{
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call():
@@ -169,9 +181,9 @@ class Scripted:
     """A generator that answers `reply` (as a model would, in pieces of a few tokens), and keeps the
     prompts it was given."""
 
-    def __init__(self, gen: SpecExec, tokenizer) -> None:
+    def __init__(self, gen: SpecExec, tokenizer, pause: float = 0.0) -> None:
         self.gen, self.tokenizer, self.target, self.link = gen, tokenizer, gen.target, None
-        self.recovery = gen.recovery
+        self.recovery, self.pause = gen.recovery, pause
         self.reply, self.prompts = "", []
 
     def stream(self, prompt, sampling):
@@ -180,6 +192,7 @@ class Scripted:
         for at in range(0, len(ids), 3):
             piece = ids[at : at + 3]
             last = at + 3 >= len(ids)
+            time.sleep(self.pause)
             yield Chunk(self.tokenizer.decode(piece), piece, "stop" if last else None)
 
 
@@ -364,3 +377,22 @@ def test_thoughts_are_reasoning_content_whole_and_streamed(thinking_api):
     out = client.chat.completions.create(model=MODEL, messages=messages, extra_body={"reasoning_format": "none"})
     assert out.choices[0].message.content == thinking.reply  # kept inline, as asked
     assert "reasoning_content" not in (out.choices[0].message.model_extra or {})
+
+
+def test_a_stream_held_back_as_a_possible_call_keeps_the_connection_alive(tools_gen):
+    """Bare JSON is held to its end, however many quick steps that takes: a proxy must still see bytes."""
+    slow = Scripted(tools_gen.gen, tools_gen.tokenizer, pause=0.02)
+    slow.reply = '{"name": "get_weather", "arguments": {"city": "A long way from anywhere at all, really"}}'
+    srv = OpenAIServer("127.0.0.1:0", slow, model_name=MODEL, keep_alive=0.1).start()  # type: ignore[arg-type]
+    try:
+        body = json.dumps({"messages": [{"role": "user", "content": "?"}], "tools": [WEATHER], "stream": True})
+        request = urllib.request.Request(srv.url + "/chat/completions", data=body.encode(),
+                                         headers={"Content-Type": "application/json"})  # fmt: skip
+        with urllib.request.urlopen(request, timeout=30) as response:
+            lines = [line for line in response.read().decode().split("\n\n") if line]
+        data = [i for i, line in enumerate(lines) if line.startswith("data: {")]
+        assert ": keep-alive" in lines[data[0] : data[1]]  # between the role and the call
+        call = json.loads(lines[data[1]][6:])["choices"][0]["delta"]["tool_calls"][0]
+        assert call["function"]["name"] == "get_weather"
+    finally:
+        srv.stop()

@@ -160,8 +160,10 @@ class Generation:
     async def events(self) -> AsyncIterator[bytes]:
         """The server-sent events. A failure after the first event cannot change the status any more:
         it is reported in-band, as OpenAI does. A step that takes long (a target node restarting and
-        replaying) sends keep-alive comments meanwhile, so no proxy's read timeout cuts the stream."""
+        replaying) sends keep-alive comments meanwhile, so no proxy's read timeout cuts the stream; so
+        do steps whose text is held back (an answer that may be a tool call)."""
         answer, count, cached = self.answer, 0, 0
+        sent = time.monotonic()
         ids: list[int] = []  # tokens since the last event: a held-back text's go with the next one
         logprobs: list[TokenLogprob] = []
         step: asyncio.Task[Choice | None] | None = None
@@ -171,9 +173,10 @@ class Generation:
                     yield sse(answer.event(None, None, index=index, role=True))
             while True:
                 step = step or asyncio.ensure_future(self.next())
-                done, _ = await asyncio.wait({step}, timeout=self.keep_alive)
+                done, _ = await asyncio.wait({step}, timeout=max(0.0, sent + self.keep_alive - time.monotonic()))
                 if not done:
                     yield KEEP_ALIVE
+                    sent = time.monotonic()
                     continue
                 result, step = step.result(), None
                 if result is None:
@@ -189,7 +192,7 @@ class Generation:
                     pending = answer.logprobs(ids, logprobs, index) if ids else None
                     yield sse(answer.event(piece.content, piece.finish, index=index, logprobs=pending,
                                            calls=piece.calls, reasoning=piece.reasoning))  # fmt: skip
-                    ids, logprobs = [], []
+                    ids, logprobs, sent = [], [], time.monotonic()
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))
         except Exception as exc:

@@ -42,16 +42,36 @@ class ToolCall:
 
 
 def parse_call(body: str) -> ToolCall | None:
-    """A block's JSON, or None if it is not a call."""
+    """A block's JSON, or None if it is not a call. Qwen2.5's template shows the format with its
+    braces doubled (`{{"name": ...}}`), and small models copy them: one pair more is read too."""
     try:
         value = json.loads(body)
     except ValueError:
-        return None
+        inner = body.strip()
+        if not (inner.startswith("{{") and inner.endswith("}}")):
+            return None
+        try:
+            value = json.loads(inner[1:-1])
+        except ValueError:
+            return None
+    return call_of(value)
+
+
+def call_of(value: Any) -> ToolCall | None:
+    """A call object's call: its arguments must be a JSON object (or its text), as OpenAI's clients
+    parse them; anything else is not a call."""
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
-    arguments = value.get("arguments", value.get("parameters", {}))
-    if isinstance(arguments, str):  # already a JSON text
-        return ToolCall(value["name"], arguments)
+    arguments = value.get("arguments", value.get("parameters"))
+    if isinstance(arguments, str):  # the object's text
+        try:
+            arguments = json.loads(arguments)
+        except ValueError:
+            return None
+    if arguments is None:
+        arguments = {}
+    if not isinstance(arguments, dict):
+        return None
     return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
@@ -63,17 +83,23 @@ def parse_bare_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
         fence = re.match(r"```(?:json)?\s*", text[at:])
         if fence:
             at += fence.end()
+        doubled = text.startswith("{{", at)  # as parse_call reads it
         try:
-            value, at = decoder.raw_decode(text, at)
+            value, at = decoder.raw_decode(text, at + doubled)
         except ValueError:
             return None
+        if doubled:
+            at = _skip_space(text, at)
+            if not text.startswith("}", at):
+                return None
+            at += 1
         if fence:
             at = _skip_space(text, at)
             if not text.startswith("```", at):
                 return None
             at += 3
         for item in value if isinstance(value, list) else [value]:
-            call = parse_call(json.dumps(item)) if isinstance(item, dict) else None
+            call = call_of(item)
             if call is None or call.name not in names:
                 return None
             calls.append(call)
@@ -86,18 +112,20 @@ def _skip_space(text: str, at: int) -> int:
     return at
 
 
-def _may_be_bare(text: str) -> bool:
-    """Whether an answer's start may still be bare JSON calls: `{`, `[`, or a ```json fence."""
+def _may_be_bare(text: str, fenced: bool = False) -> bool:
+    """Whether an answer's start may still be bare JSON calls: `{`, `[{`, or a ```json fence."""
     text = text.lstrip()
-    if not text or text[0] in "{[":
+    if not text or text[0] == "{":
         return True
+    if text[0] == "[":
+        rest = text[1:].lstrip()
+        return not rest or rest[0] == "{"
+    if fenced:
+        return False
     if not text.startswith("```"):
         return "```".startswith(text)
     rest = text[3:]
-    if "json".startswith(rest):
-        return True
-    rest = rest.removeprefix("json").lstrip()
-    return not rest or rest[0] in "{["
+    return "json".startswith(rest) or _may_be_bare(rest.removeprefix("json"), fenced=True)
 
 
 def _partial_suffix(text: str, tag: str) -> int:
