@@ -414,6 +414,8 @@ def test_bearer_token(gen):
         good = openai.OpenAI(base_url=srv.url, api_key="s3cret", max_retries=0)
         assert good.models.list().data[0].id == MODEL
         assert raw(srv.url.removesuffix("/v1") + "/health")[0] == 200  # probes need no token
+        for route, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert raw(srv.url.removesuffix("/v1") + route, json.dumps(body).encode())[0] == 401
     finally:
         srv.stop()
 
@@ -460,6 +462,35 @@ def raw(url: str, data: bytes | None = None) -> tuple[int, dict]:
             return response.status, json.loads(response.read())
     except urllib.error.HTTPError as exc:
         return exc.code, json.loads(exc.read())
+
+
+def test_tokenize_and_detokenize_as_vllm_and_llama_cpp_servers_do(server, client, loaded):
+    base, tokenizer = server.url.removesuffix("/v1"), loaded["target"].tokenizer
+    assert client.models.retrieve(MODEL).model_extra["max_model_len"] == 512
+
+    def post(route: str, body: dict) -> tuple[int, dict]:
+        return raw(base + route, json.dumps(body).encode())
+
+    ids = tokenizer.encode(PROMPT)
+    assert post("/tokenize", {"model": MODEL, "prompt": PROMPT}) == (
+        200, {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None})  # fmt: skip
+    assert post("/tokenize", {"content": PROMPT})[1]["tokens"] == ids  # llama.cpp's field
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
+    status, body = post("/tokenize", {"messages": messages})
+    out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
+    assert status == 200 and body["tokens"] == render_chat(tokenizer, messages)
+    assert body["count"] == out.usage.prompt_tokens  # what a chat request sends
+    assert post("/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPT, "content": PROMPT})
+
+    status, body = post("/tokenize", {"prompt": "a", "messages": messages})
+    assert status == 400 and "send one of 'prompt', 'content' or 'messages', not prompt and messages" in body["error"]["message"]
+    status, body = post("/tokenize", {"messages": [{"role": "narrator", "content": "x"}]})
+    assert status == 400 and body["error"]["param"] == "messages" and "must be one of" in body["error"]["message"]
+    status, body = post("/detokenize", {"tokens": [5, 99999]})
+    assert status == 400 and body["error"]["param"] == "tokens" and "below 260" in body["error"]["message"]
+    status, body = post("/detokenize", {"tokens": [-1]})
+    assert status == 400 and body["error"]["param"] == "tokens"
+    assert post("/tokenize", {"model": "gpt-4o", "prompt": "a"})[0] == 404
 
 
 def test_https_with_the_servers_tls_flags(gen, tmp_path):

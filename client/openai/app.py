@@ -39,7 +39,9 @@ from client.openai.protocol import (
     ApiError,
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     Job,
+    TokenizeRequest,
     validation_error,
 )
 from common.decoding.types import TokenLogprob
@@ -49,7 +51,7 @@ from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, role_registry, track
 log = logging.getLogger("specexec.openai")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health", "/metrics")
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
@@ -265,7 +267,25 @@ class Service:
         self.stopping = threading.Event()
 
     def model_card(self) -> dict[str, Any]:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specexec"}
+        """With vLLM's `max_model_len`: the context a prompt and its answer share."""
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "specexec",
+                "max_model_len": self.gen.target.info().max_context}  # fmt: skip
+
+    def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
+        self.check_model(request.model)
+        ids = request.ids(self.gen.tokenizer)
+        limit = self.gen.target.info().max_context
+        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+        """vLLM's answer is `prompt`, llama.cpp's `content`: both."""
+        self.check_model(request.model)
+        vocab = self.gen.target.info().vocab_size
+        if request.tokens and max(request.tokens) >= vocab:
+            raise ApiError(400, f"'tokens' holds token id {max(request.tokens)}: the model's ids are below {vocab}",
+                           param="tokens")  # fmt: skip
+        text = self.gen.tokenizer.decode(request.tokens)
+        return {"prompt": text, "content": text}
 
     def health(self) -> tuple[int, dict[str, str]]:
         """503 while the target node does not serve (or this server is stopping), as llama.cpp's and
@@ -594,6 +614,7 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
         openapi_url=None,
     )
     v1 = APIRouter(prefix="/v1", dependencies=[bearer_auth(token)] if token is not None else [])
+    api = APIRouter(dependencies=[bearer_auth(token)] if token is not None else [])  # vLLM's and llama.cpp's own
 
     @app.api_route("/health", methods=["GET", "HEAD"])
     async def health() -> Response:
@@ -612,6 +633,14 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
             )
         return JSONAnswer(service.model_card())
 
+    @api.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        return JSONAnswer(await run_in_threadpool(service.tokenize, body))
+
+    @api.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        return JSONAnswer(await run_in_threadpool(service.detokenize, body))
+
     @v1.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await service.answer(body, request)
@@ -628,4 +657,5 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     app.include_router(v1)
+    app.include_router(api)
     return app

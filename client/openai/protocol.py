@@ -24,6 +24,7 @@ from pydantic import (
     BeforeValidator,
     ConfigDict,
     Field,
+    ValidationError,
     ValidationInfo,
     field_validator,
     model_validator,
@@ -123,6 +124,8 @@ def validation_error(errors: Sequence[Any]) -> ApiError:
         reason = (error.get("ctx") or {}).get("error", message)
         at = f" (at character {loc[0]})" if loc and isinstance(loc[0], int) else ""
         return bad(f"the request body is not valid JSON: {reason}{at}")
+    if not loc and kind == SENTENCE:  # a check of the whole body
+        return bad(message)
     if not loc:
         if kind == "missing":
             return bad("a JSON request body is required")
@@ -546,6 +549,56 @@ class ChatCompletionRequest(SamplingRequest):
 
     def rendered(self) -> list[dict[str, Any]]:
         return [m.rendered() for m in self.messages]
+
+
+class TokenizeRequest(BaseModel):
+    """POST /tokenize, as vLLM's server takes it (a `prompt`, or chat `messages` rendered as a chat
+    request renders them) and llama.cpp's (`content`): the ids a request would send the target, so a
+    client can count them against `max_model_len`."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str | None, Field(strict=True)] = None
+    prompt: Annotated[str | None, Field(strict=True), AfterValidator(lambda v: v if v is None else _unicode(v))] = None
+    content: Annotated[str | None, Field(strict=True), AfterValidator(lambda v: v if v is None else _unicode(v))] = None
+    messages: Annotated[list[dict[str, Any]] | None, BeforeValidator(lambda v: v if v is None else _non_empty(v))] = None
+    add_special_tokens: Flag = None  # vLLM's name
+    add_special: Flag = None  # llama.cpp's
+    tools: Any = None
+    add_generation_prompt: Any = None
+    continue_final_message: Any = None
+    chat_template_kwargs: Any = None
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        given = [name for name in ("prompt", "content", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise sentence_error("send one of 'prompt', 'content' or 'messages'" +
+                                 (f", not {' and '.join(given)}" if given else ""))  # fmt: skip
+        return self
+
+    def ids(self, tokenizer: Any) -> list[int]:
+        if self.messages is not None:
+            chat = {"messages": self.messages, "tools": self.tools, "add_generation_prompt": self.add_generation_prompt,
+                    "continue_final_message": self.continue_final_message,
+                    "chat_template_kwargs": self.chat_template_kwargs}  # fmt: skip
+            try:
+                request = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
+            except ValidationError as exc:
+                raise validation_error(exc.errors()) from None
+            return request.prompt_ids(tokenizer)
+        special = self.add_special_tokens if self.add_special_tokens is not None else self.add_special
+        text = self.prompt if self.prompt is not None else self.content
+        if special is None:  # as a completion request tokenizes its prompt
+            return list(tokenizer.encode(text))
+        return list(tokenizer.encode(text, add_special_tokens=special))
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    model: Annotated[str | None, Field(strict=True)] = None
+    tokens: list[Annotated[int, Field(strict=True, ge=0)]]
 
 
 def chat_template(tokenizer: Any) -> str | None:

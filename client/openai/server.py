@@ -6,6 +6,7 @@
     GET  /v1/models/{id}          that model's card
     POST /v1/completions          prompt: a string, or token ids (one prompt per request)
     POST /v1/chat/completions     messages rendered with the target tokenizer's chat template
+    POST /tokenize, /detokenize   a prompt or messages to ids and back, as vLLM's and llama.cpp's servers
     GET  /health                  200 while the target serves, else 503 (no token needed)
 
 Browser pages on this machine (http://localhost:PORT, 127.0.0.1, [::1]) may call it (CORS), as
