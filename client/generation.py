@@ -156,7 +156,8 @@ def needs_curve(info: NodeInfo) -> None:
     if not info.forward_curve:
         raise ValueError(
             f"--budget auto needs forward-time curves from both nodes; the {info.role} node "
-            f"({info.model_id}) has none (start it with profiling on)"
+            f"({info.model_id}) has none: start it without --no-profile (a curve measured once is kept on its "
+            "disk), or give a fixed --budget such as 16"
         )
 
 

@@ -335,6 +335,15 @@ def test_planner_needs_curves():
         BudgetPlanner([], DRAFT, base=BASE)
 
 
+def test_a_target_without_a_curve_names_both_ways_out(loaded):
+    target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
+    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=64)
+    assert not target.info().forward_curve  # as a node started with --no-profile
+    with pytest.raises(ValueError, match=r"the target node \(.*\) has none: start it without --no-profile .* "
+                                         r"or give a fixed --budget such as 16"):  # fmt: skip
+        SpecExec(target, draft, loaded["target"].tokenizer, tree=TreeParams(budget=16), auto_budget=True)
+
+
 def auto_generator(loaded, budget: int) -> SpecExec:
     """The tiny pair in process under --budget auto, with flat stand-in curves."""
     target = TargetEngine(loaded["target"], max_context=256, max_tree=64)
