@@ -95,6 +95,15 @@ def test_streamed_completion_equals_non_streamed(client, gen):
         time.sleep(0.05)
     time.sleep(0.2)
     assert (http_requests("200"), http_requests("499")) == (done + 1, left)  # read to its end: not a client gone
+    assert all(c.usage is None for c in chunks[:-1])
+
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=8, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}, extra_body={"ignore_eos": True},
+    ))  # fmt: skip  (vLLM's: the usage so far in every event)
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts[0] == 0 and counts == sorted(counts) and counts[-1] == 8 and len(set(counts)) > 2
+    assert all(c.usage.prompt_tokens == chunks[-1].usage.prompt_tokens for c in chunks)
 
 
 def test_chat_uses_the_chat_template(client, gen):

@@ -172,7 +172,7 @@ class Generation:
         try:
             if answer.job.chat:
                 for index in range(answer.job.n):
-                    yield sse(answer.event(None, None, index=index, role=True))
+                    yield sse(answer.event(None, None, index=index, role=True, usage=self._usage(0, 0)))
             while True:
                 step = step or asyncio.ensure_future(self.next())
                 done, _ = await asyncio.wait({step}, timeout=max(0.0, sent + self.keep_alive - time.monotonic()))
@@ -193,7 +193,8 @@ class Generation:
                 if piece.finish is not None or piece.content or piece.calls or piece.reasoning:
                     pending = answer.logprobs(ids, logprobs, index) if ids else None
                     yield sse(answer.event(piece.content, piece.finish, index=index, logprobs=pending,
-                                           calls=piece.calls, reasoning=piece.reasoning))  # fmt: skip
+                                           calls=piece.calls, reasoning=piece.reasoning,
+                                           usage=self._usage(count, cached)))  # fmt: skip
                     ids, logprobs, sent = [], [], time.monotonic()
             if answer.job.include_usage:
                 yield sse(answer.usage_event(count, cached))
@@ -206,6 +207,10 @@ class Generation:
                 step.cancel()
                 step.add_done_callback(lambda task: task.cancelled() or task.exception())
         yield b"data: [DONE]\n\n"
+
+
+    def _usage(self, count: int, cached: int) -> dict[str, Any] | None:
+        return self.answer.usage(count, cached) if self.answer.job.continuous_usage else None
 
 
 class EventStream(StreamingResponse):

@@ -252,6 +252,7 @@ def _non_empty(messages: Any) -> Any:
 
 class StreamOptions(BaseModel):
     include_usage: Flag = None
+    continuous_usage_stats: Flag = None  # vLLM's: with include_usage, the usage so far in every event
 
 
 class SamplingRequest(BaseModel):
@@ -355,6 +356,10 @@ class SamplingRequest(BaseModel):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(SamplingRequest):
@@ -624,6 +629,7 @@ class Job:
     tool_names: frozenset[str] | None = None  # the offered tools: their calls are read out of the answer
     max_calls: int | None = None  # parallel_tool_calls false: 1
     reasoning: str | None = None  # how the answer starts, for a thinking template: ReasoningReader.state
+    continuous_usage: bool = False  # each stream event carries the usage so far
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
@@ -647,7 +653,7 @@ class Job:
         if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
             reasoning = THINKING if opens_thought(tokenizer.decode(ids[-8:])) else "start"
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1,
-                   tools, max_calls, reasoning)  # fmt: skip
+                   tools, max_calls, reasoning, request.continuous_usage)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -793,6 +799,7 @@ class Answer:
     def event(
         self, text: str | None, finish: str | None, *, index: int = 0, role: bool = False,
         logprobs: dict[str, Any] | None = None, calls: Sequence[tuple[int, ToolCall]] = (), reasoning: str = "",
+        usage: dict[str, Any] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """One stream event of choice `index`; a chat choice opens with the assistant's role and no text.
         A tool call comes whole, in one delta."""
@@ -811,7 +818,7 @@ class Answer:
         choice.update(logprobs=logprobs, finish_reason=finish)
         out["choices"] = [choice]
         if self.job.include_usage:
-            out["usage"] = None
+            out["usage"] = usage
         return out
 
     def usage_event(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
