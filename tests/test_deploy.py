@@ -254,6 +254,24 @@ def test_bad_config_is_a_usage_error_from_the_cli(tmp_path, capsys):
     assert "it is not UTF-8 text" in capsys.readouterr().err
 
 
+def test_a_bad_value_from_the_config_or_the_environment_names_where_it_was_set(tmp_path, capsys, monkeypatch):
+    """Errors found after parsing (a value each option's type accepts, but the command refuses)."""
+    from client.cli.main import main
+
+    path = tmp_path / "c.toml"
+    path.write_text("[target]\nmodel = 'm'\nlisten = 47121\n")
+    assert main(["target", "--config", str(path)]) == 2
+    assert f"--listen must be HOST:PORT, got '47121' (set in {path})" in capsys.readouterr().err
+    path.write_text("[target]\nmodel = 'm'\nmax_sessions = -3\n")
+    assert main(["target", "--config", str(path)]) == 2
+    assert f"--max-sessions must be >= 1, got -3 (set in {path})" in capsys.readouterr().err
+    monkeypatch.setenv("SPECEXEC_MAX_SESSIONS", "-4")
+    assert main(["target", "--model", "m"]) == 2
+    assert "--max-sessions must be >= 1, got -4 (set by SPECEXEC_MAX_SESSIONS)" in capsys.readouterr().err
+    assert main(["target", "--model", "m", "--max-sessions", "-5"]) == 2
+    assert capsys.readouterr().err.strip().endswith("got -5")  # the command line: nothing to add
+
+
 def test_effective_config_masks_secrets():
     args = argparse.Namespace(api_key="sk-123", auth_token_file="/etc/t", max_new_tokens=5, password="p",
                               config="/c.toml", config_sources={"max_new_tokens": "env"})  # fmt: skip

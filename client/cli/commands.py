@@ -98,8 +98,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     sec = server_security(args)
     if args.listen is None and not args.openai:
         args.listen = DEFAULT_GATEWAY_LISTEN
-    for address in filter(None, (args.listen, args.openai)):
-        check_listen(address, args.insecure, sec.complete)
+    for address, flag in ((args.listen, "--listen"), (args.openai, "--openai")):
+        if address:
+            check_listen(address, args.insecure, sec.complete, flag)
     configure_logs(log_settings(args), "gateway")
     start_metrics_server(args.metrics_port, "gateway")
     base = generator_from(args)

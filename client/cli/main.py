@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args.func(args))
     except (ValueError, OSError, ModelStoreError) as exc:
-        print(f"specexec: error: {exc}", file=sys.stderr)
+        print(f"specexec: error: {exc}{config.source_of(str(exc), args)}", file=sys.stderr)
         return 2
     except NodeRefused as exc:
         print(f"specexec: error: {exc}", file=sys.stderr)

@@ -25,6 +25,7 @@ import difflib
 import functools
 import json
 import os
+import re
 import sys
 import tomllib
 from collections.abc import Mapping
@@ -254,8 +255,24 @@ def parse_args(
     sources = apply(parser, argv, environ)
     args = parser.parse_args(argv)
     args.config = config_path(argv, environ)  # however it was given (a subcommand's default hides it)
-    args.config_sources = sources
+    sub = subcommands(parser).get(_command(argv) or "")
+    # what the command line gave anew came from there, whatever the config or environment said
+    args.config_sources = {dest: where for dest, where in sources.items()
+                           if sub is None or getattr(args, dest, None) == sub.get_default(dest)}  # fmt: skip
     return args
+
+
+def source_of(message: str, args: argparse.Namespace) -> str:
+    """Where the first option an error names was set, if not on the command line: a value from the
+    config file or the environment is easier to fix once the error says so."""
+    sources = getattr(args, "config_sources", {})
+    for flag in re.findall(r"--[a-z][a-z0-9-]*", message):
+        source = sources.get(flag[2:].replace("-", "_"))
+        if source == "env":
+            return f" (set by {ENV_PREFIX}{_key(flag[2:]).upper()})"
+        if source:
+            return f" (set in {source})"
+    return ""
 
 
 def is_secret(name: str) -> bool:

@@ -188,12 +188,12 @@ def loopback_only(host: str) -> bool:
     return host in ("localhost", "127.0.0.1", "::1", "[::1]") or host.startswith("127.")
 
 
-def split_listen(listen: str) -> tuple[str, int]:
+def split_listen(listen: str, flag: str = "listen address") -> tuple[str, int]:
     host, _, port = listen.rpartition(":")
     if not host or not port.isdigit():
-        raise ValueError(f"listen address must be HOST:PORT, got {listen!r}")
+        raise ValueError(f"{flag} must be HOST:PORT, got {listen!r}")
     if int(port) > 65535:
-        raise ValueError(f"listen port must be in [0, 65535], got {listen!r}")  # gRPC would take it modulo 65536
+        raise ValueError(f"{flag} port must be in [0, 65535], got {listen!r}")  # gRPC would take it modulo 65536
     return host, int(port)
 
 
@@ -213,9 +213,9 @@ def start_reaper(tables: Iterable[Any], every: float = 10.0) -> threading.Event:
     return stop
 
 
-def check_listen(listen: str, insecure: bool, secured: bool = False) -> None:
+def check_listen(listen: str, insecure: bool, secured: bool = False, flag: str = "--listen") -> None:
     """Loopback is always allowed; another address needs TLS and a token (`secured`), or --insecure."""
-    host, _ = split_listen(listen)
+    host, _ = split_listen(listen, flag)
     if not loopback_only(host) and not secured and not insecure:
         raise ValueError(
             f"refusing to listen on {host}: a non-loopback address needs both TLS (--tls-cert and --tls-key) "
