@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from client.openai.tool_calls import partial_suffix
+
 OPEN, CLOSE = "<think>", "</think>"
 START, THINKING, AFTER, ANSWER = "start", "thinking", "after", "answer"
 
@@ -23,13 +25,6 @@ def thinks(chat_template: str | None) -> bool:
 def opens_thought(prompt_tail: str) -> bool:
     """Whether a rendered prompt leaves the model inside a thought."""
     return prompt_tail.rstrip().endswith(OPEN)
-
-
-def _partial(text: str, tag: str) -> int:
-    for n in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-n:]):
-            return n
-    return 0
 
 
 @dataclass
@@ -61,7 +56,7 @@ class ReasoningReader:
                     reasoning += self.held[:end].rstrip()
                     self.state, self.held = AFTER, self.held[end + len(CLOSE) :]
                     continue
-                cut = len(self.held) - _partial(self.held, CLOSE)
+                cut = len(self.held) - partial_suffix(self.held, CLOSE)
                 sent = self.held[:cut].rstrip()
                 reasoning += sent
                 self.fresh = self.fresh and not sent

@@ -128,7 +128,7 @@ def _may_be_bare(text: str, fenced: bool = False) -> bool:
     return "json".startswith(rest) or _may_be_bare(rest.removeprefix("json"), fenced=True)
 
 
-def _partial_suffix(text: str, tag: str) -> int:
+def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest end of `text` that begins `tag`: it may be the tag, cut by the stream."""
     for n in range(min(len(tag) - 1, len(text)), 0, -1):
         if tag.startswith(text[-n:]):
@@ -187,7 +187,7 @@ class ToolCallReader:
                 content += kept
                 self.inside = True
                 continue
-            keep = _partial_suffix(self.held, OPEN)
+            keep = partial_suffix(self.held, OPEN)
             text_now, tail = self.held[: len(self.held) - keep], self.held[len(self.held) - keep :]
             stripped = text_now.rstrip()
             if not stripped and self.after_call:
