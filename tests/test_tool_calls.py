@@ -298,7 +298,7 @@ def test_tools_need_a_template_that_teaches_a_call_format(gen_plain_server):
     with pytest.raises(openai.BadRequestError) as err:
         gen_plain_server.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}],
                                                  tools=[WEATHER])  # fmt: skip
-    assert err.value.body["param"] == "tools" and "no tool-call format" in err.value.body["message"]
+    assert err.value.body["param"] == "tools" and "does not show the model tools" in err.value.body["message"]
     with pytest.raises(openai.BadRequestError) as err:
         gen_plain_server.completions.create(model="tiny", prompt="Hi", extra_body={"tools": [WEATHER]})
     assert err.value.body["param"] == "tools"
@@ -394,5 +394,44 @@ def test_a_stream_held_back_as_a_possible_call_keeps_the_connection_alive(tools_
         assert ": keep-alive" in lines[data[0] : data[1]]  # between the role and the call
         call = json.loads(lines[data[1]][6:])["choices"][0]["delta"]["tool_calls"][0]
         assert call["function"]["name"] == "get_weather"
+    finally:
+        srv.stop()
+
+
+# Llama 3.1's template, cut to its tools: shown in the first user turn, answered as bare JSON.
+LLAMA_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m.role == 'user' and loop.first and tools %}<user>Given the following functions, respond with "
+    "a JSON for a function call in the format {\"name\": function name, \"parameters\": dictionary of "
+    "argument name and its value}.{% for t in tools %}\n{{ t | tojson }}{% endfor %}\n{{ m.content }}\n"
+    "{% elif m.role == 'assistant' and m.tool_calls %}<assistant>{% for c in m.tool_calls %}"
+    "{\"name\": \"{{ c.function.name }}\", \"parameters\": {{ c.function.arguments | tojson }}}{% endfor %}\n"
+    "{% elif m.role == 'tool' %}<ipython>{{ m.content }}\n"
+    "{% else %}<{{ m.role }}>{{ m.content }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_template_without_tags_gets_its_bare_json_calls_read(tools_gen):
+    """Llama 3.1-3.3 answer a call as the JSON alone (Mistral too, after a control token decoding drops)."""
+    tokenizer = copy.deepcopy(tools_gen.tokenizer)
+    tokenizer.chat_template = LLAMA_TEMPLATE
+    llama = Scripted(tools_gen.gen, tokenizer)
+    llama.reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
+    srv = OpenAIServer("127.0.0.1:0", llama, model_name=MODEL).start()  # type: ignore[arg-type]
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Paris?"}]
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        assert out.choices[0].finish_reason == "tool_calls"
+        assert out.choices[0].message.tool_calls[0].function.arguments == '{"city": "Paris"}'
+        assert json.dumps(WEATHER) in llama.prompts[-1]
+        llama.reply = "It is 18 C."
+        messages += [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": out.choices[0].message.tool_calls[0].id, "content": "18 C"}]  # fmt: skip
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        assert out.choices[0].message.content == "It is 18 C."
+        assert llama.prompts[-1].endswith('<assistant>{"name": "get_weather", "parameters": {"city": "Paris"}}'
+                                          "<ipython>18 C\n<assistant>")  # fmt: skip
     finally:
         srv.stop()

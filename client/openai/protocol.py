@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
 from client.openai.reasoning import THINKING, ReasoningReader, opens_thought, thinks
-from client.openai.tool_calls import ToolCall, ToolCallReader, reads_tool_calls
+from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
 from common.decoding.types import TokenLogprob
 from common.rpc.server import status_for
@@ -530,9 +530,9 @@ class ChatCompletionRequest(SamplingRequest):
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         self._check_continuation()
         tools = self.offered_tools()
-        if tools and not reads_tool_calls(chat_template(tokenizer)):
-            raise bad("this model's chat template has no tool-call format this server reads (the Hermes "
-                      "<tool_call> tags of Qwen2.5's and Qwen3's templates)", "tools")  # fmt: skip
+        if tools and not renders_tools(chat_template(tokenizer)):
+            raise bad("this model's chat template does not show the model tools (it never reads 'tools'): "
+                      "serve a model whose template does (Qwen2.5, Qwen3, Llama 3.1, Mistral)", "tools")  # fmt: skip
         try:
             return render_chat(tokenizer, self.rendered(), continue_final=bool(self.continue_final_message),
                                template_kwargs=self.chat_template_kwargs, tools=tools)  # fmt: skip

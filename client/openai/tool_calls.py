@@ -3,10 +3,12 @@ trained on, a JSON object `{"name": ..., "arguments": {...}}` between `<tool_cal
 read out of the generated text into OpenAI's `tool_calls` (as vLLM's `hermes` parser and llama.cpp's
 server read them).
 
-Some models shown that format answer with the bare JSON instead, alone or in a ```json fence
-(Qwen2.5-Coder does, the quickstart's pair: vLLM's and Ollama's users meet it as calls printed as
-text). An answer that is nothing but such objects, each naming a tool the request offered, is read as
-those calls too.
+Other models answer with the bare JSON: Llama 3.1-3.3 (`{"name": ..., "parameters": {...}}`, as
+vLLM's `llama3_json` parser reads it), Mistral (a list of calls after its `[TOOL_CALLS]` control
+token, which decoding drops), and Qwen2.5-Coder, the quickstart's pair, which is shown the Hermes
+format but answers with the JSON alone or in a ```json fence (vLLM's and Ollama's users meet it as
+calls printed as text). An answer that is nothing but such objects, each naming a tool the request
+offered, is read as those calls.
 
 The text is read as it streams: `ToolCallReader.feed` takes each piece and returns what can be sent
 already, content or whole calls, so a streamed answer and a whole one are the same reading of the same
@@ -26,9 +28,9 @@ from typing import Any
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 
 
-def reads_tool_calls(chat_template: str | None) -> bool:
-    """Whether a chat template teaches the format this module reads."""
-    return bool(chat_template) and OPEN in chat_template and "tools" in chat_template
+def renders_tools(chat_template: str | None) -> bool:
+    """Whether a chat template shows the model the request's tools."""
+    return bool(chat_template) and "tools" in chat_template
 
 
 @dataclass(frozen=True)
