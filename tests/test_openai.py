@@ -484,6 +484,10 @@ def test_tokenize_and_detokenize_as_vllm_and_llama_cpp_servers_do(server, client
     assert post("/tokenize", {"model": MODEL, "prompt": PROMPT}) == (
         200, {"count": len(ids), "max_model_len": 512, "tokens": ids, "token_strs": None})  # fmt: skip
     assert post("/tokenize", {"content": PROMPT})[1]["tokens"] == ids  # llama.cpp's field
+    pieces = post("/tokenize", {"content": PROMPT, "with_pieces": True})[1]["tokens"]
+    assert pieces == [{"id": i, "piece": tokenizer.decode([i])} for i in ids]
+    assert post("/tokenize", {"prompt": PROMPT, "return_token_strs": True})[1]["token_strs"] == (
+        tokenizer.convert_ids_to_tokens(ids))  # fmt: skip
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]
     status, body = post("/tokenize", {"messages": messages})
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)

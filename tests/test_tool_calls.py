@@ -336,6 +336,7 @@ def split(text: str, cuts: list[int], state: str = "start") -> tuple[str, str]:
         ("  <thin", "start", "", "  <thin"),
         ("<think>\ncut short", "start", "cut short", ""),
         ("Two and two.\n</think>\n\nFour.", "thinking", "Two and two.", "Four."),  # the prompt opened it
+        ("<think>\nTwo.</think>Four.", "thinking", "Two.", "Four."),  # and the model opened it again
         ("<think>x</think>" + call("get_time"), "start", "x", call("get_time")),
     ],
 )  # fmt: skip
@@ -435,3 +436,15 @@ def test_a_template_without_tags_gets_its_bare_json_calls_read(tools_gen):
                                           "<ipython>18 C\n<assistant>")  # fmt: skip
     finally:
         srv.stop()
+
+
+def test_an_earlier_answers_thoughts_go_back_to_the_template():
+    """Qwen3's template shows the thoughts of the turns since the user's last message (a tool loop)."""
+    from client.openai.protocol import ChatCompletionRequest
+
+    request = ChatCompletionRequest.model_validate({"messages": [
+        {"role": "user", "content": "Paris?"},
+        {"role": "assistant", "content": None, "reasoning_content": "Needs the weather tool.",
+         "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+    ]})  # fmt: skip
+    assert request.rendered()[1]["reasoning_content"] == "Needs the weather tool."

@@ -278,9 +278,12 @@ class Service:
 
     def tokenize(self, request: TokenizeRequest) -> dict[str, Any]:
         self.check_model(request.model)
-        ids = request.ids(self.gen.tokenizer)
+        tokenizer = self.gen.tokenizer
+        ids = request.ids(tokenizer)
         limit = self.gen.target.info().max_context
-        return {"count": len(ids), "max_model_len": limit, "tokens": ids, "token_strs": None}
+        tokens: list[Any] = [{"id": i, "piece": tokenizer.decode([i])} for i in ids] if request.with_pieces else ids
+        strs = tokenizer.convert_ids_to_tokens(ids) if request.return_token_strs else None
+        return {"count": len(ids), "max_model_len": limit, "tokens": tokens, "token_strs": strs}
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         """vLLM's answer is `prompt`, llama.cpp's `content`: both."""

@@ -461,6 +461,8 @@ class ChatMessage(BaseModel):
     content: Annotated[str | None, BeforeValidator(_text_content)] = None
     tool_calls: list[CalledTool] | None = None
     tool_call_id: Annotated[str | None, Field(strict=True)] = None
+    # an earlier answer's thoughts, as this server sent them: Qwen3's template shows them in a tool loop
+    reasoning_content: Annotated[str | None, Field(strict=True)] = None
 
     @model_validator(mode="after")
     def _content_required(self) -> ChatMessage:
@@ -479,6 +481,8 @@ class ChatMessage(BaseModel):
                                  for c in self.tool_calls]  # fmt: skip
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
 
 
@@ -569,6 +573,8 @@ class TokenizeRequest(BaseModel):
     messages: Annotated[list[dict[str, Any]] | None, BeforeValidator(lambda v: v if v is None else _non_empty(v))] = None
     add_special_tokens: Flag = None  # vLLM's name
     add_special: Flag = None  # llama.cpp's
+    return_token_strs: Flag = None  # vLLM's: each token's string
+    with_pieces: Flag = None  # llama.cpp's: tokens as {"id", "piece"}
     tools: Any = None
     add_generation_prompt: Any = None
     continue_final_message: Any = None

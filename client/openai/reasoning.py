@@ -51,6 +51,10 @@ class ReasoningReader:
             if self.state == THINKING:
                 if self.fresh:
                     self.held = self.held.lstrip()
+                    if self.held.startswith(OPEN):  # the prompt opened it, and the model again
+                        self.held = self.held[len(OPEN) :].lstrip()
+                    elif self.held and OPEN.startswith(self.held):
+                        return reasoning, ""
                 end = self.held.find(CLOSE)
                 if end >= 0:
                     reasoning += self.held[:end].rstrip()
