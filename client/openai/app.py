@@ -208,7 +208,6 @@ class Generation:
                 step.add_done_callback(lambda task: task.cancelled() or task.exception())
         yield b"data: [DONE]\n\n"
 
-
     def _usage(self, count: int, cached: int) -> dict[str, Any] | None:
         return self.answer.usage(count, cached) if self.answer.job.continuous_usage else None
 
