@@ -376,18 +376,20 @@ def render_chat(
     continue_final: bool = False,
     template_kwargs: dict[str, Any] | None = None,
     tools: list[dict[str, Any]] | None = None,
+    generation_prompt: bool = True,
 ) -> list[int]:
     """Token ids of a conversation in the model's chat template, ready for the assistant's turn; or,
     with `continue_final`, ending inside the last (assistant) message, so the model goes on with it
     (a prefilled answer). `template_kwargs` are the template's own variables (Qwen3's
-    `enable_thinking`); `tools`, OpenAI's function definitions, which the template shows the model."""
+    `enable_thinking`); `tools`, OpenAI's function definitions, which the template shows the model.
+    Without `generation_prompt` the conversation ends as it is (a count of its tokens)."""
     for i, m in enumerate(messages):
         valid_text(m["content"], f"message {i}'s content")
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError("this model's tokenizer has no chat template; send a plain prompt instead")
     text = tokenizer.apply_chat_template(
         messages,
-        add_generation_prompt=not continue_final,
+        add_generation_prompt=generation_prompt and not continue_final,
         continue_final_message=continue_final,
         tokenize=False,
         tools=tools,

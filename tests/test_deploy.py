@@ -261,15 +261,19 @@ def test_a_bad_value_from_the_config_or_the_environment_names_where_it_was_set(t
     path = tmp_path / "c.toml"
     path.write_text("[target]\nmodel = 'm'\nlisten = 47121\n")
     assert main(["target", "--config", str(path)]) == 2
-    assert f"--listen must be HOST:PORT, got '47121' (set in {path})" in capsys.readouterr().err
+    assert f"--listen must be HOST:PORT, got '47121' (--listen set in {path})" in capsys.readouterr().err
     path.write_text("[target]\nmodel = 'm'\nmax_sessions = -3\n")
     assert main(["target", "--config", str(path)]) == 2
-    assert f"--max-sessions must be >= 1, got -3 (set in {path})" in capsys.readouterr().err
+    assert f"--max-sessions must be >= 1, got -3 (--max-sessions set in {path})" in capsys.readouterr().err
     monkeypatch.setenv("SPECEXEC_MAX_SESSIONS", "-4")
     assert main(["target", "--model", "m"]) == 2
-    assert "--max-sessions must be >= 1, got -4 (set by SPECEXEC_MAX_SESSIONS)" in capsys.readouterr().err
+    assert "--max-sessions must be >= 1, got -4 (--max-sessions set by SPECEXEC_MAX_SESSIONS)" in capsys.readouterr().err
     assert main(["target", "--model", "m", "--max-sessions", "-5"]) == 2
     assert capsys.readouterr().err.strip().endswith("got -5")  # the command line: nothing to add
+    path.write_text("[serve]\ninsecure = false\n")  # named only in the error's advice: not blamed
+    monkeypatch.setenv("SPECEXEC_OPENAI", "0.0.0.0:8000")
+    assert main(["serve", "--config", str(path), "--target", "127.0.0.1:9"]) == 2
+    assert capsys.readouterr().err.strip().endswith("(--openai set by SPECEXEC_OPENAI)")
 
 
 def test_effective_config_masks_secrets():

@@ -493,6 +493,11 @@ def test_tokenize_and_detokenize_as_vllm_and_llama_cpp_servers_do(server, client
     out = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=1)
     assert status == 200 and body["tokens"] == render_chat(tokenizer, messages)
     assert body["count"] == out.usage.prompt_tokens  # what a chat request sends
+    status, body = post("/tokenize", {"messages": messages, "add_generation_prompt": False})
+    assert status == 200 and body["tokens"] == render_chat(tokenizer, messages, generation_prompt=False)
+    weather = {"type": "function", "function": {"name": "get_weather"}}  # this template shows no tools
+    status, body = post("/tokenize", {"messages": messages, "tools": [weather], "tool_choice": "none"})
+    assert status == 200 and body["tokens"] == render_chat(tokenizer, messages)
     assert post("/detokenize", {"tokens": ids}) == (200, {"prompt": PROMPT, "content": PROMPT})
 
     status, body = post("/tokenize", {"prompt": "a", "messages": messages})

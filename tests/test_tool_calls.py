@@ -149,6 +149,15 @@ def test_a_streamed_answer_is_not_held_once_it_cannot_be_bare_calls():
     assert reader.feed("1] Knuth") == ("[1] Knuth", [])  # prose; a list of calls opens with [{
 
 
+def test_text_no_client_could_parse_is_never_a_call():
+    """The model writes anything: JSON nested past Python's stack, NaN (not JSON), a name that is not a string."""
+    deep = '{"name": "get_time", "arguments": {"x": ' + "[" * 50_000 + "]" * 50_000 + "}}"
+    for text in (deep, "<tool_call>" + deep + "</tool_call>", '{"name": "get_time", "arguments": {"x": NaN}}',
+                 '<tool_call>{"name": 7, "arguments": {}}</tool_call>'):  # fmt: skip
+        assert whole(text, names=NAMES) == (text, [])
+        assert streamed(text, [len(text) // 2], names=NAMES) == (text, [])
+
+
 def test_parallel_tool_calls_false_keeps_the_first_call():
     text = call("get_weather", city="A") + call("get_weather", city="B")
     assert whole(text, max_calls=1) == (None, [("get_weather", {"city": "A"})])
@@ -219,7 +228,7 @@ def test_a_tool_call_whole_and_streamed(api, tools_gen):
     assert choice.finish_reason == "tool_calls" and choice.message.content == "I'll check."
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Oslo"})]  # fmt: skip
-    assert all(c.id.startswith("call_") and c.type == "function" for c in choice.message.tool_calls)
+    assert all(len(c.id) == 9 and c.id.isalnum() and c.type == "function" for c in choice.message.tool_calls)
     assert len({c.id for c in choice.message.tool_calls}) == 2
     prompt = tools_gen.prompts[-1]
     assert json.dumps(WEATHER) in prompt and prompt.endswith("<user>Weather in Paris and Oslo?\n<assistant>")
@@ -256,9 +265,13 @@ def test_tool_choice_none_shows_no_tools_and_reads_no_calls(api, tools_gen):
     out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none")
     assert out.choices[0].message.content == tools_gen.reply and out.choices[0].finish_reason == "stop"
     assert "<tools>" not in tools_gen.prompts[-1]
+    tools_gen.reply = call("get_weather", city="Paris") + call("get_weather", city="Oslo")
     out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER], tool_choice="auto",
                                       parallel_tool_calls=False, n=2)  # fmt: skip
-    assert [len(c.message.tool_calls) for c in out.choices] == [1, 1]
+    assert [[c.function.arguments for c in choice.message.tool_calls] for choice in out.choices] == [
+        ['{"city": "Paris"}']] * 2  # fmt: skip
+    out = api.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+    assert len(out.choices[0].message.tool_calls) == 2
 
 
 def test_bare_json_calls_through_the_endpoint(api, tools_gen):
@@ -448,3 +461,36 @@ def test_an_earlier_answers_thoughts_go_back_to_the_template():
          "tool_calls": [{"id": "c", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
     ]})  # fmt: skip
     assert request.rendered()[1]["reasoning_content"] == "Needs the weather tool."
+
+
+# Mistral's templates refuse a call sent back with any id but 9 letters and digits.
+MISTRAL_TEMPLATE = (
+    "{% if tools %}[AVAILABLE_TOOLS]{{ tools | tojson }}[/AVAILABLE_TOOLS]{% endif %}"
+    "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}[TOOL_CALLS]"
+    "{% for c in m.tool_calls %}{% if c.id is not string or c.id | length != 9 %}"
+    "{{ raise_exception('Tool call IDs should be alphanumeric strings with length 9!') }}{% endif %}"
+    "{{ c.function | tojson }}{% endfor %}"
+    "{% elif m.role == 'tool' %}[TOOL_RESULTS]{{ m.content }}[/TOOL_RESULTS]"
+    "{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<assistant>{% endif %}"
+)
+
+
+def test_a_call_sent_back_renders_on_a_template_that_checks_its_id(tools_gen):
+    tokenizer = copy.deepcopy(tools_gen.tokenizer)
+    tokenizer.chat_template = MISTRAL_TEMPLATE
+    mistral = Scripted(tools_gen.gen, tokenizer)
+    mistral.reply = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'  # [TOOL_CALLS] is decoded away
+    srv = OpenAIServer("127.0.0.1:0", mistral, model_name=MODEL).start()  # type: ignore[arg-type]
+    try:
+        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+        messages = [{"role": "user", "content": "Paris?"}]
+        out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
+        calls = out.choices[0].message.tool_calls
+        assert calls[0].id.isalnum() and len(calls[0].id) == 9
+        mistral.reply = "18 C."
+        messages += [out.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": calls[0].id, "content": "18"}]  # fmt: skip
+        assert client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER]).choices[0].message.content == "18 C."
+    finally:
+        srv.stop()

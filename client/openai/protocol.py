@@ -32,7 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
-from client.openai.reasoning import THINKING, ReasoningReader, opens_thought, thinks
+from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
 from common.decoding.types import TokenLogprob
@@ -531,15 +531,17 @@ class ChatCompletionRequest(SamplingRequest):
             return None
         return [tool.rendered() for tool in self.tools]
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
-        self._check_continuation()
+    def prompt_ids(self, tokenizer: Any, generation_prompt: bool = True) -> list[int]:
+        if generation_prompt:
+            self._check_continuation()
         tools = self.offered_tools()
         if tools and not renders_tools(chat_template(tokenizer)):
             raise bad("this model's chat template does not show the model tools (it never reads 'tools'): "
                       "serve a model whose template does (Qwen2.5, Qwen3, Llama 3.1, Mistral)", "tools")  # fmt: skip
         try:
             return render_chat(tokenizer, self.rendered(), continue_final=bool(self.continue_final_message),
-                               template_kwargs=self.chat_template_kwargs, tools=tools)  # fmt: skip
+                               template_kwargs=self.chat_template_kwargs, tools=tools,
+                               generation_prompt=generation_prompt)  # fmt: skip
         except Exception as exc:  # no template, or one that refuses this conversation
             raise bad(f"the model's chat template cannot render these messages: {exc}", "messages") from exc
 
@@ -576,7 +578,8 @@ class TokenizeRequest(BaseModel):
     return_token_strs: Flag = None  # vLLM's: each token's string
     with_pieces: Flag = None  # llama.cpp's: tokens as {"id", "piece"}
     tools: Any = None
-    add_generation_prompt: Any = None
+    tool_choice: Any = None
+    add_generation_prompt: Flag = None
     continue_final_message: Any = None
     chat_template_kwargs: Any = None
 
@@ -590,14 +593,15 @@ class TokenizeRequest(BaseModel):
 
     def ids(self, tokenizer: Any) -> list[int]:
         if self.messages is not None:
-            chat = {"messages": self.messages, "tools": self.tools, "add_generation_prompt": self.add_generation_prompt,
+            chat = {"messages": self.messages, "tools": self.tools, "tool_choice": self.tool_choice,
                     "continue_final_message": self.continue_final_message,
                     "chat_template_kwargs": self.chat_template_kwargs}  # fmt: skip
             try:
                 request = ChatCompletionRequest.model_validate({k: v for k, v in chat.items() if v is not None})
             except ValidationError as exc:
                 raise validation_error(exc.errors()) from None
-            return request.prompt_ids(tokenizer)
+            # unlike a chat request, a count may leave the assistant's turn unopened, as vLLM's allows
+            return request.prompt_ids(tokenizer, generation_prompt=self.add_generation_prompt is not False)
         special = self.add_special_tokens if self.add_special_tokens is not None else self.add_special
         text = self.prompt if self.prompt is not None else self.content
         if special is None:  # as a completion request tokenizes its prompt
@@ -657,9 +661,10 @@ class Job:
         ids = request.prompt_ids(tokenizer)
         reasoning = None
         if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
-            reasoning = THINKING if opens_thought(tokenizer.decode(ids[-8:])) else "start"
-        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, request.n or 1,
-                   tools, max_calls, reasoning, request.continuous_usage)  # fmt: skip
+            reasoning = THINKING if opens_thought(tokenizer.decode(ids[-16:])) else START
+        return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
+                   tool_names=tools, max_calls=max_calls, reasoning=reasoning,
+                   continuous_usage=request.continuous_usage)  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import re
 import secrets
+import string
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,11 +34,17 @@ def renders_tools(chat_template: str | None) -> bool:
     return bool(chat_template) and "tools" in chat_template
 
 
+def call_id() -> str:
+    """Nine letters and digits, as vLLM makes them: Mistral's templates refuse any other id when a
+    client sends the call back, and OpenAI's clients take any string."""
+    return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
+
 @dataclass(frozen=True)
 class ToolCall:
     name: str
     arguments: str  # a JSON object's text, as OpenAI sends it
-    id: str = field(default_factory=lambda: "call_" + secrets.token_hex(12))
+    id: str = field(default_factory=call_id)
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
@@ -48,13 +55,13 @@ def parse_call(body: str) -> ToolCall | None:
     braces doubled (`{{"name": ...}}`), and small models copy them: one pair more is read too."""
     try:
         value = json.loads(body)
-    except ValueError:
+    except (ValueError, RecursionError):  # the model's text: anything, nested past Python's stack too
         inner = body.strip()
         if not (inner.startswith("{{") and inner.endswith("}}")):
             return None
         try:
             value = json.loads(inner[1:-1])
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
     return call_of(value)
 
@@ -65,16 +72,16 @@ def call_of(value: Any) -> ToolCall | None:
     if not isinstance(value, dict) or not isinstance(value.get("name"), str) or not value["name"]:
         return None
     arguments = value.get("arguments", value.get("parameters"))
-    if isinstance(arguments, str):  # the object's text
-        try:
+    try:
+        if isinstance(arguments, str):  # the object's text
             arguments = json.loads(arguments)
-        except ValueError:
+        if arguments is None:
+            arguments = {}
+        if not isinstance(arguments, dict):
             return None
-    if arguments is None:
-        arguments = {}
-    if not isinstance(arguments, dict):
+        return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False, allow_nan=False))  # strict JSON
+    except (ValueError, RecursionError):
         return None
-    return ToolCall(value["name"], json.dumps(arguments, ensure_ascii=False))
 
 
 def parse_bare_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
@@ -88,7 +95,7 @@ def parse_bare_calls(text: str, names: frozenset[str]) -> list[ToolCall] | None:
         doubled = text.startswith("{{", at)  # as parse_call reads it
         try:
             value, at = decoder.raw_decode(text, at + doubled)
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
         if doubled:
             at = _skip_space(text, at)

@@ -263,16 +263,14 @@ def parse_args(
 
 
 def source_of(message: str, args: argparse.Namespace) -> str:
-    """Where the first option an error names was set, if not on the command line: a value from the
-    config file or the environment is easier to fix once the error says so."""
-    sources = getattr(args, "config_sources", {})
-    for flag in re.findall(r"--[a-z][a-z0-9-]*", message):
-        source = sources.get(flag[2:].replace("-", "_"))
-        if source == "env":
-            return f" (set by {ENV_PREFIX}{_key(flag[2:]).upper()})"
-        if source:
-            return f" (set in {source})"
-    return ""
+    """Where the option an error opens with was set, if not on the command line: a value from the
+    config file or the environment is easier to fix once the error says so. Only the first option
+    named: the others are the error's advice (`needs --tls-cert`)."""
+    flag = re.match(r"(--[a-z][a-z0-9-]*)", message)
+    source = getattr(args, "config_sources", {}).get(flag[1][2:].replace("-", "_")) if flag else None
+    if source == "env":
+        return f" ({flag[1]} set by {ENV_PREFIX}{_key(flag[1][2:]).upper()})"
+    return f" ({flag[1]} set in {source})" if source else ""
 
 
 def is_secret(name: str) -> bool:

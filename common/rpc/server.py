@@ -218,6 +218,6 @@ def check_listen(listen: str, insecure: bool, secured: bool = False, flag: str =
     host, _ = split_listen(listen, flag)
     if not loopback_only(host) and not secured and not insecure:
         raise ValueError(
-            f"refusing to listen on {host}: a non-loopback address needs both TLS (--tls-cert and --tls-key) "
+            f"{flag}: refusing to listen on {host}: a non-loopback address needs both TLS (--tls-cert and --tls-key) "
             "and a shared token (--auth-token-file); pass --insecure to expose the server without them"
         )
