@@ -17,7 +17,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
-from client.openai.tool_calls import parse_bare_calls, read_tool_calls
+from client.openai.tool_calls import OPEN, read_tool_calls
 from common.decoding.sampling import SamplingParams
 
 
@@ -55,11 +55,9 @@ TASKS = [
 
 
 def classify(text: str, names: frozenset[str]) -> tuple[str, list]:
-    _, calls = read_tool_calls(text)
-    if calls:
-        return "tags", calls
-    bare = parse_bare_calls(text.strip(), names)
-    return ("bare", bare) if bare else ("text", [])
+    """The calls the endpoint reads, and the form they came in."""
+    _, calls = read_tool_calls(text, names=names)
+    return ("tags" if OPEN in text else "bare", calls) if calls else ("text", [])
 
 
 def right(calls: list, want: str | None) -> bool:
