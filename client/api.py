@@ -329,7 +329,7 @@ class SpecExec:
 
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
-        text = TextAssembler(self.tokenizer, sampling.stop)
+        text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids)
         started = time.perf_counter()
         finish = "length"
         for result in sequence.steps(sampling, self.tree, stats, self.current_planner):

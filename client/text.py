@@ -11,9 +11,10 @@ from typing import Any
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()) -> None:
         self.tokenizer = tokenizer
         self.stop = stop
+        self.stop_ids = frozenset(stop_ids)
         self.token_ids: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -21,7 +22,11 @@ class TextAssembler:
         self.used = 0  # of the last `add`'s tokens, those up to the one that completed a stop string
 
     def add(self, tokens: list[int]) -> str:
-        """Returns the newly settled text; sets `stopped` once a stop string appears."""
+        """Returns the newly settled text; sets `stopped` once a stop string or a stop token appears.
+        A stop token counts, as an EOS does, but is not shown."""
+        at = next((k for k, t in enumerate(tokens) if t in self.stop_ids), None) if self.stop_ids else None
+        if at is not None:
+            tokens = tokens[:at]
         self.token_ids += tokens
         self.used = len(tokens)
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
@@ -31,6 +36,8 @@ class TextAssembler:
             text = text[: min(at for at in found if at >= 0)]  # the earliest, whatever the list order
             self.stopped = True
             self.used = self._through_stop(len(tokens))
+        if at is not None and not self.stopped:
+            self.stopped, self.used = True, at + 1
         self.text = text
         if not self.stopped:
             if text.endswith("\ufffd"):

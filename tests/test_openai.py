@@ -286,6 +286,22 @@ def test_stop_strings(client, gen):
     assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_stop_token_ids_end_the_text_as_eos_does(client, gen, loaded):
+    """vLLM's: the text stops before the first of them; the token counts, as an EOS does."""
+    want = expected(gen, max_tokens=32, temperature=0)
+    k = next(i for i in range(3, 32) if want.token_ids[i] not in want.token_ids[:i])
+    ask = dict(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, logprobs=0,
+               extra_body={"ignore_eos": True, "stop_token_ids": [want.token_ids[k], 259]})  # fmt: skip
+    out = client.completions.create(**ask)
+    cut = loaded["target"].tokenizer.decode(want.token_ids[:k])
+    assert out.choices[0].text == cut and out.choices[0].finish_reason == "stop"
+    assert out.usage.completion_tokens == k + 1 and len(out.choices[0].logprobs.token_logprobs) == k + 1
+    chunks = list(client.completions.create(stream=True, **ask))
+    assert "".join(c.choices[0].text for c in chunks) == cut and chunks[-1].choices[0].finish_reason == "stop"
+    with pytest.raises(openai.BadRequestError, match="stop_token_ids"):
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [-1]})
+
+
 def test_seed_reproducibility_and_openai_default_temperature(client, gen):
     def sample(seed: int) -> str:
         out = client.completions.create(
@@ -362,14 +378,14 @@ def test_errors_before_output_are_http_errors(client, server):
 
 
 @pytest.mark.parametrize("field, value", [("min_p", 0.1), ("repetition_penalty", 1.2), ("guided_json", {"type": "object"}),
-                                          ("stop_token_ids", [5]), ("grammar", "root ::= x"),
+                                          ("bad_words", ["x"]), ("grammar", "root ::= x"),
                                           ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
     """vLLM's and llama.cpp's extensions: ignored, they would give text the client did not ask for."""
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "stop_token_ids": [], "grammar": "",
+    neutral = {"min_p": 0, "repetition_penalty": 1.0, "guided_json": None, "bad_words": [], "grammar": "",
                "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200

@@ -87,3 +87,28 @@ def test_stop_strings_stay_on_the_client(monkeypatch: pytest.MonkeyPatch):
     target.stub = Stub()
     target.verify("s", TokenTree.root_only(5), SamplingParams(stop=("END",), seed=3), max_tokens=4)
     assert list(sent[0].sampling.stop) == [] and sent[0].sampling.seed == 3
+
+
+@given(text=st.text(alphabet="ab c", min_size=1, max_size=30), stop_id=st.sampled_from([ord("a"), ord("c")]),
+       cuts=st.lists(st.integers(1, 5), max_size=30))  # fmt: skip
+def test_a_stop_token_ends_the_text_before_it_and_counts(text: str, stop_id: int, cuts: list[int]):
+    assembler = TextAssembler(CharTokenizer(), (), (stop_id,))
+    ids, emitted, used, at = [ord(c) for c in text], "", 0, 0
+    for n in [*cuts, len(ids)]:
+        if at >= len(ids) or assembler.stopped:
+            break
+        emitted += assembler.add(ids[at : at + n])
+        used += assembler.used
+        at += n
+    emitted += assembler.flush()
+    end = text.find(chr(stop_id))
+    assert emitted == (text if end < 0 else text[:end])
+    assert used == (len(text) if end < 0 else end + 1) and assembler.stopped == (end >= 0)
+
+
+def test_stop_token_ids_are_checked():
+    with pytest.raises(ValueError, match="stop_token_ids must be token ids"):
+        SamplingParams(stop_token_ids=(3, -1))
+    with pytest.raises(ValueError, match="at most 64 ids"):
+        SamplingParams(stop_token_ids=tuple(range(65)))
+    assert SamplingParams(stop_token_ids=[4, 5]).stop_token_ids == (4, 5)

@@ -34,7 +34,13 @@ from pydantic_core import PydanticCustomError
 from client.api import render_chat, valid_text
 from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
-from common.decoding.sampling import MAX_LOGPROBS, MAX_SEED, MAX_STOP_CHARS, SamplingParams
+from common.decoding.sampling import (
+    MAX_LOGPROBS,
+    MAX_SEED,
+    MAX_STOP_CHARS,
+    MAX_STOP_TOKEN_IDS,
+    SamplingParams,
+)
 from common.decoding.types import TokenLogprob
 from common.rpc.server import status_for
 
@@ -269,6 +275,8 @@ class SamplingRequest(BaseModel):
     stop: Annotated[tuple[str, ...], BeforeValidator(_stop)] = ()
     n: Annotated[Integer, between(1, MAX_CHOICES)] = None  # choices, each from its own seed (`Job.choice`)
     ignore_eos: Flag = None  # vLLM's extension
+    stop_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0)]] | None,
+                              Field(max_length=MAX_STOP_TOKEN_IDS)] = None  # vLLM's: ends the text as EOS does
     stream: Flag = None
     stream_options: StreamOptions | None = None
     user: Any = None
@@ -297,7 +305,6 @@ class SamplingRequest(BaseModel):
     use_beam_search: Annotated[Any, unless(False)] = None
     min_tokens: Annotated[Any, unless(0)] = None
     n_predict: Annotated[Any, unless()] = None  # llama.cpp's own API; here: max_tokens
-    stop_token_ids: Annotated[Any, unless([])] = None
     include_stop_str_in_output: Annotated[Any, unless(False)] = None
     bad_words: Annotated[Any, unless([])] = None
     allowed_token_ids: Annotated[Any, unless()] = None
@@ -349,6 +356,7 @@ class SamplingRequest(BaseModel):
                 stop=self.stop,
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self.logprob_count(),
+                stop_token_ids=tuple(self.stop_token_ids or ()),
             )
         except ValueError as exc:
             raise bad(str(exc)) from exc

@@ -17,7 +17,7 @@ last chunk with `"stream_options": {"include_usage": true}`) or answer one JSON 
 Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `temperature`, `top_p`,
 `stop` (a string or up to 4), `seed`, `n` (choices one after another, choice i from `seed` + i), `stream`, `stream_options`, `user` (ignored),
 `logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`), and
-the vLLM extensions `top_k`, `ignore_eos`, and for chat `continue_final_message` (go on with a
+the vLLM extensions `top_k`, `ignore_eos`, `stop_token_ids`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
 Qwen3's `enable_thinking`). Chat takes `tools` (`client.openai.tool_calls` reads the calls) and sends
 a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Anything else that

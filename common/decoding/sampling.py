@@ -18,6 +18,7 @@ from common.decoding.types import TokenLogprob
 
 MAX_SEED = 2**64 - 1
 MAX_STOP_STRINGS = 16
+MAX_STOP_TOKEN_IDS = 64
 MAX_STOP_CHARS = 256  # per string: the client scans each one against the text's tail every step
 MAX_LOGPROBS = 20  # alternatives a token's log-probs may list, as OpenAI's top_logprobs
 LOGPROB_FLOOR = -9999.0  # what a log-prob that is not finite reads as (vLLM's)
@@ -39,6 +40,8 @@ class SamplingParams:
     # None: no log-probs; k: each token's log-probability under the target's own logits (before
     # temperature and filters, as vLLM reports them), with its k most likely alternatives.
     logprobs: int | None = None
+    # vLLM's: tokens that end the text as EOS does (counted, not shown); the client's to apply
+    stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -78,6 +81,12 @@ class SamplingParams:
             or not 0 <= self.logprobs <= MAX_LOGPROBS
         ):  # fmt: skip
             raise ValueError(f"logprobs must be a whole number in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
+        ids = tuple(self.stop_token_ids or ())
+        if any(isinstance(i, bool) or not isinstance(i, numbers.Integral) or i < 0 for i in ids):
+            raise ValueError(f"stop_token_ids must be token ids (whole numbers >= 0), got {list(ids)!r}")
+        if len(ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
+        object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
