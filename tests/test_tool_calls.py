@@ -5,10 +5,12 @@ thinking model's thoughts sent apart, as `reasoning_content`."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import openai
 import pytest
@@ -205,6 +207,19 @@ class Scripted:
             yield Chunk(self.tokenizer.decode(piece), piece, "stop" if last else None)
 
 
+@contextlib.contextmanager
+def serving(tools_gen: Scripted, template: str) -> Iterator[tuple[Scripted, openai.OpenAI]]:
+    """The scripted generator behind a server, with its tokenizer's chat template swapped for `template`."""
+    tokenizer = copy.deepcopy(tools_gen.tokenizer)
+    tokenizer.chat_template = template
+    scripted = Scripted(tools_gen.gen, tokenizer)
+    srv = OpenAIServer("127.0.0.1:0", scripted, model_name=MODEL).start()  # type: ignore[arg-type]
+    try:
+        yield scripted, openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    finally:
+        srv.stop()
+
+
 @pytest.fixture(scope="module")
 def tools_gen(loaded) -> Scripted:
     tokenizer = copy.deepcopy(loaded["target"].tokenizer)
@@ -367,13 +382,9 @@ def test_any_cut_of_a_thought_splits_as_the_whole(text, cuts, state):
 
 @pytest.fixture(scope="module")
 def thinking_api(tools_gen):
-    tokenizer = copy.deepcopy(tools_gen.tokenizer)
-    tokenizer.chat_template = HERMES_TEMPLATE.replace("<assistant>{% endif %}", "<assistant><think>\n{% endif %}")
-    tokenizer.chat_template += "{# a thought ends at </think> #}"
-    thinking = Scripted(tools_gen.gen, tokenizer)
-    srv = OpenAIServer("127.0.0.1:0", thinking, model_name=MODEL).start()  # type: ignore[arg-type]
-    yield thinking, openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
-    srv.stop()
+    template = HERMES_TEMPLATE.replace("<assistant>{% endif %}", "<assistant><think>\n{% endif %}")
+    with serving(tools_gen, template + "{# a thought ends at </think> #}") as served:
+        yield served
 
 
 def test_thoughts_are_reasoning_content_whole_and_streamed(thinking_api):
@@ -428,13 +439,8 @@ LLAMA_TEMPLATE = (
 
 def test_a_template_without_tags_gets_its_bare_json_calls_read(tools_gen):
     """Llama 3.1-3.3 answer a call as the JSON alone (Mistral too, after a control token decoding drops)."""
-    tokenizer = copy.deepcopy(tools_gen.tokenizer)
-    tokenizer.chat_template = LLAMA_TEMPLATE
-    llama = Scripted(tools_gen.gen, tokenizer)
-    llama.reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
-    srv = OpenAIServer("127.0.0.1:0", llama, model_name=MODEL).start()  # type: ignore[arg-type]
-    try:
-        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    with serving(tools_gen, LLAMA_TEMPLATE) as (llama, client):
+        llama.reply = '{"name": "get_weather", "parameters": {"city": "Paris"}}'
         messages = [{"role": "user", "content": "Paris?"}]
         out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
         assert out.choices[0].finish_reason == "tool_calls"
@@ -447,8 +453,6 @@ def test_a_template_without_tags_gets_its_bare_json_calls_read(tools_gen):
         assert out.choices[0].message.content == "It is 18 C."
         assert llama.prompts[-1].endswith('<assistant>{"name": "get_weather", "parameters": {"city": "Paris"}}'
                                           "<ipython>18 C\n<assistant>")  # fmt: skip
-    finally:
-        srv.stop()
 
 
 def test_an_earlier_answers_thoughts_go_back_to_the_template():
@@ -477,13 +481,8 @@ MISTRAL_TEMPLATE = (
 
 
 def test_a_call_sent_back_renders_on_a_template_that_checks_its_id(tools_gen):
-    tokenizer = copy.deepcopy(tools_gen.tokenizer)
-    tokenizer.chat_template = MISTRAL_TEMPLATE
-    mistral = Scripted(tools_gen.gen, tokenizer)
-    mistral.reply = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'  # [TOOL_CALLS] is decoded away
-    srv = OpenAIServer("127.0.0.1:0", mistral, model_name=MODEL).start()  # type: ignore[arg-type]
-    try:
-        client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0, timeout=60)
+    with serving(tools_gen, MISTRAL_TEMPLATE) as (mistral, client):
+        mistral.reply = '[{"name": "get_weather", "arguments": {"city": "Paris"}}]'  # [TOOL_CALLS] is decoded away
         messages = [{"role": "user", "content": "Paris?"}]
         out = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER])
         calls = out.choices[0].message.tool_calls
@@ -492,5 +491,3 @@ def test_a_call_sent_back_renders_on_a_template_that_checks_its_id(tools_gen):
         messages += [out.choices[0].message.model_dump(exclude_none=True),
                      {"role": "tool", "tool_call_id": calls[0].id, "content": "18"}]  # fmt: skip
         assert client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER]).choices[0].message.content == "18 C."
-    finally:
-        srv.stop()
