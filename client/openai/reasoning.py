@@ -10,7 +10,7 @@ streamed answer and a whole one split the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from client.openai.tool_calls import partial_suffix
 
@@ -31,9 +31,9 @@ def opens_thought(prompt_tail: str) -> bool:
 class ReasoningReader:
     """Whitespace just inside the tags, and between the thought and the answer, is dropped."""
 
-    state: str = START
-    held: str = ""
-    fresh: bool = True  # no thought text sent yet: leading whitespace is dropped
+    state: str = START  # THINKING: the prompt opened the thought
+    held: str = field(default="", init=False)
+    fresh: bool = field(default=True, init=False)  # no thought text sent yet: leading whitespace is dropped
 
     def feed(self, text: str) -> tuple[str, str]:
         """What can be sent of the text read so far: (reasoning, content)."""

@@ -155,12 +155,12 @@ class ToolCallReader:
 
     max_calls: int | None = None
     names: frozenset[str] | None = None  # the offered tools: an answer of bare JSON calls to them is read
-    held: str = ""  # text not yet sent: whitespace, what may be a tag's start, an open block
-    gap: str = ""  # the whitespace before the open block: text again if the block is not a call
+    held: str = field(default="", init=False)  # not yet sent: whitespace, a tag's possible start, a block
+    gap: str = field(default="", init=False)  # the whitespace before the open block, if it is no call
     undecided: bool = field(default=False, init=False)  # the answer so far may be bare calls
-    inside: bool = False  # within a block
-    after_call: bool = False  # the last thing read was a call
-    calls: int = 0
+    inside: bool = field(default=False, init=False)  # within a block
+    after_call: bool = field(default=False, init=False)  # the last thing read was a call
+    calls: int = field(default=0, init=False)  # read so far
 
     def __post_init__(self) -> None:
         self.undecided = bool(self.names)

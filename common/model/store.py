@@ -373,11 +373,11 @@ def resolve_model(spec: str, option: str | None = None) -> Path:
     Default models are installed only explicitly (`specexec models install`), because that is a
     1.5 GB download that must not start as a side effect of serving.
     """
-    if option is None:
-        return _resolve_model(spec)
     try:
         return _resolve_model(spec)
     except ModelStoreError as exc:
+        if option is None:
+            raise
         raise type(exc)(f"{option}: {exc}") from exc
 
 
