@@ -30,6 +30,7 @@ from client.generation import (
 )
 from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
 from client.text import TextAssembler
+from common.decoding.grammar import check as check_grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams, TreeTooLarge
 from common.decoding.types import TokenLogprob
@@ -300,7 +301,19 @@ class SpecExec:
         arguments raise here, before any session is opened; the sessions open at the first chunk."""
         if sampling is not None and kwargs:
             raise TypeError(f"give sampling or SamplingParams keyword arguments, not both (got {', '.join(kwargs)})")
-        return self._stream(self.encode(prompt), sampling or SamplingParams(**kwargs), recovery)
+        sampling = sampling or SamplingParams(**kwargs)
+        self.check_grammar(sampling)
+        return self._stream(self.encode(prompt), sampling, recovery)
+
+    def check_grammar(self, sampling: SamplingParams) -> None:
+        """A grammar is refused before any session opens where the target cannot apply it (a node
+        from before grammars would ignore it) or it does not compile."""
+        if sampling.grammar is None:
+            return
+        if "grammar" not in self.target.info().features:
+            raise ValueError("grammar: the target node does not apply grammars (a node from before them); "
+                             "update it, or ask without one")  # fmt: skip
+        check_grammar(sampling.grammar)
 
     def _stream(self, ids: list[int], sampling: SamplingParams, recovery: Recovery | None) -> Iterator[Chunk]:
         cache = self.prompt_cache
@@ -409,6 +422,7 @@ class Chat:
 
     def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
         sampling = sampling or SamplingParams(**kwargs)
+        self.gen.check_grammar(sampling)
         self.messages.append({"role": "user", "content": valid_text(text, "the message")})
         ids = render_chat(self.gen.tokenizer, self.messages)
         if self.sequence is None:

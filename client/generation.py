@@ -636,6 +636,8 @@ class Sequence:
     ) -> Iterator[VerifyResult]:
         """`planner`, if given (or once its callable returns one), picks each step's tree size
         (`--budget auto`) instead of `tree`."""
+        if sampling.grammar is not None:  # it covers what this request generates, from here on
+            sampling = replace(sampling, grammar=sampling.grammar.at(len(self.tokens)))
         try:
             yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats)
         except Exception:

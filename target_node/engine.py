@@ -12,7 +12,7 @@ from typing import Any
 
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
-from common.decoding.types import VerifyResult
+from common.decoding.types import NodeInfo, VerifyResult
 from common.model.loaded import LoadedModel
 from common.model.profiling import interpolate
 from common.ops.metrics import (
@@ -155,6 +155,9 @@ class TargetEngine(NodeEngine[TargetSession]):
                              f"(--max-context + --max-tree + 1); give it at least {lane}")  # fmt: skip
         return self.loaded.model.shared_context(lanes, lane, self.max_tree, rows, cells)
 
+    def info(self) -> NodeInfo:
+        return replace(super().info(), features=("grammar",))
+
     def use_curve(self, curve: list[tuple[int, float]]) -> None:
         """Also prices passes for the batcher, which waits for sessions due back where it pays
         (common.runtime.batching); `SPECEXEC_WAIT_DUE=0` waits for none."""
@@ -174,7 +177,8 @@ class TargetEngine(NodeEngine[TargetSession]):
 
         def make() -> TargetSession:
             limits = dict(max_context=self.max_context, max_tree=self.max_tree + 1, max_depth=MAX_TREE_DEPTH,
-                          eos_token_ids=self.loaded.eos_token_ids)  # fmt: skip
+                          eos_token_ids=self.loaded.eos_token_ids,
+                          grammar_tokenizer=self.loaded.grammar_tokenizer)  # fmt: skip
             if self.loaded.on_llama_cpp:  # llama.cpp: the GGUF as it is
                 from target_node.llama_session import LlamaTargetSession
 

@@ -4,6 +4,7 @@ the pass and the cache kept by llama.cpp (`common.model.llama_cpp.TreeContext`).
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -22,12 +23,13 @@ class LlamaTargetSession(TargetSession):
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
+        grammar_tokenizer: Callable[[], Any] | None = None,
         shared: LlamaContext | None = None,
     ) -> None:
         """`shared`: the context whose passes this session's trees share with other sessions';
         without it the session gets a context of its own."""
         super().__init__(model, prompt, max_context=max_context, max_tree=max_tree, max_depth=max_depth,
-                         eos_token_ids=eos_token_ids)  # fmt: skip
+                         eos_token_ids=eos_token_ids, grammar_tokenizer=grammar_tokenizer)  # fmt: skip
         n_ctx = max_context + max_tree
         self.ctx = shared.lane(n_ctx, max_tree - 1) if shared else model.new_context(n_ctx, max_tree - 1)
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import numpy as np
 
+from common.decoding.grammar import Constraint, GrammarError
 from common.decoding.sampling import SamplingParams, sample_rows, token_logprob
 from common.decoding.tree import TokenTree, TreeError, TreeStructure
 from common.decoding.types import TokenLogprob, VerifyResult
@@ -50,8 +51,10 @@ class TargetSession:
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
+        grammar_tokenizer: Callable[[], Any] | None = None,
     ) -> None:
-        """`model`: anything with `cfg.vocab_size`; the subclass makes its cache."""
+        """`model`: anything with `cfg.vocab_size`; the subclass makes its cache. `grammar_tokenizer`:
+        llguidance's tokenizer, asked for at the first grammar (`LoadedModel.grammar_tokenizer`)."""
         if not prompt:
             raise ValueError("prompt must contain at least one token")
         if len(prompt) > max_context:
@@ -64,6 +67,8 @@ class TargetSession:
         self.committed: list[int] = list(prompt)
         self.step = 0
         self.shared_tokens = 0  # prompt tokens whose KV it took from another session (`copy_prefix`)
+        self.grammar_tokenizer = grammar_tokenizer
+        self.constraint: Constraint | None = None  # the last grammar's matcher, kept between steps
 
     def verify_changes(
         self,
@@ -117,6 +122,7 @@ class TargetSession:
             if max_tokens < 1:
                 return VerifyResult([], 0, "length")
             ticket = TreeTicket(tree, structure, params, max_tokens, committed, length, self.cached_length)
+            ticket.constraint = self._constrain(params)
             self.lay_out(ticket, max_chain)
         except Exception:
             self.committed = committed
@@ -136,6 +142,22 @@ class TargetSession:
         else:
             ticket.chunk = 0
             ticket.segment, ticket.logit_nodes, ticket.tree_start = self._layout(ticket.tree, ticket.structure)
+
+    def _constrain(self, params: SamplingParams) -> Constraint | None:
+        """The step's grammar matcher, at the committed tokens since the grammar's start (a new
+        grammar compiles once and is kept for the steps after)."""
+        grammar = params.grammar
+        if grammar is None:
+            return None
+        if grammar.start is None or grammar.start > len(self.committed):
+            raise GrammarError(f"grammar start must be a position in [0, {len(self.committed)}], got {grammar.start}")
+        if self.grammar_tokenizer is None:
+            raise GrammarError("this target node does not apply grammars")
+        if self.constraint is None or self.constraint.grammar != grammar:
+            self.constraint = None  # a grammar that fails to compile leaves none behind
+            self.constraint = Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
+        self.constraint.follow(self.committed[grammar.start :])
+        return self.constraint
 
     def abort(self, ticket: TreeTicket) -> None:
         """Undo `prepare`: the step failed, and the session is as it was before it. Its passes (a
@@ -278,12 +300,18 @@ class TreeTicket:
     logit_nodes: Any = None  # torch: int64 [k], the nodes whose logits the batched LM-head call computes
     chunk: int = 0  # >0: this pass runs only that many pending committed tokens, and the tree a later one
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # node -> its draw's, when asked (`draw_at`)
+    constraint: Constraint | None = None  # the grammar's matcher, at the tree's root; each draw advances it
 
 
 def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) -> int:
     """The target's draw at `node` from its logits [1, V] (`sample_rows`, as everywhere), keeping
-    its log-probs on the ticket when the sampling asks for them."""
-    token = int(sample_rows(logits, ticket.params, [position])[0])
+    its log-probs on the ticket when the sampling asks for them. Under a grammar the draw is from
+    the logits it allows, and the matcher takes the token: the walk draws along its path, in order.
+    Log-probs stay the target's own, before the grammar, as for temperature and filters."""
+    constraint = ticket.constraint
+    token = int(sample_rows(logits if constraint is None else constraint.mask(logits), ticket.params, [position])[0])
+    if constraint is not None:
+        constraint.consume(token)
     if ticket.params.logprobs is not None:
         ticket.logprobs[node] = token_logprob(logits[0], token, ticket.params.logprobs)
     return token

@@ -4,6 +4,7 @@ preallocated KV cache, and the LM head runs once for the nodes a walk may need."
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -29,10 +30,11 @@ class TorchTargetSession(TargetSession):
         max_tree: int,
         max_depth: int,
         eos_token_ids: tuple[int, ...],
+        grammar_tokenizer: Callable[[], Any] | None = None,
         all_logits_max_nodes: int = ALL_LOGITS_MAX_NODES,
     ) -> None:
         super().__init__(model, prompt, max_context=max_context, max_tree=max_tree, max_depth=max_depth,
-                         eos_token_ids=eos_token_ids)  # fmt: skip
+                         eos_token_ids=eos_token_ids, grammar_tokenizer=grammar_tokenizer)  # fmt: skip
         self.model: Transformer = model
         self.all_logits_max_nodes = all_logits_max_nodes  # 0: inner nodes in one call, each leaf apart
         self.cache = model.lend_cache(self, max_context + max_tree)

@@ -5,6 +5,7 @@ same backend's autoregressive output, in process and through a real target node.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -17,6 +18,7 @@ import torch
 
 from client.api import SpecExec
 from client.remote import connect
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeParams
 from common.model.profiling import synthetic_parents
@@ -1105,3 +1107,14 @@ def test_a_llama_lane_evicted_at_the_session_limit_serves_the_new_session(ggufs)
     got = run(engine, third, 8)
     fresh = llama_engine(loaded, max_sessions=2)
     assert got == run(fresh, fresh.open_session([5, 6, 7, 8]), 8)
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=4)])
+def test_a_grammar_on_llama_cpp_reads_the_ggufs_own_vocabulary(ggufs, sampling):
+    """The llama.cpp node builds llguidance's tokenizer from the GGUF (it holds no Hugging Face
+    tokenizer); SpecExec under the grammar equals its autoregressive output, and follows it."""
+    grammar = Grammar("regex", r"(ab|ba)+![0-9]{2,5}")
+    runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=30, grammar=grammar, **sampling))
+    assert runs["specexec"].token_ids == runs["autoregressive"].token_ids
+    assert runs["specexec"].finish_reason == "stop"
+    assert re.fullmatch(r"(ab|ba)+![0-9]{2,5}", runs["specexec"].text)

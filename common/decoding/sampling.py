@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from common.decoding.grammar import Grammar
 from common.decoding.types import TokenLogprob
 
 MAX_SEED = 2**64 - 1
@@ -42,6 +43,8 @@ class SamplingParams:
     logprobs: int | None = None
     # vLLM's: tokens that end the text as EOS does (counted, not shown); the client's to apply
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    # None: unconstrained; else every target draw follows it (`common.decoding.grammar`)
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -87,6 +90,8 @@ class SamplingParams:
         if len(ids) > MAX_STOP_TOKEN_IDS:
             raise ValueError(f"stop_token_ids takes at most {MAX_STOP_TOKEN_IDS} ids, got {len(ids)}")
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
+        if self.grammar is not None and not isinstance(self.grammar, Grammar):
+            raise ValueError(f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")

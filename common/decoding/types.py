@@ -19,6 +19,7 @@ class NodeInfo:
     device: str
     forward_curve: tuple[tuple[int, float], ...] = ()  # (tokens, seconds) per forward pass
     max_sessions: int = 0  # sessions the node holds at once; 0: not said
+    features: tuple[str, ...] = ()  # beyond the first protocol: "grammar" (SamplingParams.grammar applied)
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,7 @@ import struct
 import sys
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -287,6 +288,15 @@ class LlamaCppModel:
         finally:
             ctx.close()
             whole.close()
+
+    def grammar_tokenizer(self, eos_token_ids: tuple[int, ...]) -> Any:
+        """llguidance's view of this GGUF's own vocabulary (`LoadedModel.grammar_tokenizer`)."""
+        from llguidance.llamacpp import lltokenizer_from_vocab
+
+        vocab = self.lib.llama_model_get_vocab(self._model)
+        with warnings.catch_warnings():  # it asks each token's attributes by a name llama-cpp-python deprecates
+            warnings.simplefilter("ignore", DeprecationWarning)
+            return lltokenizer_from_vocab(vocab, n_vocab=self.cfg.vocab_size, eos_token=list(eos_token_ids))
 
     def close(self) -> None:
         with self._spare_lock:

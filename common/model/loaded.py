@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +25,28 @@ class LoadedModel:
     max_context: int
     tokenizer_fingerprint: str
     path: Path | None = None  # the weights' directory: what the forward-time curve cache is keyed by
+    _grammar_tokenizer: Any = field(default=None, repr=False, compare=False)
+    _grammar_lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def on_llama_cpp(self) -> bool:
         """Whether llama.cpp runs the model (a GGUF as it is) rather than our transformer."""
         return getattr(self.model, "backend", "torch") == "llama.cpp"
+
+    def grammar_tokenizer(self) -> Any:
+        """llguidance's view of the vocabulary, for grammars (`common.decoding.grammar`): built at
+        the first grammar (about a second for 150k tokens) and kept. A llama.cpp node reads the
+        GGUF's own vocabulary; it holds no Hugging Face tokenizer."""
+        with self._grammar_lock:
+            if self._grammar_tokenizer is None:
+                if self.on_llama_cpp:
+                    self._grammar_tokenizer = self.model.grammar_tokenizer(self.eos_token_ids)
+                else:
+                    import llguidance.hf
+
+                    self._grammar_tokenizer = llguidance.hf.from_tokenizer(
+                        self.tokenizer, n_vocab=self.model.cfg.vocab_size, eos_token=list(self.eos_token_ids))
+            return self._grammar_tokenizer
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
 from common.decoding.types import NodeInfo, TokenLogprob
@@ -64,6 +65,8 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         stop=list(p.stop),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
+        grammar=None if p.grammar is None else pb.Grammar(kind=p.grammar.kind, text=p.grammar.text,
+                                                           start=p.grammar.start or 0),
     )
 
 
@@ -73,6 +76,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
+    if msg.HasField("grammar"):
+        kwargs["grammar"] = Grammar(msg.grammar.kind, msg.grammar.text, msg.grammar.start)
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
 
 
@@ -127,6 +132,7 @@ def node_info_to_proto(info: NodeInfo, version: str, max_sessions: int, open_ses
         max_sessions=max_sessions,
         open_sessions=open_sessions,
         forward_curve=[pb.CostPoint(tokens=n, seconds=t) for n, t in info.forward_curve],
+        features=list(info.features),
     )
 
 
@@ -144,4 +150,5 @@ def node_info_from_proto(msg: pb.NodeInfo) -> NodeInfo:
         device=msg.device,
         forward_curve=tuple((p.tokens, p.seconds) for p in msg.forward_curve),
         max_sessions=msg.max_sessions,
+        features=tuple(msg.features),
     )

@@ -11,7 +11,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class NodeInfo(_message.Message):
-    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "max_tree_nodes", "max_tree_depth", "dtype", "device", "server_version", "max_sessions", "open_sessions", "forward_curve")
+    __slots__ = ("role", "model_id", "vocab_size", "tokenizer_fingerprint", "eos_token_ids", "max_context", "max_tree_nodes", "max_tree_depth", "dtype", "device", "server_version", "max_sessions", "open_sessions", "forward_curve", "features")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_ID_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class NodeInfo(_message.Message):
     MAX_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     FORWARD_CURVE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     role: str
     model_id: str
     vocab_size: int
@@ -40,7 +41,8 @@ class NodeInfo(_message.Message):
     max_sessions: int
     open_sessions: int
     forward_curve: _containers.RepeatedCompositeFieldContainer[CostPoint]
-    def __init__(self, role: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., server_version: _Optional[str] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., forward_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ...) -> None: ...
+    features: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, role: _Optional[str] = ..., model_id: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_fingerprint: _Optional[str] = ..., eos_token_ids: _Optional[_Iterable[int]] = ..., max_context: _Optional[int] = ..., max_tree_nodes: _Optional[int] = ..., max_tree_depth: _Optional[int] = ..., dtype: _Optional[str] = ..., device: _Optional[str] = ..., server_version: _Optional[str] = ..., max_sessions: _Optional[int] = ..., open_sessions: _Optional[int] = ..., forward_curve: _Optional[_Iterable[_Union[CostPoint, _Mapping]]] = ..., features: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class CostPoint(_message.Message):
     __slots__ = ("tokens", "seconds")
@@ -79,7 +81,7 @@ class TreeParams(_message.Message):
     def __init__(self, budget: _Optional[int] = ..., max_depth: _Optional[int] = ..., max_branch: _Optional[int] = ..., expand_batch: _Optional[int] = ..., min_prob: _Optional[float] = ..., min_node_prob: _Optional[float] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "ignore_eos", "logprobs")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "stop", "ignore_eos", "logprobs", "grammar")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +90,7 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
@@ -96,7 +99,18 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     ignore_eos: bool
     logprobs: int
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
+
+class Grammar(_message.Message):
+    __slots__ = ("kind", "text", "start")
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    TEXT_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    kind: str
+    text: str
+    start: int
+    def __init__(self, kind: _Optional[str] = ..., text: _Optional[str] = ..., start: _Optional[int] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

@@ -1,0 +1,160 @@
+"""Constrained decoding: a grammar (a JSON schema, a regex, a list of choices, a Lark or GBNF grammar)
+that every target draw follows, through llguidance (the constraint library llama.cpp and vLLM use).
+
+The grammar belongs to the target's sampling: the draw at a tree node samples from the node's logits
+masked by the grammar's state after the path to it, and the acceptance walk draws along one path, in
+order, so one matcher per session follows it. The output is therefore exactly the target alone's under
+the same grammar, greedy or seeded. The draft is not constrained: a drafted token the grammar forbids
+is never the target's draw, so it is never accepted; it only costs the tree a node.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+GRAMMAR_KINDS = ("json_schema", "regex", "choice", "lark", "gbnf")
+MAX_GRAMMAR_CHARS = 65536  # a schema or grammar's text, as sent with every step
+MAX_CHOICES = 256
+MAX_MESSAGE = 600  # characters of llguidance's own message kept in an error
+ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
+
+
+class GrammarError(ValueError):
+    """A grammar that cannot be compiled, or tokens it does not allow."""
+
+
+@dataclass(frozen=True)
+class Grammar:
+    """`kind` and its `text` (a JSON schema as JSON, a regex, a JSON list of strings, a Lark or GBNF
+    grammar). `start`: the absolute position of the first token the grammar covers, the request's
+    prompt length; a sequence sets it when it starts generating (`at`)."""
+
+    kind: str
+    text: str
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in GRAMMAR_KINDS:
+            raise GrammarError(f"grammar kind must be one of {', '.join(GRAMMAR_KINDS)}, got {self.kind!r}")
+        if not isinstance(self.text, str) or not self.text.strip():
+            raise GrammarError(f"grammar ({self.kind}) must be a non-empty string")
+        if len(self.text) > MAX_GRAMMAR_CHARS:
+            raise GrammarError(f"grammar ({self.kind}) must be at most {MAX_GRAMMAR_CHARS} characters, "
+                               f"got {len(self.text)}")  # fmt: skip
+        if self.start is not None and (isinstance(self.start, bool) or not isinstance(self.start, int)
+                                       or self.start < 0):  # fmt: skip
+            raise GrammarError(f"grammar start must be a position >= 0, got {self.start!r}")
+        if self.kind == "choice":
+            _choices(self.text)
+
+    @classmethod
+    def json_schema(cls, schema: dict[str, Any] | str | bool) -> Grammar:
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+
+    @classmethod
+    def json_object(cls) -> Grammar:
+        return cls("json_schema", ANY_JSON_OBJECT)
+
+    @classmethod
+    def choice(cls, choices: list[str]) -> Grammar:
+        return cls("choice", json.dumps(list(choices)))
+
+    def at(self, start: int) -> Grammar:
+        return replace(self, start=start)
+
+    def definition(self) -> str:
+        """llguidance's grammar for it (not yet checked: `compile` checks it)."""
+        import llguidance
+
+        from_kind = {"json_schema": "json_schema", "regex": "regex", "lark": "lark", "gbnf": "gbnf"}
+        try:
+            if self.kind == "choice":
+                return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, _choices(self.text))))
+            return llguidance.grammar_from(from_kind[self.kind], self.text)  # type: ignore[arg-type]
+        except ValueError as exc:
+            raise GrammarError(f"grammar ({self.kind}) is invalid: {exc}") from None
+
+
+def _choices(text: str) -> list[str]:
+    try:
+        choices = json.loads(text)
+    except json.JSONDecodeError:
+        choices = None
+    if not isinstance(choices, list) or not choices or not all(isinstance(c, str) and c for c in choices):
+        raise GrammarError("grammar (choice) must be a JSON list of non-empty strings")
+    if len(choices) > MAX_CHOICES:
+        raise GrammarError(f"grammar (choice) takes at most {MAX_CHOICES} choices, got {len(choices)}")
+    return choices
+
+
+def check(grammar: Grammar, tokenizer: Any = None) -> None:
+    """Raise `GrammarError`, with llguidance's message, for a grammar that does not compile.
+    `tokenizer` (an `llguidance.LLTokenizer`) also checks it against the vocabulary."""
+    import llguidance
+
+    message = llguidance.LLMatcher.validate_grammar(grammar.definition(), tokenizer)
+    if message:
+        said = " ".join(line.strip() for line in message.splitlines() if line.strip())
+        raise GrammarError(f"grammar ({grammar.kind}) is invalid: {said[:MAX_MESSAGE]}")
+
+
+class Constraint:
+    """One session's matcher for `grammar`, kept in step with the tokens committed since its start.
+    Not thread-safe: a session's steps run one at a time."""
+
+    def __init__(self, grammar: Grammar, tokenizer: Any, vocab_size: int) -> None:
+        import llguidance
+
+        check(grammar, tokenizer)
+        self.grammar = grammar
+        self.matcher = llguidance.LLMatcher(tokenizer, grammar.definition(), log_level=0)
+        if self.matcher.is_error():
+            raise GrammarError(f"grammar ({grammar.kind}) is invalid: {self.matcher.get_error()}")
+        self.vocab_size = vocab_size
+        self.eos = frozenset(tokenizer.eos_tokens)
+        self.consumed: list[int] = []
+
+    def follow(self, tokens: list[int]) -> None:
+        """Roll back to what `tokens` (the committed tokens from the grammar's start) share with what
+        was consumed, then consume the rest: a step that failed, a rollback or a replay leaves the
+        matcher where the committed tokens are."""
+        keep = 0
+        for a, b in zip(self.consumed, tokens, strict=False):
+            if a != b:
+                break
+            keep += 1
+        if keep < len(self.consumed):
+            if not self.matcher.rollback(len(self.consumed) - keep):
+                raise GrammarError(f"the grammar's matcher could not roll back: {self.matcher.get_error()}")
+            del self.consumed[keep:]
+        for token in tokens[keep:]:
+            self.consume(token)
+
+    def allowed(self) -> np.ndarray:
+        """bool [V]: the tokens the grammar allows next."""
+        bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
+        allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
+        if allowed.size < self.vocab_size:  # ids past the tokenizer's vocabulary
+            allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])
+        return allowed
+
+    def mask(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` [r, V] with every token the grammar forbids at -inf (a copy)."""
+        allowed = self.allowed()
+        if not allowed.any():
+            raise GrammarError(f"the grammar ({self.grammar.kind}) allows no next token after "
+                               f"{len(self.consumed)} tokens")  # fmt: skip
+        return np.where(allowed, np.asarray(logits, dtype=np.float32), np.float32(-np.inf))
+
+    def consume(self, token: int) -> None:
+        # checked first: a refused token would leave the matcher in its error state for good
+        # (llguidance's check counts an EOS as not valid even where the grammar may end)
+        fits = self.matcher.is_accepting() if token in self.eos else self.matcher.validate_tokens([token]) == 1
+        if not fits or not self.matcher.consume_token(token):
+            raise GrammarError(f"token {token} at {len(self.consumed)} tokens from the grammar's start does not "
+                               f"follow the grammar ({self.grammar.kind})")  # fmt: skip
+        self.consumed.append(token)

@@ -1,0 +1,172 @@
+"""Grammars (JSON schema, regex, choice, Lark, GBNF): the target's draws follow them, and the
+output is still exactly the target alone's under the same grammar, greedy and seeded."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import llguidance
+import llguidance.hf
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from client.api import SpecExec
+from common.decoding.grammar import Constraint, Grammar, GrammarError, check
+from common.decoding.sampling import SamplingParams, sample_rows
+from common.rpc.wire import sampling_from_proto, sampling_to_proto
+from draft_node.engine import DraftEngine
+from draft_node.tree_builder import TreeParams
+from target_node.engine import TargetEngine
+
+PROMPT = [72, 101, 108, 108, 111, 44, 32]
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+GRAMMARS = {
+    "schema": Grammar.json_schema(SCHEMA),
+    "regex": Grammar("regex", r"(ab|ba)+![0-9]{2,5}"),
+    "choice": Grammar.choice(["yes", "no", "maybe so"]),
+    "lark": Grammar("lark", 'start: "x" NUM ("," NUM)*\nNUM: /[0-9]+/'),
+    "gbnf": Grammar("gbnf", 'root ::= "<" [a-z]+ ">"'),
+}
+
+
+def pair(loaded, mode="specexec", budget=16, draft="truncated") -> SpecExec:
+    tree = TreeParams(budget=budget, max_depth=8, max_branch=4, expand_batch=8)
+    t = TargetEngine(loaded["target"], max_context=512, max_tree=budget)
+    d = DraftEngine(loaded[draft], max_context=512, max_tree=budget) if mode != "autoregressive" else None
+    return SpecExec(t, d, loaded["target"].tokenizer, mode=mode, tree=tree if d else None)
+
+
+def reference(model_dir, tokenizer, grammar: Grammar, params: SamplingParams, eos: int) -> list[int]:
+    """The target alone with llguidance's own mask, no KV cache, none of our session code."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    lt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=hf.config.vocab_size)
+    matcher = llguidance.LLMatcher(lt, grammar.definition())
+    seq, out = list(PROMPT), []
+    with torch.no_grad():
+        for _ in range(params.max_new_tokens):
+            logits = hf(torch.tensor([seq])).logits[0, -1:].float().numpy()
+            bits = np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8)
+            allowed = np.unpackbits(bits, bitorder="little")[: logits.shape[1]].astype(bool)
+            token = int(sample_rows(np.where(allowed, logits, -np.inf), params, [len(seq)])[0])
+            assert matcher.consume_token(token)
+            seq.append(token)
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(GRAMMARS))
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=1.0, seed=7), dict(temperature=0.8, top_k=20, seed=3)])
+def test_constrained_output_equals_target_alone_with_the_grammar(loaded, model_dirs, name, sampling):
+    grammar = GRAMMARS[name]
+    params = SamplingParams(max_new_tokens=40, grammar=grammar, **sampling)
+    tok = loaded["target"].tokenizer
+    expected = reference(model_dirs["target"], tok, grammar, params, tok.eos_token_id)
+    for mode in ("specexec", "autoregressive"):
+        got = pair(loaded, mode).generate(PROMPT, params)
+        assert got.token_ids == expected, mode
+    text = tok.decode([t for t in expected if t != tok.eos_token_id])
+    if name == "schema" and expected[-1] == tok.eos_token_id:
+        assert set(json.loads(text)) == {"n", "ok"}
+    if name == "regex" and expected[-1] == tok.eos_token_id:
+        assert re.fullmatch(r"(ab|ba)+![0-9]{2,5}", text)
+    if name == "choice":
+        assert text in ("yes", "no", "maybe so") and got.finish_reason == "stop"
+
+
+def test_a_grammar_covers_only_the_generated_text(loaded):
+    """The prompt is not JSON; the grammar starts at the request's first new token, and a chat's
+    next turn starts it again after its own prompt."""
+    gen = pair(loaded)
+    tight = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+             "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    params = SamplingParams(max_new_tokens=60, grammar=Grammar.json_schema(tight))
+    first = gen.generate("not json {{{", params)
+    assert first.finish_reason == "stop"
+    assert first.text in ('{"a":true}', '{"a":false}')
+    from client.api import Chat
+
+    chat = Chat(gen)
+    for turn in ("one", "two"):
+        reply = "".join(c.text for c in chat.send(turn, params))
+        assert reply in ('{"a":true}', '{"a":false}')
+
+
+def test_prompt_cache_and_rollback_keep_the_matcher_in_step(loaded):
+    """A kept sequence that a new request rolls back, and a stop string cutting an answer, leave
+    the target's matcher where the committed tokens are."""
+    gen = pair(loaded)
+    gen.use_prompt_cache(4)
+    try:
+        params = SamplingParams(max_new_tokens=30, temperature=1.0, seed=11, grammar=GRAMMARS["lark"])
+        a = gen.generate(PROMPT, params)
+        b = gen.generate(PROMPT + a.token_ids[:3], params)  # continues from a kept sequence's middle
+        alone = pair(loaded, "autoregressive")
+        assert a.token_ids == alone.generate(PROMPT, params).token_ids
+        assert b.token_ids == alone.generate(PROMPT + a.token_ids[:3], params).token_ids
+    finally:
+        gen.close()
+
+
+def test_wire_carries_the_grammar_and_its_start():
+    params = SamplingParams(grammar=GRAMMARS["regex"].at(17))
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert sampling_from_proto(sampling_to_proto(SamplingParams())).grammar is None
+
+
+@pytest.mark.parametrize(
+    ("grammar", "message"),
+    [
+        (lambda: Grammar("yaml", "a: b"), "grammar kind must be one of"),
+        (lambda: Grammar("regex", ""), "must be a non-empty string"),
+        (lambda: Grammar("regex", "a" * 70000), "at most 65536 characters"),
+        (lambda: Grammar.choice([]), "JSON list of non-empty strings"),
+        (lambda: Grammar("choice", "[1, 2]"), "JSON list of non-empty strings"),
+        (lambda: check(Grammar("regex", "[a-")), r"grammar \(regex\) is invalid: .*unclosed character class"),
+        (lambda: check(Grammar("json_schema", '{"type": "objectx"}')), "Invalid type: objectx"),
+        (lambda: check(Grammar("json_schema", "[1")), r"grammar \(json_schema\) is invalid"),
+        (lambda: check(Grammar("gbnf", "root ::= (")), r"grammar \(gbnf\) is invalid"),
+        (lambda: check(Grammar("lark", "start: undefined_rule")), r"grammar \(lark\) is invalid"),
+    ],
+)
+def test_bad_grammars_get_clear_errors(grammar, message):
+    with pytest.raises(GrammarError, match=message):
+        grammar()
+
+
+def test_a_bad_grammar_is_refused_before_any_session_opens(loaded):
+    gen = pair(loaded)
+    with pytest.raises(GrammarError, match="unclosed character class"):
+        gen.stream(PROMPT, SamplingParams(grammar=Grammar("regex", "[a-")))
+    assert len(gen.target.sessions) == 0
+
+
+def test_a_target_without_grammars_is_refused(loaded):
+    gen = pair(loaded)
+    info = gen.target.info()
+    gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ()})
+    with pytest.raises(ValueError, match="the target node does not apply grammars"):
+        gen.stream(PROMPT, SamplingParams(grammar=Grammar.json_object()))
+
+
+def test_matcher_follows_rollbacks_and_refuses_tokens_off_the_grammar(loaded):
+    lt = loaded["target"].grammar_tokenizer()
+    tok = loaded["target"].tokenizer
+    c = Constraint(Grammar("regex", "(ab)+c"), lt, vocab_size=300)
+    c.follow(tok.encode("ababab"))
+    assert np.flatnonzero(c.allowed()).tolist() == sorted(tok.encode("a") + tok.encode("c"))
+    c.follow(tok.encode("ab"))  # rolled back
+    assert c.consumed == tok.encode("ab")
+    c.follow(tok.encode("abc"))
+    assert np.flatnonzero(c.allowed()).tolist() == [tok.eos_token_id]
+    with pytest.raises(GrammarError, match="does not follow the grammar"):
+        c.follow(tok.encode("abx"))
+    c.follow(tok.encode("ab"))  # a refused token leaves the matcher usable
+    assert c.consumed == tok.encode("ab")
+    logits = np.zeros((1, 300), dtype=np.float32)
+    assert np.isinf(c.mask(logits)).sum() == 300 - 2
