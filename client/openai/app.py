@@ -346,6 +346,9 @@ class Service:
                            param="prompt")  # fmt: skip
         job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
         check_context(request, job, info.max_context)
+        if job.sampling.grammar is not None and "grammar" not in info.features:
+            raise ApiError(400, f"'{request.grammar_field()}' asks for a grammar, which the target node does not "
+                           "apply (a node from before grammars): update it", param=request.grammar_field())  # fmt: skip
         return job
 
     def start(self, job: Job, release: Callable[[], None]) -> Generation:

@@ -2,8 +2,8 @@
 in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
-that would change the output and cannot be served (`echo`, `best_of`, penalties,
-`logit_bias`, a forced `tool_choice`, a non-text `response_format`) is a 400, not silently ignored;
+that would change the output and cannot be served (`echo`, `best_of`, penalties, `logit_bias`)
+is a 400, not silently ignored;
 `user` and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
 
@@ -32,8 +32,10 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
+from client.openai import structured
 from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -289,9 +291,15 @@ class SamplingRequest(BaseModel):
     logit_bias: Annotated[Any, refused(lambda v: not v)] = None
     functions: Annotated[Any, refused(lambda v: not v)] = None  # the legacy API's: chat takes `tools`
     function_call: Annotated[Any, refused(lambda v: v in (None, "none", "auto"))] = None
-    response_format: Annotated[
-        Any, refused(lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"))
-    ] = None
+    # Structured outputs (client.openai.structured): OpenAI's, vLLM's and llama.cpp's ways to ask for a grammar
+    response_format: Any = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    json_schema: Any = None
+    grammar: Any = None
     # Other servers' extensions that change the output (vLLM's sampling params, llama.cpp's server):
     min_p: Annotated[Any, unless(0, 0.0)] = None
     repetition_penalty: Annotated[Any, unless(1, 1.0)] = None
@@ -308,13 +316,6 @@ class SamplingRequest(BaseModel):
     include_stop_str_in_output: Annotated[Any, unless(False)] = None
     bad_words: Annotated[Any, unless([])] = None
     allowed_token_ids: Annotated[Any, unless()] = None
-    grammar: Annotated[Any, unless("")] = None
-    json_schema: Annotated[Any, unless()] = None
-    guided_json: Annotated[Any, unless()] = None
-    guided_regex: Annotated[Any, unless()] = None
-    guided_choice: Annotated[Any, unless()] = None
-    guided_grammar: Annotated[Any, unless()] = None
-    structured_outputs: Annotated[Any, unless()] = None
     truncate_prompt_tokens: Annotated[Any, unless()] = None
     prompt_logprobs: Annotated[Any, unless(0)] = None
     n_probs: Annotated[Any, unless(0)] = None
@@ -341,8 +342,20 @@ class SamplingRequest(BaseModel):
         """None: no log-probs; k: each token's, with its k most likely alternatives."""
         return None
 
+    def asked_grammar(self) -> tuple[str, Grammar] | None:
+        """The grammar the request asks for (`client.openai.structured`), and the field that asks."""
+        try:
+            return structured.requested({name: getattr(self, name) for name in structured.FIELDS})
+        except structured.StructuredError as exc:
+            raise bad(str(exc), param=exc.param) from None
+
+    def grammar_field(self) -> str | None:
+        asked = self.asked_grammar()
+        return None if asked is None else asked[0]
+
     def sampling(self, default_max_tokens: int) -> SamplingParams:
         """OpenAI's defaults: temperature 1 (sampling), a random seed when none is given."""
+        asked = self.asked_grammar()
         top_p, top_k = self.top_p if self.top_p is not None else 1.0, max(self.top_k or 0, 0)
         if top_p == 0:  # OpenAI allows 0: only the most probable token
             top_p, top_k = 1.0, 1
@@ -357,6 +370,7 @@ class SamplingRequest(BaseModel):
                 ignore_eos=bool(self.ignore_eos),
                 logprobs=self.logprob_count(),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
+                grammar=None if asked is None else asked[1],
             )
         except ValueError as exc:
             raise bad(str(exc)) from exc
@@ -425,12 +439,15 @@ def _arguments(arguments: Any) -> dict[str, Any]:
 
 
 def _tool_choice(choice: Any) -> Any:
-    if choice in (None, "none", "auto"):
+    if choice in (None, "none", "auto", "required"):
         return choice
-    if choice == "required" or isinstance(choice, dict):
-        raise field_error("cannot force a call here (this server has no constrained decoding): send 'auto', "
-                          "and the model calls a tool when it decides to")  # fmt: skip
-    raise field_error(f"must be 'none' or 'auto', got {_shown(choice)}")
+    if isinstance(choice, dict):
+        function = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise field_error('must name a function as {"type": "function", "function": {"name": ...}}, '
+                              f"got {_shown(choice)}")  # fmt: skip
+        return choice
+    raise field_error(f"must be 'none', 'auto', 'required' or a named function, got {_shown(choice)}")
 
 
 class FunctionDefinition(BaseModel):
@@ -531,6 +548,22 @@ class ChatCompletionRequest(SamplingRequest):
         if self.max_completion_tokens is not None:
             return self.max_completion_tokens
         return super().max_new_tokens(default)
+
+    def asked_grammar(self) -> tuple[str, Grammar] | None:
+        """A forced `tool_choice` asks for one too: bare JSON calls, as vLLM forces them."""
+        asked = super().asked_grammar()
+        if self.tool_choice != "required" and not isinstance(self.tool_choice, dict):
+            return asked
+        if not self.tools:
+            raise bad(f"'tool_choice' {_shown(self.tool_choice)} needs 'tools' to call", param="tool_choice")
+        if asked is not None:
+            raise bad(f"'tool_choice' forces a call and '{asked[0]}' asks for a grammar: send one", param=asked[0])
+        try:
+            tools = [tool.rendered() for tool in self.tools]
+            grammar = structured.forced_call(tools, self.tool_choice, self.parallel_tool_calls is not False)
+        except structured.StructuredError as exc:
+            raise bad(str(exc), param=exc.param) from None
+        return None if grammar is None else ("tool_choice", grammar)
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the model is shown, and whose calls are read from its answer: none with
@@ -670,6 +703,10 @@ class Job:
         reasoning = None
         if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
             reasoning = THINKING if opens_thought(tokenizer.decode(ids[-16:])) else START
+        if reasoning == THINKING and sampling.grammar is not None:
+            name = request.grammar_field()
+            raise bad(f"'{name}' asks for a grammar, but the chat template opens a thought the answer would start "
+                      "in: send chat_template_kwargs {\"enable_thinking\": false}", param=name)  # fmt: skip
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
                    continuous_usage=request.continuous_usage)  # fmt: skip

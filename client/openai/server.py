@@ -20,10 +20,11 @@ Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `te
 the vLLM extensions `top_k`, `ignore_eos`, `stop_token_ids`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
 Qwen3's `enable_thinking`). Chat takes `tools` (`client.openai.tool_calls` reads the calls) and sends
-a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Anything else that
-would change the output (`echo`, `best_of`, penalties, `logit_bias`, a forced `tool_choice`, a
-non-text `response_format`, and vLLM's or llama.cpp's extensions such as `min_p` or `guided_json`)
-is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
+a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Structured outputs
+(`response_format`, a forced `tool_choice`, vLLM's `guided_*` and llama.cpp's `json_schema` and
+`grammar`: `client.openai.structured`) constrain the target's draws. Anything else that would change
+the output (`echo`, `best_of`, penalties, `logit_bias`, and vLLM's or llama.cpp's extensions such as
+`min_p`) is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.
 
 Defaults follow OpenAI, not `specexec generate`: `temperature` 1.0 (sampling, not greedy; send 0 for

@@ -21,6 +21,10 @@ MAX_GRAMMAR_CHARS = 65536  # a schema or grammar's text, as sent with every step
 MAX_CHOICES = 256
 MAX_MESSAGE = 600  # characters of llguidance's own message kept in an error
 ANY_JSON_OBJECT = '{"type": "object"}'  # OpenAI's json_object mode
+# Whitespace between JSON tokens as llama.cpp's schemas allow it: a space, or a newline and up to 20
+# spaces or tabs of indent. Unbounded whitespace lets a model pad forever (vLLM's users meet it as
+# endless newlines). A schema's own "x-guidance" options replace it.
+JSON_DEFAULTS = {"whitespace_pattern": r"(?:\x20|\x0A[\x20\x09]{0,20})"}
 
 
 class GrammarError(ValueError):
@@ -70,13 +74,23 @@ class Grammar:
         """llguidance's grammar for it (not yet checked: `compile` checks it)."""
         import llguidance
 
-        from_kind = {"json_schema": "json_schema", "regex": "regex", "lark": "lark", "gbnf": "gbnf"}
+        from_kind = {"regex": "regex", "lark": "lark", "gbnf": "gbnf"}
         try:
+            if self.kind == "json_schema":
+                return llguidance.LLMatcher.grammar_from_json_schema(self.text, defaults=_json_defaults(self.text))
             if self.kind == "choice":
                 return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(map(json.dumps, _choices(self.text))))
             return llguidance.grammar_from(from_kind[self.kind], self.text)  # type: ignore[arg-type]
         except ValueError as exc:
             raise GrammarError(f"grammar ({self.kind}) is invalid: {exc}") from None
+
+
+def _json_defaults(text: str) -> dict[str, Any] | None:
+    try:
+        schema = json.loads(text)
+    except (ValueError, RecursionError):
+        return None  # llguidance says what is wrong with it
+    return None if isinstance(schema, dict) and "x-guidance" in schema else dict(JSON_DEFAULTS)
 
 
 def _choices(text: str) -> list[str]:

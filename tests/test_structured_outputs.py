@@ -1,0 +1,170 @@
+"""Structured outputs on the OpenAI endpoint, through the real `openai` client and the tiny pair:
+OpenAI's `response_format`, vLLM's `guided_*` and `structured_outputs`, llama.cpp's `json_schema` and
+`grammar`, and a forced `tool_choice`, each the same text as the Python API under the same grammar."""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+
+import openai
+import pytest
+
+from client.api import SpecExec
+from client.openai.server import OpenAIServer
+from common.decoding.grammar import Grammar
+from common.decoding.sampling import SamplingParams
+from draft_node.engine import DraftEngine
+from draft_node.tree_builder import TreeParams
+from target_node.engine import TargetEngine
+from tests.test_tool_calls import HERMES_TEMPLATE
+
+MODEL = "tiny-structured"
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+          "required": ["n", "ok"], "additionalProperties": False}  # fmt: skip
+CITY = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]}}, "required": ["city"],
+        "additionalProperties": False}  # fmt: skip
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": CITY}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                              "additionalProperties": False}}}]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def gen(loaded) -> SpecExec:
+    tokenizer = copy.copy(loaded["target"].tokenizer)
+    tokenizer.chat_template = HERMES_TEMPLATE
+    target = TargetEngine(loaded["target"], max_context=1024, max_tree=8)
+    draft = DraftEngine(loaded["truncated"], max_context=1024, max_tree=8)
+    return SpecExec(target, draft, tokenizer, tree=TreeParams(budget=8))
+
+
+@pytest.fixture(scope="module")
+def api(gen):
+    server = OpenAIServer("127.0.0.1:0", gen, model_name=MODEL).start()
+    yield openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
+    server.stop()
+
+
+def chat(api, stream: bool = False, **body):
+    request = {"model": MODEL, "messages": [{"role": "user", "content": "Say it."}], "max_tokens": 60,
+               "temperature": 0.7, "seed": 9, **body}
+    if not stream:
+        return api.chat.completions.create(**request)
+    text, finish = "", None
+    for event in api.chat.completions.create(stream=True, **request):
+        if event.choices:
+            text += event.choices[0].delta.content or ""
+            finish = event.choices[0].finish_reason or finish
+    return text, finish
+
+
+def python_api(gen, grammar: Grammar, max_tokens: int = 60) -> str:
+    from client.api import render_chat
+
+    ids = render_chat(gen.tokenizer, [{"role": "user", "content": "Say it."}])
+    params = SamplingParams(temperature=0.7, seed=9, max_new_tokens=max_tokens, grammar=grammar)
+    return gen.generate(ids, params).text
+
+
+@pytest.mark.parametrize(
+    "body, grammar",
+    [
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}},
+         Grammar.json_schema(SCHEMA)),
+        ({"response_format": {"type": "json_object"}}, Grammar.json_object()),
+        ({"extra_body": {"guided_json": SCHEMA}}, Grammar.json_schema(SCHEMA)),
+        ({"extra_body": {"guided_regex": "(ab|ba)+![0-9]{2,5}"}}, Grammar("regex", "(ab|ba)+![0-9]{2,5}")),
+        ({"extra_body": {"guided_choice": ["yes", "no"]}}, Grammar.choice(["yes", "no"])),
+        ({"extra_body": {"structured_outputs": {"choice": ["up", "down"]}}}, Grammar.choice(["up", "down"])),
+        ({"extra_body": {"grammar": 'root ::= "<" [a-z]+ ">"'}}, Grammar("gbnf", 'root ::= "<" [a-z]+ ">"')),
+        ({"extra_body": {"json_schema": SCHEMA}}, Grammar.json_schema(SCHEMA)),
+    ],
+)  # fmt: skip
+def test_each_way_to_ask_gives_the_python_apis_text_under_that_grammar(api, gen, body, grammar):
+    whole = chat(api, **body)
+    assert whole.choices[0].message.content == python_api(gen, grammar)
+    assert chat(api, stream=True, **body) == (whole.choices[0].message.content, whole.choices[0].finish_reason)
+    text = whole.choices[0].message.content
+    if whole.choices[0].finish_reason == "stop":
+        if grammar.kind == "json_schema":
+            value = json.loads(text)
+            if grammar.text != Grammar.json_object().text:
+                assert set(value) == {"n", "ok"}
+        if grammar.kind == "choice":
+            assert text in json.loads(grammar.text)
+        if grammar.kind == "regex":
+            assert re.fullmatch(grammar.text, text)
+
+
+def test_completions_take_them_too(api, gen):
+    out = api.completions.create(model=MODEL, prompt="Answer: ", max_tokens=20, temperature=0,
+                                 extra_body={"guided_choice": ["alpha", "beta", "gamma"]})  # fmt: skip
+    assert out.choices[0].text in ("alpha", "beta", "gamma") and out.choices[0].finish_reason == "stop"
+
+
+@pytest.mark.parametrize("choice, parallel, names", [
+    ({"type": "function", "function": {"name": "get_weather"}}, None, ["get_weather"]),
+    ("required", False, None),
+    ("required", None, None),
+])  # fmt: skip
+def test_a_forced_tool_choice_answers_with_calls(api, choice, parallel, names):
+    body = {"tools": TOOLS, "tool_choice": choice, "max_tokens": 120, "temperature": 0}
+    if parallel is not None:
+        body["parallel_tool_calls"] = parallel
+    out = chat(api, **body)
+    message = out.choices[0].message
+    assert out.choices[0].finish_reason == "tool_calls", message
+    assert message.content is None and message.tool_calls
+    if parallel is False:
+        assert len(message.tool_calls) == 1
+    for called in message.tool_calls:
+        assert called.function.name in (names or ["get_weather", "get_time"])
+        arguments = json.loads(called.function.arguments)
+        if called.function.name == "get_weather":
+            assert arguments in ({"city": "Paris"}, {"city": "Rome"})
+        else:
+            assert arguments == {}
+
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"response_format": {"type": "xml"}}, "response_format", "must be text, json_object or json_schema"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "response_format",
+         "must be an object with a 'schema'"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objectx"}}}},
+         "response_format", "Invalid type: objectx"),
+        ({"extra_body": {"guided_regex": "[a-"}}, "guided_regex", "grammar (regex) is invalid"),
+        ({"extra_body": {"guided_choice": []}}, "guided_choice", "non-empty list of non-empty strings"),
+        ({"extra_body": {"guided_json": "{not json"}}, "guided_json", "is not valid JSON"),
+        ({"extra_body": {"grammar": "root ::= ("}}, "grammar", "grammar (gbnf) is invalid"),
+        ({"extra_body": {"structured_outputs": {"regex": "a", "choice": ["b"]}}}, "structured_outputs",
+         "exactly one of"),
+        ({"extra_body": {"guided_regex": "a+", "guided_choice": ["b"]}}, "guided_choice",
+         "'guided_regex' and 'guided_choice' each ask for a grammar"),
+        ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice",
+         "names function 'nope', which 'tools' does not offer"),
+        ({"tools": TOOLS, "tool_choice": {"function": "get_time"}}, "tool_choice", "must name a function"),
+        ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "'required' or a named function"),
+        ({"tools": TOOLS, "tool_choice": "required", "extra_body": {"guided_regex": "a"}}, "guided_regex",
+         "forces a call and 'guided_regex' asks for a grammar"),
+    ],
+)  # fmt: skip
+def test_bad_asks_are_400s_naming_the_field(api, body, param, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(api, **body)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+def test_a_target_that_does_not_apply_grammars_is_a_400_not_unconstrained_text(gen, api):
+    info = gen.target.info()
+    try:
+        gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ()})
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(api, response_format={"type": "json_object"})
+        assert err.value.body["param"] == "response_format"
+        assert "which the target node does not apply" in err.value.body["message"]
+    finally:
+        del gen.target.info
