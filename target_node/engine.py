@@ -242,6 +242,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         if append:
             check_token_ids(append, self.loaded.model.cfg.vocab_size, "append")
         with self.sessions.use(session_id, owner) as session:
+            session.compile_grammar(params)  # here, not in the pass every session waits on
             job = VerifyJob(session_id, session, tree, params, max_tokens, append or [], truncate_to, step_id, timing,
                             continues=continues, max_chain=self.chain_limit(), owner=owner)  # fmt: skip
             job.stopped = cancelled or job.stopped

@@ -151,13 +151,21 @@ class TargetSession:
             return None
         if grammar.start is None or grammar.start > len(self.committed):
             raise GrammarError(f"grammar start must be a position in [0, {len(self.committed)}], got {grammar.start}")
-        if self.grammar_tokenizer is None:
-            raise GrammarError("this target node does not apply grammars")
-        if self.constraint is None or self.constraint.grammar != grammar:
-            self.constraint = None  # a grammar that fails to compile leaves none behind
-            self.constraint = Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
+        self.compile_grammar(params)
+        assert self.constraint is not None
         self.constraint.follow(self.committed[grammar.start :])
         return self.constraint
+
+    def compile_grammar(self, params: SamplingParams) -> None:
+        """Compile the step's grammar, unless the last step's was the same. A complex schema takes
+        up to a second: the engine calls this before the step joins a pass others wait on."""
+        grammar = params.grammar
+        if grammar is None or (self.constraint is not None and self.constraint.grammar == grammar):
+            return
+        if self.grammar_tokenizer is None:
+            raise GrammarError("this target node does not apply grammars")
+        self.constraint = None  # a grammar that fails to compile leaves none behind
+        self.constraint = Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
 
     def abort(self, ticket: TreeTicket) -> None:
         """Undo `prepare`: the step failed, and the session is as it was before it. Its passes (a

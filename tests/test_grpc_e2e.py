@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -18,6 +19,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from client.api import SpecExec
 from client.remote import connect, open_channel
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 from common.decoding.types import TokenizerMismatch
@@ -551,3 +553,31 @@ def test_a_chat_turn_over_the_context_is_dropped_and_the_chat_goes_on(nodes, env
                          capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     assert "dropped from the conversation" in out.stderr and out.stderr.count("tokens/step") == 2, out.stderr
+
+
+@pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
+def test_a_grammar_over_the_wire_equals_in_process(nodes, in_process, mode):
+    """The grammar and its start travel with every Verify and Decode; the target node lists it as
+    a feature, compiles it against its own vocabulary and masks its draws."""
+    params = SamplingParams(temperature=0.9, seed=21, max_new_tokens=24, grammar=Grammar("regex", "(ab|ba)+![0-9]{2,5}"))
+    with remote(nodes, mode) as gen:
+        assert "grammar" in gen.target.info().features
+        got = gen.generate(PROMPT, params)
+    local = in_process["autoregressive"].generate(PROMPT, params)
+    assert got.token_ids == local.token_ids
+    if got.finish_reason == "stop":
+        assert re.fullmatch("(ab|ba)+![0-9]{2,5}", got.text)
+
+
+def test_a_gateway_takes_a_grammar_and_refuses_a_bad_one(gateway, in_process):
+    request = generate_request(budget=BUDGET)
+    request.sampling.grammar.CopyFrom(pb.Grammar(kind="choice", text='["left", "right"]', start=999))
+    request.sampling.ignore_eos = False
+    ids, text, final = run_generate(gateway, request)
+    assert text in ("left", "right") and final.finish_reason == "stop"  # the start a caller sends is the gateway's to set
+    params = SamplingParams(**{**SAMPLINGS["seeded"], "ignore_eos": False}, grammar=Grammar.choice(["left", "right"]))
+    assert ids == in_process["specexec"].generate(PROMPT, params).token_ids
+    request.sampling.grammar.CopyFrom(pb.Grammar(kind="regex", text="[a-"))
+    with open_channel(gateway) as channel, pytest.raises(grpc.RpcError) as err:
+        list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar (regex) is invalid" in err.value.details()
