@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -328,3 +329,20 @@ def test_models_list_takes_names_and_a_format_and_refuses_what_it_cannot_use(tmp
     with pytest.raises(SystemExit):
         main(["models"])
     assert "models needs an action: install or list" in capsys.readouterr().err
+
+
+def test_generate_follows_a_json_schema_regex_or_grammar_file(model_dirs, tmp_path):
+    schema = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"],
+              "additionalProperties": False, "x-guidance": {"whitespace_flexible": False}}  # fmt: skip
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "g.gbnf").write_text('root ::= "<" [a-c]{2} ">"')
+    common = [*pair_args(model_dirs), "--prompt", "Hello, ", "--budget", "8", "--max-new-tokens", "40", "--json"]
+    for flags, pattern in ((["--json-schema", f"@{tmp_path / 'schema.json'}"], r'\{"a":(true|false)\}'),
+                           (["--regex", "[xy]{3}!"], r"[xy]{3}!"),
+                           (["--grammar-file", str(tmp_path / "g.gbnf")], r"<[a-c]{2}>")):  # fmt: skip
+        result = json.loads(run("generate", *common, *flags).stdout)
+        assert result["finish_reason"] == "stop" and re.fullmatch(pattern, result["text"]), (flags, result)
+    bad = run("generate", *common, "--regex", "[a-", check=False)
+    assert bad.returncode != 0 and "--regex: grammar (regex) is invalid" in bad.stderr and "Traceback" not in bad.stderr
+    both = run("generate", *common, "--regex", "a", "--json-schema", "{}", check=False)
+    assert both.returncode == 2 and "not allowed with argument" in both.stderr

@@ -13,6 +13,8 @@ from client.api import SpecExec, check_fits, render_chat
 from client.generation import Recovery
 from client.openai.server import TlsFiles
 from client.remote import connect, wait_until_serving
+from common.decoding.grammar import Grammar
+from common.decoding.grammar import check as check_grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.model.llama_cpp import BACKENDS
@@ -45,6 +47,12 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeded samples are identical to the target alone's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    shape = g.add_mutually_exclusive_group()
+    shape.add_argument("--json-schema", metavar="SCHEMA", help="the text follows this JSON schema (JSON, or "
+                       "@FILE); '{\"type\": \"object\"}': any JSON object")
+    shape.add_argument("--regex", help="the text matches this regular expression")
+    shape.add_argument("--grammar-file", type=Path, metavar="FILE", help="the text follows this GBNF (llama.cpp's) "
+                       "or Lark grammar")
 
 
 def add_tree_args(p: argparse.ArgumentParser) -> None:
@@ -155,7 +163,30 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         max_new_tokens=SamplingParams.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
+        grammar=grammar_from(args),
     )
+
+
+def grammar_from(args: argparse.Namespace) -> Grammar | None:
+    """--json-schema, --regex or --grammar-file as a Grammar, checked here so that a bad one is named
+    by its flag before any node is asked."""
+    schema, regex, path = getattr(args, "json_schema", None), getattr(args, "regex", None), getattr(args, "grammar_file", None)
+    flag, grammar = None, None
+    try:
+        if schema is not None:
+            flag = "--json-schema"
+            if schema.startswith("@"):
+                schema = Path(schema[1:]).read_text()
+            grammar = Grammar("json_schema", schema)
+        elif regex is not None:
+            flag, grammar = "--regex", Grammar("regex", regex)
+        elif path is not None:
+            flag, grammar = "--grammar-file", Grammar("gbnf", path.read_text())
+        if grammar is not None:
+            check_grammar(grammar)
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"{flag}: {exc}") from None
+    return grammar
 
 
 def by_flag(make: Callable[..., T], renamed: dict[str, str] | None = None, **fields: Any) -> T:
