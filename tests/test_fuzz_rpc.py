@@ -37,6 +37,7 @@ from hypothesis import strategies as st
 
 from client.api import SpecExec
 from client.gateway import GenerationServicer
+from common.decoding.grammar import GRAMMAR_KINDS
 from common.decoding.sampling import SamplingParams, sample_rows
 from common.decoding.tree import MAX_BUDGET, MAX_TREE_DEPTH, TreeParams
 from common.pb.specexec.v1 import specexec_pb2 as pb
@@ -288,6 +289,11 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         if draw(st.booleans()):
             setattr(msg, name, draw(values))
     msg.stop.extend(draw(st.lists(st.text(max_size=4), max_size=2)))
+    if draw(st.integers(0, 3)) == 0:  # a grammar, compiled or refused by the target's own llguidance
+        kind = draw(st.sampled_from([*GRAMMAR_KINDS, "", "yaml"]))
+        text = draw(st.one_of(st.text(max_size=24), st.sampled_from(['{"type": "object"}', "[ab]+!", '["x", "y"]',
+                                                                     'start: "a"+', 'root ::= "a" [0-9]*', "[a-", "{"])))
+        msg.grammar.CopyFrom(pb.Grammar(kind=kind, text=text, start=draw(st.one_of(st.integers(0, 40), absurd_u32))))
     return msg
 
 
