@@ -2,8 +2,9 @@
 each answered without a grammar and under its JSON schema (as `response_format` sends it), SpecExec
 and the target alone, interleaved prompt by prompt.
 
-The draft is not constrained, so a grammar can cost accepted tokens where the draft proposes what the
-schema forbids (a ```json fence, other whitespace); the mask itself costs each draw a matcher step.
+The draft's search proposes only what the grammar allows; a contestant whose draft is blind to it
+shows what that brings (without it the draft proposes a ```json fence, keys out of the schema's
+order, ...). The mask itself costs each draw, and each expanded draft node, a matcher step.
 Greedy. Reports tokens/s, tokens per target step, and how many answers parse and fit their schema.
 
     .venv/bin/python -m benchmarks.structured --out docs/structured/report.md
@@ -61,6 +62,19 @@ def fits(text: str, schema: dict) -> tuple[bool, bool]:
     return True, isinstance(value, dict) and all(k in value for k in schema["required"])
 
 
+class Blind:
+    """A draft backend that builds its trees without the request's grammar."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+    def build_tree(self, *args: object, grammar: object = None, **kwargs: object) -> object:
+        return self.inner.build_tree(*args, **kwargs)  # type: ignore[attr-defined]
+
+
 def mask_cost(gen: SpecExec, schema: dict, draws: int = 200) -> float:
     """Milliseconds a draw spends in the matcher (mask and step) on the target's vocabulary."""
     loaded = getattr(gen.target, "loaded", None)
@@ -90,7 +104,12 @@ def main() -> None:
     tree = TreeParams(budget=args.budget)
     spec = SpecExec.local(args.draft, args.target, draft_quantize="int8", tree=tree, backend="llama.cpp")
     alone = spec.variant("autoregressive", None)
-    contestants = {"SpecExec": (spec, False), "SpecExec, schema": (spec, True), "target alone, schema": (alone, True)}
+    blind = spec.variant("specexec", tree)
+    blind.draft = Blind(spec.draft)  # the grammar withheld from the draft's search, as before it took one
+    contestants = {"SpecExec": (spec, False), "SpecExec, schema": (spec, True),
+                   "SpecExec, schema, draft blind to it": (blind, True), "target alone, schema": (alone, True)}
+    spec.target.loaded.grammar_tokenizer()  # built once per node, at its first grammar: not timed here
+    spec.draft.loaded.grammar_tokenizer()
     rows: dict[str, list[tuple[float, float, bool, bool]]] = {name: [] for name in contestants}
     warm = render_chat(spec.tokenizer, [{"role": "user", "content": "Hi"}])
     spec.generate(warm, max_new_tokens=8)

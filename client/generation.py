@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from client.budget import BudgetPlanner, RegimeStats, regime
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, check_pair, model_identity
@@ -45,7 +46,12 @@ class DraftBackend(Protocol):
     def info(self) -> NodeInfo: ...
     def open_session(self, prompt: list[int]) -> str: ...
     def build_tree(
-        self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
+        self,
+        session_id: str,
+        new_tokens: list[int],
+        params: TreeParams,
+        truncate_to: int | None = None,
+        grammar: Grammar | None = None,
     ) -> DraftedTree: ...
     def close_session(self, session_id: str) -> bool: ...
 
@@ -357,6 +363,7 @@ class Sequence:
             link.check(self.recovery.notify)
         self.link = link if draft is not None else None
         self.tokens = list(prompt)
+        self.grammar: Grammar | None = None  # the request's, while it generates (`steps`)
         self.target_session = target.open_session(prompt)
         self.draft_session = ""
         self._draft_epoch = -1  # the link's epoch the draft session was opened in
@@ -487,7 +494,8 @@ class Sequence:
             return None
         try:
             truncate_to, append = self._sync("draft")
-            drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to)
+            shaped = {} if self.grammar is None else {"grammar": self.grammar}  # backends from before it take none
+            drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to, **shaped)
         except (NodeFault, ValueError) as exc:
             self._draft_failed(exc, self._draft_epoch, stats)
             return None
@@ -638,6 +646,7 @@ class Sequence:
         (`--budget auto`) instead of `tree`."""
         if sampling.grammar is not None:  # it covers what this request generates, from here on
             sampling = replace(sampling, grammar=sampling.grammar.at(len(self.tokens)))
+        self.grammar = sampling.grammar  # the draft's search follows it too
         try:
             yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats)
         except Exception:

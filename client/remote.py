@@ -15,6 +15,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from client.api import SpecExec
 from client.generation import Recovery, close_quietly
+from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
 from common.decoding.types import NodeInfo, VerifyResult, describe_model, model_identity
@@ -26,6 +27,7 @@ from common.rpc.security import ClientSecurity
 from common.rpc.server import CHANNEL_OPTIONS
 from common.rpc.servicer import CLIENT_KEY
 from common.rpc.wire import (
+    grammar_to_proto,
     logprobs_from_proto,
     node_info_from_proto,
     sampling_to_proto,
@@ -252,7 +254,12 @@ class RemoteDraft(_RemoteNode):
         return self._fresh_info(self.probe_timeout)
 
     def build_tree(
-        self, session_id: str, new_tokens: list[int], params: TreeParams, truncate_to: int | None = None
+        self,
+        session_id: str,
+        new_tokens: list[int],
+        params: TreeParams,
+        truncate_to: int | None = None,
+        grammar: Grammar | None = None,
     ) -> DraftedTree:
         request = pb.BuildTreeRequest(
             session_id=session_id,
@@ -260,6 +267,7 @@ class RemoteDraft(_RemoteNode):
             new_tokens=new_tokens,
             truncate_to=truncate_to,
             params=tree_params_to_proto(params),
+            grammar=grammar_to_proto(grammar),
         )
         response = self._step(self.stub.BuildTree, request)
         node_seconds = response.build_seconds + response.queue_seconds

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from common.decoding.grammar import Grammar
 from common.decoding.tree import DraftedTree, TreeParams, TreeTooLarge, check_token_ids
 from common.model.llama_cpp import DEFAULT_KV_SESSIONS, MAX_SEQUENCES, MAX_TREE_LEAVES
 from common.model.llama_search import SearchPool, Work, run_batch
@@ -156,7 +157,12 @@ class DraftEngine(NodeEngine[DraftSession]):
                                          self._submit_search(sid), self.pool, limit)  # fmt: skip
             return DraftSession(self.loaded.model, prompt, self.max_context, self.max_tree, lookahead, forward, limit)
 
-        return self.sessions.add(lambda: self._share_prefix(make(), owner), owner, sid)
+        def made() -> DraftSession:
+            session = make()
+            session.grammar_tokenizer = self.loaded.grammar_tokenizer
+            return self._share_prefix(session, owner)
+
+        return self.sessions.add(made, owner, sid)
 
     def _share_prefix(self, session: DraftSession, owner: str) -> DraftSession:
         """The new session takes the KV of the longest prompt prefix one of its owner's sessions
@@ -247,7 +253,10 @@ class DraftEngine(NodeEngine[DraftSession]):
         truncate_to: int | None = None,
         step_id: int | None = None,
         timing: StepTiming | None = None,
+        grammar: Grammar | None = None,
     ) -> DraftedTree:
+        """`grammar`: the request's, whose draws the target masks; the search proposes only what
+        it allows, so fewer of its nodes are drafted for nothing."""
         check_token_ids(new_tokens, self.loaded.model.cfg.vocab_size, "new_tokens")
         if params.budget > self.max_tree:
             raise TreeTooLarge(f"budget {params.budget} is over this node's limit of {self.max_tree}")
@@ -255,7 +264,7 @@ class DraftEngine(NodeEngine[DraftSession]):
             check_step(session.step, step_id)
             with self.passes.working(session_id):
                 session.update(new_tokens, truncate_to)
-                built, reused = session.build_tree(params)
+                built, reused = session.build_tree(params, grammar)
             session.step = step_id if step_id is not None else session.step + 1
         if self.lookahead is not None:
             self.lookahead.schedule(session)

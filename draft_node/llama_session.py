@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 
+from common.decoding.grammar import Grammar
 from common.decoding.tree import TreeParams
 from common.model.llama_cpp import MAX_TREE_LEAVES, LlamaCppModel
 from common.model.llama_search import Chain, Expansion, NoSpareIds, SearchContext, SearchPool, Work, run_alone
@@ -78,12 +79,12 @@ class LlamaDraftSession(DraftSession):
         with self.working():
             super().update(tokens, truncate_to)
 
-    def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
+    def build_tree(self, params: TreeParams, grammar: Grammar | None = None) -> tuple[BuiltTree, bool]:
         """Past the ids it reserved the search expands only on spare ones; with none left its tree
         is the best it found (`ExpansionRefused`)."""
         with self.working():
             self.cache.pool.reserve(self.cache, params.budget)
-            return super().build_tree(params)
+            return super().build_tree(params, grammar)
 
     def idle_step(self) -> bool:
         """False also when every free sequence id is reserved by other sessions' builds."""

@@ -9,7 +9,7 @@ from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
 from common.rpc.server import rpc_method
 from common.rpc.servicer import NodeServicer, client_key
-from common.rpc.wire import tree_params_from_proto, tree_to_proto
+from common.rpc.wire import grammar_from_proto, tree_params_from_proto, tree_to_proto
 from common.runtime.sessions import StepTiming
 
 
@@ -28,6 +28,7 @@ class DraftServicer(NodeServicer, pb_grpc.DraftServiceServicer):
             truncate_to=request.truncate_to if request.HasField("truncate_to") else None,
             step_id=request.step_id or None,
             timing=timing,
+            grammar=grammar_from_proto(request.grammar) if request.HasField("grammar") else None,
         )
         observe_step("build_tree", request.session_id, request.step_id, timing, drafted.tree.size)
         return pb.BuildTreeResponse(

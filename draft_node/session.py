@@ -11,19 +11,26 @@ nodes, that node becomes the root and its subtree, KV and all, the start of the 
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
+import numpy as np
 import torch
 from torch import Tensor
 
+from common.decoding.grammar import Constraint, Grammar, GrammarError
 from common.decoding.tree import MAX_TREE_DEPTH, TreeParams
 from common.model.transformer import ForwardInterrupted, Segment, Transformer, attention_bias
 from common.runtime.sessions import common_prefix
 from draft_node.lookahead import Interrupted
 from draft_node.tree_builder import BuiltTree, TreeBuilder
+
+log = logging.getLogger(__name__)
 
 # A draft forward: (segment, the rows whose next-token log-probs are wanted, an event that stops
 # it between layers, or None) -> log-probs [len(rows), vocab] on the CPU. The engine's runs every
@@ -83,6 +90,8 @@ class DraftSession:
         self.lock = threading.Lock()  # one request or lookahead step at a time changes this session
         self._idle = False  # an idle step's passes may be interrupted; a request's never are
         self._stop = threading.Event()  # set by a request: the idle step's torch forward ends between layers
+        self.grammar_tokenizer: Callable[[], Any] | None = None  # llguidance's (LoadedModel.grammar_tokenizer)
+        self.constraint: Constraint | None = None  # the last request's grammar, following the committed tokens
 
     @staticmethod
     def tree_nodes_for(max_tree: int, lookahead: bool, max_search: int) -> int:
@@ -148,10 +157,13 @@ class DraftSession:
         if not 1 <= length <= len(self.committed):
             raise ValueError(f"truncate length must be in [1, {len(self.committed)}], got {length}")
 
-    def build_tree(self, params: TreeParams) -> tuple[BuiltTree, bool]:
-        """The tree, and whether it grew from the lookahead search (re-rooted, no catch-up)."""
+    def build_tree(self, params: TreeParams, grammar: Grammar | None = None) -> tuple[BuiltTree, bool]:
+        """The tree, and whether it grew from the lookahead search (re-rooted, no catch-up). Under a
+        `grammar` the search proposes only what it allows."""
+        self._use_grammar(grammar)
         if not self.lookahead:
             builder = self._builder(params.shape)
+            builder.constrain = self._constrained if self.constraint is not None else None
             self._last = builder.build(self.committed[-1], self._catch_up(), self, params)
             return self._last, False
         shape = replace(params.shape, budget=max(self.search_nodes, params.budget), max_depth=search_depth(params))
@@ -161,9 +173,37 @@ class DraftSession:
             self._search.set_floors(params)
         else:
             self._search = self._builder(shape, search=True)
+            self._search.constrain = self._constrained if self.constraint is not None else None
             self._search.start(self.committed[-1], self._catch_up(), params)
         forwards = self._search.grow(self, params.budget)
         return self._search.take(params.budget, forwards), reused
+
+    def _use_grammar(self, grammar: Grammar | None) -> None:
+        """Follow the request's grammar from the committed tokens. A search grown under another
+        grammar (or none) is dropped. The draft only proposes: a grammar it cannot follow (a client
+        that got its start wrong) leaves its trees unconstrained, which costs accepted tokens only."""
+        current = self.constraint.grammar if self.constraint is not None else None
+        if grammar != current:
+            self.constraint, self._search = None, None
+            if grammar is not None and self.grammar_tokenizer is not None:
+                try:
+                    self.constraint = Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
+                except GrammarError as exc:
+                    log.info("the draft proposes without the request's grammar: %s", exc)
+        if self.constraint is not None:
+            try:
+                self.constraint.follow(self.committed[self.constraint.grammar.start or 0 :])
+            except GrammarError as exc:
+                log.info("the draft proposes without the request's grammar: %s", exc)
+                self.constraint, self._search = None, None
+
+    def _constrained(self, paths: list[list[int]], logprobs: Tensor) -> Tensor:
+        """`logprobs` [r, V] over what the grammar allows below each node, renormalized as the
+        target's masked draw is; a node below which it allows nothing gets no children."""
+        assert self.constraint is not None
+        allowed = torch.from_numpy(np.stack([self.constraint.allowed_after(path) for path in paths]))  # [r, V]
+        masked = logprobs.float().masked_fill(~allowed[:, : logprobs.shape[-1]], -math.inf)
+        return torch.where(allowed.any(-1, keepdim=True), masked - masked.logsumexp(-1, keepdim=True), -math.inf)
 
     def idle_step(self) -> bool:
         """One more expansion of the lookahead search; False when it has nothing left to grow. A

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Protocol
 
@@ -94,6 +95,9 @@ class TreeBuilder:
         self.expanded = torch.zeros(c, dtype=torch.bool)
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
+        # Under a grammar: (each expanded node's tokens below the root, their log-probs [r, V]) ->
+        # the log-probs over what the grammar allows there, renormalized (draft_node.session)
+        self.constrain: Callable[[list[list[int]], Tensor], Tensor] | None = None
 
     def build(
         self, root_token: int, root_logprobs: Tensor, expander: Expander, params: TreeParams | None = None
@@ -251,6 +255,8 @@ class TreeBuilder:
     def _add_children(self, nodes: Tensor, logprobs: Tensor) -> Tensor:
         """Returns the ids of the older nodes pruned to make room."""
         p, n = self.params, self.used
+        if self.constrain is not None:
+            logprobs = self.constrain(self._paths(nodes), logprobs)
         k = min(p.max_branch, logprobs.shape[-1])
         child_lp, child_tok = logprobs.float().topk(k, dim=-1)
         child_scores = (self.scores[nodes, None] + child_lp).flatten()
@@ -286,6 +292,11 @@ class TreeBuilder:
         self.ancestors[ids, ids] = True
         self.used = n + count
         return pruned
+
+    def _paths(self, nodes: Tensor) -> list[list[int]]:
+        """Each node's tokens below the root, root first: along a path ids only grow."""
+        n = self.used
+        return [self.tokens[:n][self.ancestors[int(node), :n]].tolist()[1:] for node in nodes]
 
     def _compact(self, expander: Expander) -> None:
         """Drop pruned nodes so ids stay within capacity; expanded survivors carry their KV along."""

@@ -170,3 +170,54 @@ def test_matcher_follows_rollbacks_and_refuses_tokens_off_the_grammar(loaded):
     assert c.consumed == tok.encode("ab")
     logits = np.zeros((1, 300), dtype=np.float32)
     assert np.isinf(c.mask(logits)).sum() == 300 - 2
+
+
+# ------------------------------------------------------------------------------------------------
+# The draft's search under the grammar
+
+
+def paths_follow(tree, tokenizer_lt, grammar: Grammar, committed_after_start: list[int]) -> bool:
+    """Whether every node's path (from the root) is one the grammar allows after the committed tokens."""
+    matcher = llguidance.LLMatcher(tokenizer_lt, grammar.definition())
+    assert matcher.consume_tokens(committed_after_start) or not committed_after_start
+    tokens, parents = tree.tokens.tolist(), tree.parents.tolist()
+    for node in range(1, len(tokens)):
+        path, at = [], node
+        while at > 0:
+            path.append(tokens[at])
+            at = parents[at]
+        path.reverse()
+        if matcher.try_consume_tokens(path) != len(path):
+            return False
+        matcher.rollback(len(path))
+    return True
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_the_drafts_search_proposes_only_what_the_grammar_allows(loaded, lookahead):
+    engine = DraftEngine(loaded["truncated"], max_context=512, max_tree=32, lookahead=lookahead)
+    lt = loaded["truncated"].grammar_tokenizer()
+    grammar = Grammar("regex", "(ab|ba)+![0-9]{2,5}").at(len(PROMPT))
+    sid = engine.open_session(PROMPT)
+    params = TreeParams(budget=24, max_depth=8, max_branch=4, expand_batch=8)
+    free = engine.build_tree(sid, [], params).tree
+    assert not paths_follow(free, lt, grammar, [])  # the tiny draft's own top tokens are not the grammar's
+    committed: list[int] = []
+    for step in range(3):
+        tree = engine.build_tree(sid, committed[-1:] if step else [], params, grammar=grammar).tree
+        assert tree.size > 1 and paths_follow(tree, lt, grammar, committed)
+        committed.append(int(tree.tokens[1]))  # as if the target took the first child
+    engine.close()
+
+
+def test_a_same_weights_draft_under_the_grammar_is_accepted_as_without_one(loaded):
+    """With the target's own weights, the draft's masked top child is the target's masked greedy
+    draw: whole paths are accepted. Without the grammar at the draft, the same trees mostly miss."""
+    params = SamplingParams(max_new_tokens=30, grammar=GRAMMARS["regex"])
+    masked = pair(loaded, draft="self", budget=16).generate(PROMPT, params)
+    assert masked.stats.tokens_per_step > 3
+    unmasked = pair(loaded, draft="self", budget=16)
+    unmasked.draft.build_tree = lambda *a, grammar=None, **k: DraftEngine.build_tree(unmasked.draft, *a, **k)
+    blind = unmasked.generate(PROMPT, params)
+    assert blind.token_ids == masked.token_ids
+    assert blind.stats.tokens_per_step < masked.stats.tokens_per_step

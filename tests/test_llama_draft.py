@@ -591,3 +591,25 @@ def test_llama_draft_sessions_sharing_a_prefix_build_the_trees_they_build_alone(
 
     loaded = load_gguf(ggufs["draft"], kv_type="f32")
     check_draft_sharing(lambda **kw: DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead, **kw))
+
+
+@pytest.mark.parametrize("lookahead", [False, True])
+def test_a_llama_cpp_drafts_search_proposes_only_what_the_grammar_allows(ggufs, lookahead):
+    """The GGUF's own vocabulary as llguidance reads it masks the search on llama.cpp too."""
+    from common.decoding.grammar import Grammar
+    from common.model.llama_cpp import load_gguf
+    from draft_node.engine import DraftEngine
+    from tests.test_grammar import paths_follow
+
+    loaded = load_gguf(ggufs["draft"], kv_type="f32")
+    engine = DraftEngine(loaded, max_context=64, max_tree=12, lookahead=lookahead)
+    grammar = Grammar("regex", "(ab|ba)+![0-9]{2,5}").at(len(PROMPT))
+    sid = engine.open_session(PROMPT)
+    params = TreeParams(budget=12, max_depth=6, max_branch=4, expand_batch=4)
+    committed: list[int] = []
+    for step in range(3):
+        tree = engine.build_tree(sid, committed[-1:] if step else [], params, grammar=grammar).tree
+        assert tree.size > 1 and paths_follow(tree, loaded.grammar_tokenizer(), grammar, committed)
+        committed.append(int(tree.tokens[1]))
+    engine.close_session(sid)
+    engine.close()

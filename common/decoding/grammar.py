@@ -156,6 +156,19 @@ class Constraint:
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])
         return allowed
 
+    def allowed_after(self, path: list[int]) -> np.ndarray:
+        """bool [V]: what the grammar allows after `path` (tokens past those consumed), all False
+        where it refuses the path; the matcher is left as it was. For the draft's search, which
+        proposes only what the grammar allows below each node it expands."""
+        if not path:
+            return self.allowed()
+        taken = self.matcher.try_consume_tokens(path)
+        try:
+            return self.allowed() if taken == len(path) else np.zeros(self.vocab_size, dtype=bool)
+        finally:
+            if taken and not self.matcher.rollback(taken):
+                raise GrammarError(f"the grammar's matcher could not roll back: {self.matcher.get_error()}")
+
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """`logits` [r, V] with every token the grammar forbids at -inf (a copy)."""
         allowed = self.allowed()

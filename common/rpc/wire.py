@@ -65,9 +65,16 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         stop=list(p.stop),
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
-        grammar=None if p.grammar is None else pb.Grammar(kind=p.grammar.kind, text=p.grammar.text,
-                                                           start=p.grammar.start or 0),
+        grammar=grammar_to_proto(p.grammar),
     )
+
+
+def grammar_to_proto(grammar: Grammar | None) -> pb.Grammar | None:
+    return None if grammar is None else pb.Grammar(kind=grammar.kind, text=grammar.text, start=grammar.start or 0)
+
+
+def grammar_from_proto(msg: pb.Grammar) -> Grammar:
+    return Grammar(msg.kind, msg.text, msg.start)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -77,7 +84,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
-        kwargs["grammar"] = Grammar(msg.grammar.kind, msg.grammar.text, msg.grammar.start)
+        kwargs["grammar"] = grammar_from_proto(msg.grammar)
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
 
 

@@ -153,18 +153,20 @@ class CloseSessionResponse(_message.Message):
     def __init__(self, closed: _Optional[bool] = ...) -> None: ...
 
 class BuildTreeRequest(_message.Message):
-    __slots__ = ("session_id", "step_id", "new_tokens", "truncate_to", "params")
+    __slots__ = ("session_id", "step_id", "new_tokens", "truncate_to", "params", "grammar")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TRUNCATE_TO_FIELD_NUMBER: _ClassVar[int]
     PARAMS_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     step_id: int
     new_tokens: _containers.RepeatedScalarFieldContainer[int]
     truncate_to: int
     params: TreeParams
-    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., params: _Optional[_Union[TreeParams, _Mapping]] = ...) -> None: ...
+    grammar: Grammar
+    def __init__(self, session_id: _Optional[str] = ..., step_id: _Optional[int] = ..., new_tokens: _Optional[_Iterable[int]] = ..., truncate_to: _Optional[int] = ..., params: _Optional[_Union[TreeParams, _Mapping]] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ...) -> None: ...
 
 class BuildTreeResponse(_message.Message):
     __slots__ = ("tree", "draft_forwards", "build_seconds", "queue_seconds", "reused")
