@@ -184,18 +184,27 @@ class DraftSession:
         that got its start wrong) leaves its trees unconstrained, which costs accepted tokens only."""
         current = self.constraint.grammar if self.constraint is not None else None
         if grammar != current:
-            self.constraint, self._search = None, None
-            if grammar is not None and self.grammar_tokenizer is not None:
-                try:
-                    self.constraint = Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
-                except GrammarError as exc:
-                    log.info("the draft proposes without the request's grammar: %s", exc)
+            self._search = None
+            if self.constraint is not None and grammar is not None and grammar.text == self.constraint.grammar.text \
+                    and grammar.kind == self.constraint.grammar.kind:  # fmt: skip
+                self.constraint.grammar = grammar  # another start (a new turn): `follow` rolls the matcher back
+            else:
+                self.constraint = self._compile(grammar)
         if self.constraint is not None:
             try:
                 self.constraint.follow(self.committed[self.constraint.grammar.start or 0 :])
             except GrammarError as exc:
                 log.info("the draft proposes without the request's grammar: %s", exc)
                 self.constraint, self._search = None, None
+
+    def _compile(self, grammar: Grammar | None) -> Constraint | None:
+        if grammar is None or self.grammar_tokenizer is None:
+            return None
+        try:
+            return Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
+        except GrammarError as exc:
+            log.info("the draft proposes without the request's grammar: %s", exc)
+            return None
 
     def _constrained(self, paths: list[list[int]], logprobs: Tensor) -> Tensor:
         """`logprobs` [r, V] over what the grammar allows below each node, renormalized as the

@@ -156,11 +156,23 @@ class TargetSession:
         self.constraint.follow(self.committed[grammar.start :])
         return self.constraint
 
+    def rewind_grammar(self, ticket: TreeTicket) -> None:
+        """Before a walk's first draw: the grammar's matcher back at the tree's root. A shared pass
+        that failed after walking some trees (llama.cpp draws during the pass) leaves theirs ahead,
+        and each tree then runs and is walked again alone."""
+        if ticket.constraint is not None and ticket.params.grammar is not None:
+            ticket.constraint.follow(self.committed[ticket.params.grammar.start or 0 :])
+
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the step's grammar, unless the last step's was the same. A complex schema takes
         up to a second: the engine calls this before the step joins a pass others wait on."""
         grammar = params.grammar
         if grammar is None or (self.constraint is not None and self.constraint.grammar == grammar):
+            return
+        if self.constraint is not None and (self.constraint.grammar.kind, self.constraint.grammar.text) == (
+            grammar.kind, grammar.text
+        ):  # the same grammar from another start (a chat's next turn): `follow` rolls the matcher back
+            self.constraint.grammar = grammar
             return
         if self.grammar_tokenizer is None:
             raise GrammarError("this target node does not apply grammars")
@@ -314,8 +326,9 @@ class TreeTicket:
 def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) -> int:
     """The target's draw at `node` from its logits [1, V] (`sample_rows`, as everywhere), keeping
     its log-probs on the ticket when the sampling asks for them. Under a grammar the draw is from
-    the logits it allows, and the matcher takes the token: the walk draws along its path, in order.
-    Log-probs stay the target's own, before the grammar, as for temperature and filters."""
+    the logits it allows, and the matcher takes the token: a walk draws along its path, in order,
+    from the root (`rewind_grammar`: llama.cpp walks during the pass, torch in `finish`). Log-probs
+    stay the target's own, before the grammar, as for temperature and filters."""
     constraint = ticket.constraint
     token = int(sample_rows(logits if constraint is None else constraint.mask(logits), ticket.params, [position])[0])
     if constraint is not None:

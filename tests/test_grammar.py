@@ -221,3 +221,31 @@ def test_a_same_weights_draft_under_the_grammar_is_accepted_as_without_one(loade
     blind = unmasked.generate(PROMPT, params)
     assert blind.token_ids == masked.token_ids
     assert blind.stats.tokens_per_step < masked.stats.tokens_per_step
+
+
+def test_the_same_request_again_on_a_kept_sequence_rolls_back_past_its_eos(loaded):
+    """llguidance's rollback does not count an EOS it took: the kept sequence's matcher, past the
+    first answer's EOS, starts again from the top."""
+    gen = pair(loaded)
+    gen.use_prompt_cache(4)
+    try:
+        for grammar in (Grammar.choice(["yes", "no"]), GRAMMARS["regex"]):
+            params = SamplingParams(max_new_tokens=30, grammar=grammar)
+            answers = [gen.generate(PROMPT, params) for _ in range(3)]
+            assert answers[0].finish_reason == "stop"
+            assert [a.token_ids for a in answers[1:]] == [answers[0].token_ids] * 2
+            assert answers[2].stats.cached_prompt_tokens > 0  # it did run on the kept sequence
+    finally:
+        gen.close()
+
+
+def test_a_grammar_that_compiles_but_allows_no_text_is_refused_before_any_draw(loaded):
+    with pytest.raises(GrammarError, match=r"grammar \(json_schema\) allows no text"):
+        pair(loaded).generate(PROMPT, SamplingParams(grammar=Grammar("json_schema", '{"$ref": "#"}')))
+
+
+def test_boolean_schemas():
+    assert Grammar.json_schema(True).text == "{}"
+    check(Grammar.json_schema(True))
+    with pytest.raises(GrammarError, match="the schema false, which no text matches"):
+        Grammar.json_schema(False)

@@ -1118,3 +1118,34 @@ def test_a_grammar_on_llama_cpp_reads_the_ggufs_own_vocabulary(ggufs, sampling):
     assert runs["specexec"].token_ids == runs["autoregressive"].token_ids
     assert runs["specexec"].finish_reason == "stop"
     assert re.fullmatch(r"(ab|ba)+![0-9]{2,5}", runs["specexec"].text)
+
+
+def test_a_shared_pass_that_fails_after_one_walk_walks_that_tree_again_from_its_root(ggufs):
+    """llama.cpp draws during the pass: a pass that fails after one session's walk (here another
+    session's draw) leaves that session's matcher ahead; run again alone, its walk starts over from
+    the tree's root and gives the target alone's token."""
+    from common.decoding.tree import TokenTree
+    from target_node.llama_session import LlamaTargetSession
+
+    loaded = load_gguf(ggufs["F32"], kv_type="f32")
+    shared = loaded.model.shared_context(3, 256, 9, 64)
+    limits = dict(max_context=200, max_tree=9, max_depth=8, eos_token_ids=loaded.eos_token_ids,
+                  grammar_tokenizer=loaded.grammar_tokenizer, shared=shared)  # fmt: skip
+    params = SamplingParams(max_new_tokens=20, grammar=Grammar("regex", r"(ab|ba)+![0-9]{2,5}").at(len(PROMPT)))
+    root = TokenTree.root_only(PROMPT[-1])
+    alone = LlamaTargetSession(loaded.model, list(PROMPT), **limits)
+    ticket = alone.prepare(root, params, 10)
+    expected = alone.finish(ticket, alone.run_alone(ticket)).tokens
+
+    a, b = (LlamaTargetSession(loaded.model, list(PROMPT), **limits) for _ in range(2))
+    ta, tb = a.prepare(root, params, 10), b.prepare(root, params, 10)
+
+    def fails(logits):
+        raise RuntimeError("this draw fails")
+
+    tb.constraint.mask = fails
+    with pytest.raises(RuntimeError, match="this draw fails"):
+        LlamaTargetSession.run_together([(a, ta), (b, tb)])
+    assert ta.constraint.consumed  # A was walked, and its matcher took the draw
+    a.lay_out(ta, 64)
+    assert a.finish(ta, a.run_alone(ta)).tokens == expected

@@ -168,3 +168,46 @@ def test_a_target_that_does_not_apply_grammars_is_a_400_not_unconstrained_text(g
         assert "which the target node does not apply" in err.value.body["message"]
     finally:
         del gen.target.info
+
+
+def test_forced_calls_keep_the_tools_definitions(api):
+    """pydantic writes a tool's nested types as `$defs` with `$ref`s to them: the forced call's
+    schema moves them to its root, named per tool, so the references still resolve."""
+    city = {"$defs": {"City": {"enum": ["Paris", "Rome"]}}, "type": "object",
+            "properties": {"city": {"$ref": "#/$defs/City"}}, "required": ["city"], "additionalProperties": False}
+    other = {"definitions": {"City": {"enum": ["Oslo"]}}, "type": "object",
+             "properties": {"where": {"$ref": "#/definitions/City"}}, "required": ["where"],
+             "additionalProperties": False}  # fmt: skip
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": city}},
+             {"type": "function", "function": {"name": "get_time", "parameters": other}}]  # fmt: skip
+    for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
+        out = chat(api, tools=tools, tool_choice=choice, parallel_tool_calls=False, max_tokens=200, temperature=0)
+        assert out.choices[0].finish_reason == "tool_calls"
+        for called in out.choices[0].message.tool_calls:
+            expected = {"get_weather": [{"city": "Paris"}, {"city": "Rome"}], "get_time": [{"where": "Oslo"}]}
+            assert json.loads(called.function.arguments) in expected[called.function.name]
+
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+          "tool_choice": "required"}, "tools", "the tools' parameters do not compile"),
+        ({"extra_body": {"structured_outputs": {"json": {"type": "object"}, "whitespace_pattern": " "}}},
+         "structured_outputs", "'structured_outputs.whitespace_pattern' is not supported"),
+        ({"extra_body": {"guided_json": {"type": "object"}, "guided_whitespace_pattern": " "}},
+         "guided_whitespace_pattern", "not supported"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": False}}},
+         "response_format", "the schema false, which no text matches"),
+        ({"extra_body": {"guided_json": {"$ref": "#"}}}, None, "allows no text"),
+    ],
+)  # fmt: skip
+def test_more_bad_asks(api, body, param, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(api, **body)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+def test_a_true_schema_is_any_json(api):
+    out = chat(api, extra_body={"guided_json": True}, max_tokens=40, temperature=0)
+    assert out.choices[0].finish_reason in ("stop", "length")

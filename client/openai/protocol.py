@@ -35,7 +35,7 @@ from client.api import render_chat, valid_text
 from client.openai import structured
 from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
-from common.decoding.grammar import Grammar
+from common.decoding.grammar import Grammar, GrammarError, check
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -300,6 +300,7 @@ class SamplingRequest(BaseModel):
     guided_grammar: Any = None
     json_schema: Any = None
     grammar: Any = None
+    guided_whitespace_pattern: Annotated[Any, unless()] = None  # vLLM's; the JSON whitespace is ours
     # Other servers' extensions that change the output (vLLM's sampling params, llama.cpp's server):
     min_p: Annotated[Any, unless(0, 0.0)] = None
     repetition_penalty: Annotated[Any, unless(1, 1.0)] = None
@@ -563,7 +564,14 @@ class ChatCompletionRequest(SamplingRequest):
             grammar = structured.forced_call(tools, self.tool_choice, self.parallel_tool_calls is not False)
         except structured.StructuredError as exc:
             raise bad(str(exc), param=exc.param) from None
-        return None if grammar is None else ("tool_choice", grammar)
+        if grammar is None:
+            return None
+        try:
+            check(grammar)
+        except GrammarError as exc:  # a tool's parameters that are no schema llguidance compiles
+            raise bad(f"'tool_choice' forces a call, but the tools' parameters do not compile: {exc}",
+                      param="tools") from None  # fmt: skip
+        return "tool_choice", grammar
 
     def offered_tools(self) -> list[dict[str, Any]] | None:
         """The tools the model is shown, and whose calls are read from its answer: none with

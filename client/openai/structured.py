@@ -9,10 +9,11 @@ a JSON schema: the answer is then bare JSON calls, read back as OpenAI's `tool_c
 
 from __future__ import annotations
 
+import copy
 import json
 from typing import Any
 
-from common.decoding.grammar import ANY_JSON_OBJECT, Grammar, GrammarError, check
+from common.decoding.grammar import Grammar, GrammarError, check
 
 FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
           "guided_grammar", "json_schema", "grammar")  # fmt: skip
@@ -46,9 +47,12 @@ def forced_call(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> Gra
     """The grammar of a forced `tool_choice` over the offered `tools` (as rendered): one call to the
     named function, or, for `required`, one or more calls (one if not `parallel`) to any of them."""
     if choice == "required":
-        calls = [_call_schema(t["function"]) for t in tools]
+        calls, defs = _merged([_call_schema(t["function"]) for t in tools])
         one = calls[0] if len(calls) == 1 else {"anyOf": calls}
-        return Grammar.json_schema({"type": "array", "minItems": 1, "items": one} if parallel else one)
+        schema = {"type": "array", "minItems": 1, "items": one} if parallel else dict(one)
+        if defs:
+            schema["$defs"] = defs
+        return Grammar.json_schema(schema)
     if isinstance(choice, dict):
         name = choice["function"]["name"]
         function = next((t["function"] for t in tools if t["function"]["name"] == name), None)
@@ -61,9 +65,44 @@ def forced_call(tools: list[dict[str, Any]], choice: Any, parallel: bool) -> Gra
 
 
 def _call_schema(function: dict[str, Any]) -> dict[str, Any]:
-    arguments = function.get("parameters") or {"type": "object"}
-    return {"type": "object", "properties": {"name": {"const": function["name"]}, "arguments": arguments},
-            "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    """A call's schema: `{"name": <the function's>, "arguments": <its parameters>}`. The parameters'
+    definitions (`$defs`, as pydantic writes them) move to the call's root, named per function, and
+    their references with them: under `arguments` they would point at nothing."""
+    name = function["name"]
+    arguments = copy.deepcopy(function.get("parameters") or {"type": "object"})
+    defs = {**arguments.pop("definitions", {}), **arguments.pop("$defs", {})} if isinstance(arguments, dict) else {}
+    schema = {"type": "object", "properties": {"name": {"const": name}, "arguments": arguments},
+              "required": ["name", "arguments"], "additionalProperties": False}  # fmt: skip
+    if defs:
+        schema["$defs"] = {f"{name}.{key}": _renamed_refs(value, name) for key, value in defs.items()}
+        schema["properties"]["arguments"] = _renamed_refs(arguments, name)
+    return schema
+
+
+def _renamed_refs(value: Any, name: str) -> Any:
+    """`value` with each local definition reference renamed for the call's root."""
+    if isinstance(value, dict):
+        out = {k: _renamed_refs(v, name) for k, v in value.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            for prefix in ("#/$defs/", "#/definitions/"):
+                if ref.startswith(prefix):
+                    out["$ref"] = f"#/$defs/{name}.{ref.removeprefix(prefix)}"
+        return out
+    if isinstance(value, list):
+        return [_renamed_refs(v, name) for v in value]
+    return value
+
+
+def _merged(calls: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """The calls without their `$defs`, and those definitions together, for one root."""
+    defs: dict[str, Any] = {}
+    bare = []
+    for call in calls:
+        call = dict(call)
+        defs.update(call.pop("$defs", {}))
+        bare.append(call)
+    return bare, defs
 
 
 def _read(name: str, value: Any) -> Grammar | None:
@@ -98,7 +137,7 @@ def _response_format(value: Any) -> Grammar | None:
         return None
     if value["type"] == "json_object":  # llama.cpp's server takes a schema here too
         schema = value.get("schema")
-        return Grammar("json_schema", ANY_JSON_OBJECT) if schema is None else _schema(schema, "response_format.schema")
+        return Grammar.json_object() if schema is None else _schema(schema, "response_format.schema")
     spec = value.get("json_schema")
     if not isinstance(spec, dict) or "schema" not in spec:
         raise StructuredError("'response_format.json_schema' must be an object with a 'schema' (a JSON schema), "
@@ -111,6 +150,9 @@ def _structured_outputs(value: Any) -> Grammar | None:
     if not isinstance(value, dict):
         raise StructuredError(f"'structured_outputs' must be an object, got {type(value).__name__}",
                               "structured_outputs")  # fmt: skip
+    other = sorted(k for k, v in value.items() if k not in kinds and v not in (None, False, ""))
+    if other:  # vLLM's options (whitespace_pattern, disable_any_whitespace, ...) would change the text
+        raise StructuredError(f"'structured_outputs.{other[0]}' is not supported by this server", "structured_outputs")
     asked = [k for k in kinds if value.get(k) not in (None, False)]
     if len(asked) != 1:
         raise StructuredError(f"'structured_outputs' must set exactly one of {', '.join(kinds)}, got "
@@ -120,7 +162,7 @@ def _structured_outputs(value: Any) -> Grammar | None:
     if key == "json":
         return _schema(value[key], field)
     if key == "json_object":
-        return Grammar("json_schema", ANY_JSON_OBJECT)
+        return Grammar.json_object()
     if key == "choice":
         return _choice(value[key], field)
     if not isinstance(value[key], str):
@@ -134,10 +176,12 @@ def _schema(schema: Any, field: str) -> Grammar:
             schema = json.loads(schema)
         except ValueError as exc:
             raise StructuredError(f"'{field}' is not valid JSON: {exc}", field.split(".")[0]) from None
+    if schema is False:
+        raise StructuredError(f"'{field}' is the schema false, which no text matches", field.split(".")[0])
     if not isinstance(schema, dict | bool):
         raise StructuredError(f"'{field}' must be a JSON schema (an object), got {type(schema).__name__}",
                               field.split(".")[0])  # fmt: skip
-    return Grammar.json_schema(schema)
+    return Grammar.json_schema({} if schema is True else schema)
 
 
 def _choice(value: Any, field: str) -> Grammar:

@@ -4,8 +4,9 @@ that every target draw follows, through llguidance (the constraint library llama
 The grammar belongs to the target's sampling: the draw at a tree node samples from the node's logits
 masked by the grammar's state after the path to it, and the acceptance walk draws along one path, in
 order, so one matcher per session follows it. The output is therefore exactly the target alone's under
-the same grammar, greedy or seeded. The draft is not constrained: a drafted token the grammar forbids
-is never the target's draw, so it is never accepted; it only costs the tree a node.
+the same grammar, greedy or seeded. The draft's search follows the grammar too (`allowed_after`), so
+that its trees hold what the target may draw; but only the target's mask decides, and a drafted
+token the grammar forbids would simply never be accepted.
 """
 
 from __future__ import annotations
@@ -57,7 +58,10 @@ class Grammar:
 
     @classmethod
     def json_schema(cls, schema: dict[str, Any] | str | bool) -> Grammar:
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps(schema))
+        """`true` is any JSON value; `false` matches nothing, a `GrammarError`."""
+        if schema is False:
+            raise GrammarError("grammar (json_schema) is the schema false, which no text matches")
+        return cls("json_schema", schema if isinstance(schema, str) else json.dumps({} if schema is True else schema))
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -90,7 +94,9 @@ def _json_defaults(text: str) -> dict[str, Any] | None:
         schema = json.loads(text)
     except (ValueError, RecursionError):
         return None  # llguidance says what is wrong with it
-    return None if isinstance(schema, dict) and "x-guidance" in schema else dict(JSON_DEFAULTS)
+    if not isinstance(schema, dict) or "x-guidance" in schema:  # options apply to an object schema only
+        return None
+    return dict(JSON_DEFAULTS)
 
 
 def _choices(text: str) -> list[str]:
@@ -112,8 +118,13 @@ def check(grammar: Grammar, tokenizer: Any = None) -> None:
 
     message = llguidance.LLMatcher.validate_grammar(grammar.definition(), tokenizer)
     if message:
-        said = " ".join(line.strip() for line in message.splitlines() if line.strip())
-        raise GrammarError(f"grammar ({grammar.kind}) is invalid: {said[:MAX_MESSAGE]}")
+        raise GrammarError(f"grammar ({grammar.kind}) is invalid: {_said(message)}")
+
+
+def _said(message: str) -> str:
+    """llguidance's message on one line, without the parser state it may dump after it."""
+    message = message.split("<state>")[0]
+    return " ".join(line.strip() for line in message.splitlines() if line.strip())[:MAX_MESSAGE]
 
 
 class Constraint:
@@ -121,53 +132,72 @@ class Constraint:
     Not thread-safe: a session's steps run one at a time."""
 
     def __init__(self, grammar: Grammar, tokenizer: Any, vocab_size: int) -> None:
+        """Compiles the grammar (up to a second for a complex schema) and checks that it allows
+        some text: a grammar that compiles but allows nothing (`{"$ref": "#"}`) is refused here,
+        before any draw, rather than at its first."""
         import llguidance
 
-        check(grammar, tokenizer)
         self.grammar = grammar
         self.matcher = llguidance.LLMatcher(tokenizer, grammar.definition(), log_level=0)
         if self.matcher.is_error():
-            raise GrammarError(f"grammar ({grammar.kind}) is invalid: {self.matcher.get_error()}")
+            raise GrammarError(f"grammar ({grammar.kind}) is invalid: {_said(self.matcher.get_error())}")
         self.vocab_size = vocab_size
         self.eos = frozenset(tokenizer.eos_tokens)
         self.consumed: list[int] = []
+        if not self.allowed().any():
+            raise GrammarError(f"grammar ({grammar.kind}) allows no text")
 
     def follow(self, tokens: list[int]) -> None:
         """Roll back to what `tokens` (the committed tokens from the grammar's start) share with what
         was consumed, then consume the rest: a step that failed, a rollback or a replay leaves the
         matcher where the committed tokens are."""
-        keep = 0
-        for a, b in zip(self.consumed, tokens, strict=False):
-            if a != b:
-                break
-            keep += 1
-        if keep < len(self.consumed):
-            if not self.matcher.rollback(len(self.consumed) - keep):
-                raise GrammarError(f"the grammar's matcher could not roll back: {self.matcher.get_error()}")
-            del self.consumed[keep:]
+        consumed = self.consumed
+        if tokens[: len(consumed)] == consumed:  # the usual step: only new tokens
+            keep = len(consumed)
+        else:
+            pairs = enumerate(zip(consumed, tokens, strict=False))
+            keep = next((i for i, (a, b) in pairs if a != b), min(len(consumed), len(tokens)))
+        if keep < len(consumed):
+            self._back_to(keep)
         for token in tokens[keep:]:
             self.consume(token)
 
+    def _back_to(self, keep: int) -> None:
+        dropped = self.consumed[keep:]
+        # llguidance's rollback does not count an EOS it took: past one, start again from the top
+        if any(t in self.eos for t in dropped) or not self.matcher.rollback(len(dropped)):
+            kept, self.consumed = self.consumed[:keep], []
+            self.matcher.reset()
+            for token in kept:
+                self.consume(token)
+        else:
+            del self.consumed[keep:]
+
     def allowed(self) -> np.ndarray:
-        """bool [V]: the tokens the grammar allows next."""
+        """bool [V]: the tokens the grammar allows next. An EOS only where the grammar may end:
+        llguidance's mask offers one wherever its matcher has stopped, even short of an end."""
         bits = np.frombuffer(self.matcher.compute_bitmask(), dtype=np.uint8)
         allowed = np.unpackbits(bits, bitorder="little")[: self.vocab_size].astype(bool)
         if allowed.size < self.vocab_size:  # ids past the tokenizer's vocabulary
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])
+        if not self.matcher.is_accepting():
+            allowed[[t for t in self.eos if t < self.vocab_size]] = False
         return allowed
 
     def allowed_after(self, path: list[int]) -> np.ndarray:
         """bool [V]: what the grammar allows after `path` (tokens past those consumed), all False
-        where it refuses the path; the matcher is left as it was. For the draft's search, which
-        proposes only what the grammar allows below each node it expands."""
+        where it refuses the path or the path ends the text; the matcher is left as it was. For
+        the draft's search, which proposes only what the grammar allows below each node it expands."""
         if not path:
             return self.allowed()
+        if any(t in self.eos for t in path):
+            return np.zeros(self.vocab_size, dtype=bool)
         taken = self.matcher.try_consume_tokens(path)
         try:
             return self.allowed() if taken == len(path) else np.zeros(self.vocab_size, dtype=bool)
         finally:
             if taken and not self.matcher.rollback(taken):
-                raise GrammarError(f"the grammar's matcher could not roll back: {self.matcher.get_error()}")
+                raise GrammarError(f"the grammar's matcher could not roll back: {_said(self.matcher.get_error())}")
 
     def mask(self, logits: np.ndarray) -> np.ndarray:
         """`logits` [r, V] with every token the grammar forbids at -inf (a copy)."""
