@@ -689,6 +689,7 @@ class Job:
     max_calls: int | None = None  # parallel_tool_calls false: 1
     reasoning: str | None = None  # how the answer starts, for a thinking template: ReasoningReader.state
     continuous_usage: bool = False  # each stream event carries the usage so far
+    named_call: bool = False  # tool_choice named a function: its call ends with 'stop', as OpenAI's does
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
@@ -717,7 +718,8 @@ class Job:
                       "in: send chat_template_kwargs {\"enable_thinking\": false}", param=name)  # fmt: skip
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
-                   continuous_usage=request.continuous_usage)  # fmt: skip
+                   continuous_usage=request.continuous_usage,
+                   named_call=chat and isinstance(getattr(request, "tool_choice", None), dict))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------
@@ -808,7 +810,7 @@ class Answer:
         if last:
             rest, closing = reader.end()
             content, calls = content + rest, calls + closing
-            if finish == "stop" and reader.calls:
+            if finish == "stop" and reader.calls and not self.job.named_call:
                 finish = "tool_calls"
         return Piece(reasoning, content, list(enumerate(calls, reader.calls - len(calls))), finish)
 
