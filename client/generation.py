@@ -494,13 +494,18 @@ class Sequence:
             return None
         try:
             truncate_to, append = self._sync("draft")
-            shaped = {} if self.grammar is None else {"grammar": self.grammar}  # backends from before it take none
-            drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to, **shaped)
+            drafted = self.draft.build_tree(self.draft_session, append, params, truncate_to=truncate_to,
+                                            **self._shaped())  # fmt: skip
         except (NodeFault, ValueError) as exc:
             self._draft_failed(exc, self._draft_epoch, stats)
             return None
         self._draft_kv = len(self.tokens)
         return drafted
+
+    def _shaped(self) -> dict[str, Any]:
+        """The request's grammar for a draft's BuildTree, also in a catch-up's (its search would
+        drop a compiled grammar for none); nothing without one, as backends from before it take."""
+        return {} if self.grammar is None else {"grammar": self.grammar}
 
     def _catch_up_apart(self) -> bool:
         """Whether this step runs on the target alone while a draft on its own machine catches up in
@@ -515,7 +520,8 @@ class Sequence:
             return False
         assert self.draft is not None
         truncate_to, append = self._sync("draft")
-        self._in_background(self.draft.build_tree, self.draft_session, append, CATCH_UP, truncate_to=truncate_to)
+        self._in_background(self.draft.build_tree, self.draft_session, append, CATCH_UP, truncate_to=truncate_to,
+                            **self._shaped())  # fmt: skip
         return True
 
     def _in_background(self, call: Callable[..., Any], *args: Any, **kwargs: Any) -> None:
@@ -532,7 +538,7 @@ class Sequence:
         assert self.draft is not None
         close_quietly(self.draft, old)
         self.draft_session = self.draft.open_session(prompt)
-        self.draft.build_tree(self.draft_session, [], CATCH_UP)
+        self.draft.build_tree(self.draft_session, [], CATCH_UP, **self._shaped())
 
     def _settle_catch_up(self, stats: GenerationStats) -> bool:
         """Wait for the catch-up in flight, if any; False if it failed (the draft then counts as down)."""

@@ -92,6 +92,7 @@ class DraftSession:
         self._stop = threading.Event()  # set by a request: the idle step's torch forward ends between layers
         self.grammar_tokenizer: Callable[[], Any] | None = None  # llguidance's (LoadedModel.grammar_tokenizer)
         self.constraint: Constraint | None = None  # the last request's grammar, following the committed tokens
+        self._refused: Grammar | None = None  # a grammar this session could not follow (`_use_grammar`)
 
     @staticmethod
     def tree_nodes_for(max_tree: int, lookahead: bool, max_search: int) -> int:
@@ -180,8 +181,9 @@ class DraftSession:
 
     def _use_grammar(self, grammar: Grammar | None) -> None:
         """Follow the request's grammar from the committed tokens. A search grown under another
-        grammar (or none) is dropped. The draft only proposes: a grammar it cannot follow (a client
-        that got its start wrong) leaves its trees unconstrained, which costs accepted tokens only."""
+        grammar (or none) is dropped. The draft only proposes: a grammar it cannot follow (a
+        vocabulary llguidance cannot read, a kind from a newer client) leaves its trees
+        unconstrained, which costs accepted tokens only, and is not tried again."""
         current = self.constraint.grammar if self.constraint is not None else None
         if grammar != current:
             self._search = None
@@ -194,25 +196,52 @@ class DraftSession:
             try:
                 self.constraint.follow(self.committed[self.constraint.grammar.start or 0 :])
             except GrammarError as exc:
-                log.info("the draft proposes without the request's grammar: %s", exc)
-                self.constraint, self._search = None, None
+                self._refuse(self.constraint.grammar, exc)
 
     def _compile(self, grammar: Grammar | None) -> Constraint | None:
-        if grammar is None or self.grammar_tokenizer is None:
+        if grammar is None or self.grammar_tokenizer is None or grammar == self._refused:
             return None
         try:
             return Constraint(grammar, self.grammar_tokenizer(), self.model.cfg.vocab_size)
-        except GrammarError as exc:
-            log.info("the draft proposes without the request's grammar: %s", exc)
+        except Exception as exc:  # llguidance's: a grammar or a vocabulary it cannot take
+            self._refuse(grammar, exc)
             return None
 
-    def _constrained(self, paths: list[list[int]], logprobs: Tensor) -> Tensor:
-        """`logprobs` [r, V] over what the grammar allows below each node, renormalized as the
-        target's masked draw is; a node below which it allows nothing gets no children."""
+    def _refuse(self, grammar: Grammar, exc: Exception) -> None:
+        log.info("the draft proposes without the request's grammar: %s", exc)
+        self.constraint, self._search, self._refused = None, None, grammar
+
+    def _constrained(self, paths: list[list[int]], logprobs: Tensor, k: int) -> tuple[Tensor, Tensor]:
+        """The k best children of each node among what the grammar allows below it, log-probs
+        renormalized over what it allows (the draft's guess of the target's masked draw); a node
+        below which it allows nothing gets none. Over the allowed ids where they are few (most JSON
+        states allow a few dozen tokens), else over the row with the forbidden ones dropped: not a
+        pass over the whole vocabulary per node for each step."""
         assert self.constraint is not None
-        allowed = torch.from_numpy(np.stack([self.constraint.allowed_after(path) for path in paths]))  # [r, V]
-        masked = logprobs.float().masked_fill(~allowed[:, : logprobs.shape[-1]], -math.inf)
-        return torch.where(allowed.any(-1, keepdim=True), masked - masked.logsumexp(-1, keepdim=True), -math.inf)
+        rows, vocab = logprobs.shape
+        child_lp = torch.full((rows, k), -math.inf)  # [r, k]
+        child_tok = torch.zeros((rows, k), dtype=torch.long)  # [r, k]
+        for i, path in enumerate(paths):
+            allowed = self.constraint.allowed_after(path)[:vocab]  # [V]
+            count = int(np.count_nonzero(allowed))
+            if count == 0:
+                continue
+            row = logprobs[i].float()  # [V], log-probs
+            if 2 * count <= vocab:
+                picked = torch.from_numpy(np.flatnonzero(allowed))
+                sub = row[picked]
+                norm = sub.logsumexp(0)
+                values, at = sub.topk(min(k, count))
+                tokens = picked[at]
+            else:
+                banned = torch.from_numpy(np.flatnonzero(~allowed))
+                masked = row.index_fill(0, banned, -math.inf)
+                kept = 1.0 - float(row[banned].double().exp().sum())
+                norm = torch.tensor(math.log(kept)) if kept > 1e-6 else masked.logsumexp(0)
+                values, tokens = masked.topk(min(k, count))
+            child_lp[i, : values.numel()] = values - norm
+            child_tok[i, : tokens.numel()] = tokens
+        return child_lp, child_tok
 
     def idle_step(self) -> bool:
         """One more expansion of the lookahead search; False when it has nothing left to grow. A

@@ -95,9 +95,10 @@ class TreeBuilder:
         self.expanded = torch.zeros(c, dtype=torch.bool)
         self.ancestors = torch.zeros(c, c, dtype=torch.bool)
         self.used = 0
-        # Under a grammar: (each expanded node's tokens below the root, their log-probs [r, V]) ->
-        # the log-probs over what the grammar allows there, renormalized (draft_node.session)
-        self.constrain: Callable[[list[list[int]], Tensor], Tensor] | None = None
+        # Under a grammar: (each expanded node's tokens below the root, their log-probs [r, V], k) ->
+        # the k best children the grammar allows there, log-probs renormalized over what it allows,
+        # -inf where fewer, and their tokens: float [r, k], int64 [r, k] (draft_node.session)
+        self.constrain: Callable[[list[list[int]], Tensor, int], tuple[Tensor, Tensor]] | None = None
 
     def build(
         self, root_token: int, root_logprobs: Tensor, expander: Expander, params: TreeParams | None = None
@@ -255,10 +256,11 @@ class TreeBuilder:
     def _add_children(self, nodes: Tensor, logprobs: Tensor) -> Tensor:
         """Returns the ids of the older nodes pruned to make room."""
         p, n = self.params, self.used
-        if self.constrain is not None:
-            logprobs = self.constrain(self._paths(nodes), logprobs)
         k = min(p.max_branch, logprobs.shape[-1])
-        child_lp, child_tok = logprobs.float().topk(k, dim=-1)
+        if self.constrain is not None:
+            child_lp, child_tok = self.constrain(self._paths(nodes), logprobs, k)
+        else:
+            child_lp, child_tok = logprobs.float().topk(k, dim=-1)
         child_scores = (self.scores[nodes, None] + child_lp).flatten()
         child_parent = nodes[:, None].expand(-1, k).flatten()
         child_tok = child_tok.flatten()

@@ -4,6 +4,7 @@ output is still exactly the target alone's under the same grammar, greedy and se
 from __future__ import annotations
 
 import json
+import math
 import re
 
 import llguidance
@@ -249,3 +250,50 @@ def test_boolean_schemas():
     check(Grammar.json_schema(True))
     with pytest.raises(GrammarError, match="the schema false, which no text matches"):
         Grammar.json_schema(False)
+
+
+@pytest.mark.parametrize("regex", ["[a-e]+!", "[^!]*!"])  # few tokens allowed; nearly all
+def test_the_drafts_children_under_a_grammar_are_the_masked_rows_best(loaded, regex):
+    """`_constrained` works over the allowed ids, or over the row less the forbidden ones: the same
+    children and log-probs as masking the whole row and renormalizing it."""
+    from draft_node.session import DraftSession
+
+    session = DraftSession(loaded["truncated"].model, PROMPT, max_context=64, max_tree=8)
+    session.grammar_tokenizer = loaded["truncated"].grammar_tokenizer
+    session._use_grammar(Grammar("regex", regex).at(len(PROMPT)))
+    vocab = loaded["truncated"].model.cfg.vocab_size
+    logprobs = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0)).log_softmax(-1)
+    tok = loaded["truncated"].tokenizer
+    paths = [[], tok.encode("a"), tok.encode("ab")]
+    got_lp, got_tok = session._constrained(paths, logprobs, 4)
+    for i, path in enumerate(paths):
+        allowed = torch.from_numpy(session.constraint.allowed_after(path))
+        assert int(allowed.sum()) > 0 and (int(allowed.sum()) * 2 <= vocab) == (regex == "[a-e]+!")
+        masked = logprobs[i].masked_fill(~allowed, -math.inf)
+        want_lp, want_tok = (masked - masked.logsumexp(0)).topk(4)
+        assert got_tok[i].tolist() == want_tok.tolist()
+        torch.testing.assert_close(got_lp[i], want_lp, atol=1e-5, rtol=0)
+    nothing = session._constrained([tok.encode("a!!")], logprobs[:1], 4)  # the grammar ended at the first "!"
+    assert torch.isinf(nothing[0]).all()
+
+
+def test_a_draft_node_left_with_a_grammar_it_cannot_read_builds_without_it(loaded):
+    """A kind from a newer client (or a vocabulary llguidance cannot read): the draft's trees are
+    unconstrained, not refused, and the grammar is not tried again at every step."""
+    from common.pb.specexec.v1 import specexec_pb2 as pb
+    from draft_node.service import DraftServicer
+
+    assert DraftServicer._grammar(pb.BuildTreeRequest(grammar=pb.Grammar(kind="structural_tag", text="{}"))) is None
+    engine = DraftEngine(loaded["truncated"], max_context=256, max_tree=8)
+    calls = []
+
+    def unreadable():
+        calls.append(1)
+        raise ValueError("vocab size too small")
+
+    sid = engine.open_session(PROMPT)
+    engine.sessions.get(sid).grammar_tokenizer = unreadable
+    params = TreeParams(budget=8)
+    for _ in range(3):
+        assert engine.build_tree(sid, [], params, grammar=GRAMMARS["regex"].at(len(PROMPT))).tree.size > 1
+    assert len(calls) == 1
