@@ -302,18 +302,18 @@ class SpecExec:
         if sampling is not None and kwargs:
             raise TypeError(f"give sampling or SamplingParams keyword arguments, not both (got {', '.join(kwargs)})")
         sampling = sampling or SamplingParams(**kwargs)
-        self.check_grammar(sampling)
+        self.check_sampling(sampling)
         return self._stream(self.encode(prompt), sampling, recovery)
 
-    def check_grammar(self, sampling: SamplingParams) -> None:
-        """A grammar is refused before any session opens where the target cannot apply it (a node
-        from before grammars would ignore it) or it does not compile."""
-        if sampling.grammar is None:
-            return
-        if "grammar" not in self.target.info().features:
-            raise ValueError("grammar: the target node does not apply grammars (a node from before them); "
-                             "update it, or ask without one")  # fmt: skip
-        check_grammar(sampling.grammar)
+    def check_sampling(self, sampling: SamplingParams) -> None:
+        """A grammar or penalties are refused before any session opens where the target cannot apply
+        them (a node from before them would ignore them), and a grammar that does not compile."""
+        for name in ("grammar", "penalties"):  # each a NodeInfo feature of the same name
+            if getattr(sampling, name) is not None and name not in self.target.info().features:
+                raise ValueError(f"{name}: the target node does not apply {name} (a node from before them); "
+                                 "update it, or ask without them")  # fmt: skip
+        if sampling.grammar is not None:
+            check_grammar(sampling.grammar)
 
     def _stream(self, ids: list[int], sampling: SamplingParams, recovery: Recovery | None) -> Iterator[Chunk]:
         cache = self.prompt_cache
@@ -422,7 +422,7 @@ class Chat:
 
     def send(self, text: str, sampling: SamplingParams | None = None, **kwargs: Any) -> Iterator[Chunk]:
         sampling = sampling or SamplingParams(**kwargs)
-        self.gen.check_grammar(sampling)
+        self.gen.check_sampling(sampling)
         self.messages.append({"role": "user", "content": valid_text(text, "the message")})
         ids = render_chat(self.gen.tokenizer, self.messages)
         if self.sequence is None:

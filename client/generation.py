@@ -652,6 +652,8 @@ class Sequence:
         (`--budget auto`) instead of `tree`."""
         if sampling.grammar is not None:  # it covers what this request generates, from here on
             sampling = replace(sampling, grammar=sampling.grammar.at(len(self.tokens)))
+        if sampling.penalties is not None:  # they count this request's output tokens
+            sampling = replace(sampling, penalties=sampling.penalties.at(len(self.tokens)))
         self.grammar = sampling.grammar  # the draft's search follows it too
         try:
             yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats)

@@ -156,7 +156,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         return self.loaded.model.shared_context(lanes, lane, self.max_tree, rows, cells)
 
     def info(self) -> NodeInfo:
-        return replace(super().info(), features=("grammar",))
+        return replace(super().info(), features=("grammar", "penalties"))
 
     def use_curve(self, curve: list[tuple[int, float]]) -> None:
         """Also prices passes for the batcher, which waits for sessions due back where it pays

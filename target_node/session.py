@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from common.decoding.grammar import Constraint, GrammarError
+from common.decoding.penalties import PenaltyState
 from common.decoding.sampling import SamplingParams, sample_rows, token_logprob
 from common.decoding.tree import TokenTree, TreeError, TreeStructure
 from common.decoding.types import TokenLogprob, VerifyResult
@@ -123,6 +124,9 @@ class TargetSession:
                 return VerifyResult([], 0, "length")
             ticket = TreeTicket(tree, structure, params, max_tokens, committed, length, self.cached_length)
             ticket.constraint = self._constrain(params)
+            if params.penalties is not None:
+                ticket.penalties = PenaltyState(params.penalties, self.model.cfg.vocab_size, self.eos)
+                ticket.penalties.follow(self.committed)
             self.lay_out(ticket, max_chain)
         except Exception:
             self.committed = committed
@@ -156,12 +160,14 @@ class TargetSession:
         self.constraint.follow(self.committed[grammar.start :])
         return self.constraint
 
-    def rewind_grammar(self, ticket: TreeTicket) -> None:
-        """Before a walk's first draw: the grammar's matcher back at the tree's root. A shared pass
-        that failed after walking some trees (llama.cpp draws during the pass) leaves theirs ahead,
-        and each tree then runs and is walked again alone."""
+    def rewind_walk(self, ticket: TreeTicket) -> None:
+        """Before a walk's first draw: the grammar's matcher and the penalties' counts back at the
+        tree's root. A shared pass that failed after walking some trees (llama.cpp draws during the
+        pass) leaves theirs ahead, and each tree then runs and is walked again alone."""
         if ticket.constraint is not None and ticket.params.grammar is not None:
             ticket.constraint.follow(self.committed[ticket.params.grammar.start or 0 :])
+        if ticket.penalties is not None:
+            ticket.penalties.follow(self.committed)
 
     def compile_grammar(self, params: SamplingParams) -> None:
         """Compile the step's grammar, unless the last step's was the same. A complex schema takes
@@ -321,18 +327,23 @@ class TreeTicket:
     chunk: int = 0  # >0: this pass runs only that many pending committed tokens, and the tree a later one
     logprobs: dict[int, TokenLogprob] = field(default_factory=dict)  # node -> its draw's, when asked (`draw_at`)
     constraint: Constraint | None = None  # the grammar's matcher, at the tree's root; each draw advances it
+    penalties: PenaltyState | None = None  # the penalties' counts, likewise
 
 
 def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) -> int:
     """The target's draw at `node` from its logits [1, V] (`sample_rows`, as everywhere), keeping
     its log-probs on the ticket when the sampling asks for them. Under a grammar the draw is from
-    the logits it allows, and the matcher takes the token: a walk draws along its path, in order,
-    from the root (`rewind_grammar`: llama.cpp walks during the pass, torch in `finish`). Log-probs
-    stay the target's own, before the grammar, as for temperature and filters."""
-    constraint = ticket.constraint
-    token = int(sample_rows(logits if constraint is None else constraint.mask(logits), ticket.params, [position])[0])
+    the logits it allows, and the matcher takes the token, as the penalties' counts do: a walk
+    draws along its path, in order, from the root (`rewind_walk`: llama.cpp walks during the pass,
+    torch in `finish`). Log-probs stay the target's own, before the grammar and penalties, as for
+    temperature and filters."""
+    constraint, penalties = ticket.constraint, ticket.penalties
+    shaped = logits if penalties is None else penalties.apply(logits)
+    token = int(sample_rows(shaped if constraint is None else constraint.mask(shaped), ticket.params, [position])[0])
     if constraint is not None:
         constraint.consume(token)
+    if penalties is not None:
+        penalties.take(token)
     if ticket.params.logprobs is not None:
         ticket.logprobs[node] = token_logprob(logits[0], token, ticket.params.logprobs)
     return token

@@ -346,3 +346,18 @@ def test_generate_follows_a_json_schema_regex_or_grammar_file(model_dirs, tmp_pa
     assert bad.returncode != 0 and "--regex: grammar (regex) is invalid" in bad.stderr and "Traceback" not in bad.stderr
     both = run("generate", *common, "--regex", "a", "--json-schema", "{}", check=False)
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, loaded):
+    from common.decoding.penalties import Penalties
+    from tests.test_penalties import reference
+
+    common = [*pair_args(model_dirs), "--prompt", "Hello, ", "--budget", "8", "--max-new-tokens", "12", "--ignore-eos",
+              "--json"]  # fmt: skip
+    result = json.loads(run("generate", *common, "--presence-penalty", "1.5", "--repetition-penalty", "1.3").stdout)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    ids = loaded["target"].tokenizer.encode("Hello, ")
+    expected = reference(model_dirs["target"], Penalties(presence=1.5, repetition=1.3), params, prompt=ids)
+    assert result["token_ids"] == expected
+    bad = run("generate", *common, "--repetition-penalty", "0", check=False)
+    assert bad.returncode != 0 and "--repetition-penalty must be in (0, 10]" in bad.stderr

@@ -294,6 +294,11 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         text = draw(st.one_of(st.text(max_size=24), st.sampled_from(['{"type": "object"}', "[ab]+!", '["x", "y"]',
                                                                      'start: "a"+', 'root ::= "a" [0-9]*', "[a-", "{"])))
         msg.grammar.CopyFrom(pb.Grammar(kind=kind, text=text, start=draw(st.one_of(st.integers(0, 40), absurd_u32))))
+    if draw(st.integers(0, 3)) == 0:  # penalties, in range or not; biases on any id
+        bias = draw(st.lists(st.builds(pb.LogitBias, token=absurd_u32, bias=any_float), max_size=3))
+        msg.penalties.CopyFrom(pb.Penalties(presence=draw(any_float), frequency=draw(any_float),
+                                            repetition=draw(any_float), logit_bias=bias, min_tokens=draw(absurd_u32),
+                                            start=draw(st.one_of(st.integers(0, 40), absurd_u32))))  # fmt: skip
     return msg
 
 

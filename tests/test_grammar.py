@@ -151,7 +151,7 @@ def test_a_target_without_grammars_is_refused(loaded):
     gen = pair(loaded)
     info = gen.target.info()
     gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ()})
-    with pytest.raises(ValueError, match="the target node does not apply grammars"):
+    with pytest.raises(ValueError, match="grammar: the target node does not apply grammar"):
         gen.stream(PROMPT, SamplingParams(grammar=Grammar.json_object()))
 
 

@@ -581,3 +581,16 @@ def test_a_gateway_takes_a_grammar_and_refuses_a_bad_one(gateway, in_process):
     with open_channel(gateway) as channel, pytest.raises(grpc.RpcError) as err:
         list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "grammar (regex) is invalid" in err.value.details()
+
+
+@pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
+def test_penalties_over_the_wire_equal_in_process(nodes, in_process, mode):
+    from common.decoding.penalties import Penalties
+
+    penalties = Penalties(presence=0.8, frequency=0.4, repetition=1.4, logit_bias=((70, 1.5),))
+    params = SamplingParams(**SAMPLINGS["seeded"], penalties=penalties)
+    with remote(nodes, mode) as gen:
+        assert "penalties" in gen.target.info().features
+        got = gen.generate(PROMPT, params)
+    assert got.token_ids == in_process["autoregressive"].generate(PROMPT, params).token_ids
+    assert got.token_ids != in_process["autoregressive"].generate(PROMPT, SamplingParams(**SAMPLINGS["seeded"])).token_ids

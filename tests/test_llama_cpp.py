@@ -1149,3 +1149,12 @@ def test_a_shared_pass_that_fails_after_one_walk_walks_that_tree_again_from_its_
     assert ta.constraint.consumed  # A was walked, and its matcher took the draw
     a.lay_out(ta, 64)
     assert a.finish(ta, a.run_alone(ta)).tokens == expected
+
+
+def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs):
+    from common.decoding.penalties import Penalties
+
+    penalties = Penalties(presence=0.9, frequency=0.3, repetition=1.5, logit_bias=((70, 2.0),))
+    runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
+                                                      penalties=penalties))  # fmt: skip
+    assert runs["specexec"].token_ids == runs["autoregressive"].token_ids

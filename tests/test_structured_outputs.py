@@ -212,3 +212,36 @@ def test_more_bad_asks(api, body, param, needle):
 def test_a_true_schema_is_any_json(api):
     out = chat(api, extra_body={"guided_json": True}, max_tokens=40, temperature=0)
     assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_penalties_and_logit_bias_give_the_python_apis_text(api, gen):
+    from client.api import render_chat
+    from common.decoding.penalties import Penalties
+
+    body = {"presence_penalty": 0.7, "frequency_penalty": 0.5, "logit_bias": {"70": 3, "71": -100},
+            "extra_body": {"repetition_penalty": 1.2, "min_tokens": 4}}  # fmt: skip
+    out = chat(api, max_tokens=30, **body)
+    ids = render_chat(gen.tokenizer, [{"role": "user", "content": "Say it."}])
+    penalties = Penalties(presence=0.7, frequency=0.5, repetition=1.2, logit_bias=((70, 3.0), (71, -100.0)), min_tokens=4)
+    expected = gen.generate(ids, SamplingParams(temperature=0.7, seed=9, max_new_tokens=30, penalties=penalties))
+    assert out.choices[0].message.content == expected.text
+    assert chat(api, stream=True, max_tokens=30, **body)[0] == expected.text
+    assert 71 not in expected.token_ids
+
+
+@pytest.mark.parametrize(
+    "body, param, needle",
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty", "must be between -2.0 and 2.0"),
+        ({"frequency_penalty": -3}, "frequency_penalty", "must be between -2.0 and 2.0"),
+        ({"logit_bias": {"x": 1}}, "logit_bias", "must map token ids to biases"),
+        ({"logit_bias": {"5": 150}}, "logit_bias", "biases in [-100, 100]"),
+        ({"logit_bias": {"99999": 1}}, "logit_bias", "the model's ids are below"),
+        ({"extra_body": {"repetition_penalty": 0}}, "repetition_penalty", "must be above 0"),
+        ({"extra_body": {"min_tokens": 100}, "max_tokens": 10}, "min_tokens", "must not exceed the maximum tokens (10)"),
+    ],
+)  # fmt: skip
+def test_bad_penalties_are_400s_naming_the_field(api, body, param, needle):
+    with pytest.raises(openai.BadRequestError) as err:
+        chat(api, **body)
+    assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body

@@ -15,6 +15,7 @@ from client.openai.server import TlsFiles
 from client.remote import connect, wait_until_serving
 from common.decoding.grammar import Grammar
 from common.decoding.grammar import check as check_grammar
+from common.decoding.penalties import Penalties
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.model.llama_cpp import BACKENDS
@@ -47,6 +48,9 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seeded samples are identical to the target alone's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
+    g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, over prompt and output (1: off)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA", help="the text follows this JSON schema (JSON, or "
                        "@FILE); '{\"type\": \"object\"}': any JSON object")
@@ -164,7 +168,19 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         grammar=grammar_from(args),
+        penalties=penalties_from(args),
     )
+
+
+def penalties_from(args: argparse.Namespace) -> Penalties:
+    """--presence-penalty, --frequency-penalty and --repetition-penalty; a bad one named by its flag
+    (Penalties' errors start with the OpenAI field's name, which is the flag's)."""
+    try:
+        return Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
+                         repetition=args.repetition_penalty)  # fmt: skip
+    except ValueError as exc:
+        field, _, rest = str(exc).partition(" ")
+        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
 
 
 def grammar_from(args: argparse.Namespace) -> Grammar | None:

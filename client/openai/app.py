@@ -346,6 +346,13 @@ class Service:
                            param="prompt")  # fmt: skip
         job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
         check_context(request, job, info.max_context)
+        bias = job.sampling.penalties.logit_bias if job.sampling.penalties is not None else ()
+        if any(token >= info.vocab_size for token, _ in bias):
+            raise ApiError(400, f"'logit_bias' holds token id {max(t for t, _ in bias)}: the model's ids are below "
+                           f"{info.vocab_size}", param="logit_bias")  # fmt: skip
+        if job.sampling.penalties is not None and "penalties" not in info.features:
+            raise ApiError(400, "penalties and 'logit_bias' need a target node that applies them (this one is "
+                           "from before them): update it", param="logit_bias" if bias else "presence_penalty")  # fmt: skip
         if job.sampling.grammar is not None and "grammar" not in info.features:
             raise ApiError(400, f"'{request.grammar_field()}' asks for a grammar, which the target node does not "
                            "apply (a node from before grammars): update it", param=request.grammar_field())  # fmt: skip

@@ -2,8 +2,8 @@
 in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
-that would change the output and cannot be served (`echo`, `best_of`, penalties, `logit_bias`)
-is a 400, not silently ignored;
+that would change the output and cannot be served (`echo`, `best_of`, `min_p`, ...) is a 400, not
+silently ignored;
 `user` and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
 
@@ -36,6 +36,7 @@ from client.openai import structured
 from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.grammar import Grammar, GrammarError, check
+from common.decoding.penalties import MAX_LOGIT_BIAS, Penalties
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -286,9 +287,9 @@ class SamplingRequest(BaseModel):
     best_of: Integer = None  # OpenAI's: at least n; only n itself changes nothing here (`_best_of_n`)
     echo: Annotated[Any, refused(lambda v: not v)] = None
     suffix: Annotated[Any, refused(lambda v: v in (None, ""))] = None
-    presence_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
-    frequency_penalty: Annotated[Any, refused(lambda v: v in (None, 0))] = None
-    logit_bias: Annotated[Any, refused(lambda v: not v)] = None
+    presence_penalty: Annotated[Number, between(-2.0, 2.0)] = None
+    frequency_penalty: Annotated[Number, between(-2.0, 2.0)] = None
+    logit_bias: Annotated[dict[str, Any] | None, AfterValidator(_logit_bias)] = None
     functions: Annotated[Any, refused(lambda v: not v)] = None  # the legacy API's: chat takes `tools`
     function_call: Annotated[Any, refused(lambda v: v in (None, "none", "auto"))] = None
     # Structured outputs (client.openai.structured): OpenAI's, vLLM's and llama.cpp's ways to ask for a grammar
@@ -303,7 +304,7 @@ class SamplingRequest(BaseModel):
     guided_whitespace_pattern: Annotated[Any, unless()] = None  # vLLM's; the JSON whitespace is ours
     # Other servers' extensions that change the output (vLLM's sampling params, llama.cpp's server):
     min_p: Annotated[Any, unless(0, 0.0)] = None
-    repetition_penalty: Annotated[Any, unless(1, 1.0)] = None
+    repetition_penalty: Annotated[Number, between(0.0, 10.0)] = None  # vLLM's; 0 is refused below
     repeat_penalty: Annotated[Any, unless(1, 1.0)] = None
     length_penalty: Annotated[Any, unless(1, 1.0)] = None
     typical_p: Annotated[Any, unless(1, 1.0)] = None
@@ -312,7 +313,7 @@ class SamplingRequest(BaseModel):
     xtc_probability: Annotated[Any, unless(0, 0.0)] = None
     dynatemp_range: Annotated[Any, unless(0, 0.0)] = None
     use_beam_search: Annotated[Any, unless(False)] = None
-    min_tokens: Annotated[Any, unless(0)] = None
+    min_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # vLLM's
     n_predict: Annotated[Any, unless()] = None  # llama.cpp's own API; here: max_tokens
     include_stop_str_in_output: Annotated[Any, unless(False)] = None
     bad_words: Annotated[Any, unless([])] = None
@@ -350,6 +351,27 @@ class SamplingRequest(BaseModel):
         except structured.StructuredError as exc:
             raise bad(str(exc), param=exc.param) from None
 
+    def asked_penalties(self) -> Penalties | None:
+        """OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition_penalty and
+        min_tokens, as the target applies them (`common.decoding.penalties`)."""
+        if self.repetition_penalty == 0:
+            raise bad("'repetition_penalty' must be above 0 (1 turns it off), got 0", param="repetition_penalty")
+        limit = self.max_new_tokens(0)  # 0: none given
+        if self.min_tokens and limit and self.min_tokens > limit:
+            raise bad(f"'min_tokens' ({self.min_tokens}) must not exceed the maximum tokens ({limit})",
+                      param="min_tokens")  # fmt: skip
+        try:
+            penalties = Penalties(
+                presence=self.presence_penalty or 0.0,
+                frequency=self.frequency_penalty or 0.0,
+                repetition=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+                logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
+                min_tokens=self.min_tokens or 0,
+            )
+        except ValueError as exc:
+            raise bad(str(exc), param=str(exc).split(" ")[0]) from None
+        return penalties if penalties.active else None
+
     def grammar_field(self) -> str | None:
         asked = self.asked_grammar()
         return None if asked is None else asked[0]
@@ -372,6 +394,7 @@ class SamplingRequest(BaseModel):
                 logprobs=self.logprob_count(),
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 grammar=None if asked is None else asked[1],
+                penalties=self.asked_penalties(),
             )
         except ValueError as exc:
             raise bad(str(exc)) from exc
@@ -437,6 +460,20 @@ def _arguments(arguments: Any) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise field_error(f"must be a JSON object's text, got {_shown(arguments)}")
     return value
+
+
+def _logit_bias(bias: dict[str, Any] | None) -> dict[str, Any] | None:
+    """OpenAI's: token ids (as JSON keys, strings) to biases in [-100, 100], at most 300."""
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise field_error(f"takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+    for key, value in bias.items():
+        if not key.isdigit():
+            raise field_error(f"must map token ids to biases, got the key {_shown(key)}")
+        if isinstance(value, bool) or not isinstance(value, int | float) or not -100 <= value <= 100:
+            raise field_error(f"must map token ids to biases in [-100, 100], got {_shown(value)} for {key}")
+    return bias
 
 
 def _tool_choice(choice: Any) -> Any:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from common.decoding.grammar import Grammar
+from common.decoding.penalties import Penalties
 from common.decoding.types import TokenLogprob
 
 MAX_SEED = 2**64 - 1
@@ -45,6 +46,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = field(default_factory=tuple)
     # None: unconstrained; else every target draw follows it (`common.decoding.grammar`)
     grammar: Grammar | None = None
+    # presence, frequency and repetition penalties, logit biases, min_tokens (`common.decoding.penalties`)
+    penalties: Penalties | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -92,6 +95,10 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", tuple(int(i) for i in ids))
         if self.grammar is not None and not isinstance(self.grammar, Grammar):
             raise ValueError(f"grammar must be a Grammar or None, got {type(self.grammar).__name__}")
+        if self.penalties is not None and not isinstance(self.penalties, Penalties):
+            raise ValueError(f"penalties must be Penalties or None, got {type(self.penalties).__name__}")
+        if self.penalties is not None and not self.penalties.active:  # none: any target applies that
+            object.__setattr__(self, "penalties", None)
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")

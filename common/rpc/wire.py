@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from common.decoding.grammar import Grammar
+from common.decoding.penalties import Penalties
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
 from common.decoding.types import NodeInfo, TokenLogprob
@@ -66,6 +67,10 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         ignore_eos=p.ignore_eos,
         logprobs=p.logprobs,
         grammar=grammar_to_proto(p.grammar),
+        penalties=None if p.penalties is None else pb.Penalties(
+            presence=p.penalties.presence, frequency=p.penalties.frequency, repetition=p.penalties.repetition,
+            logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.penalties.logit_bias],
+            min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0),
     )
 
 
@@ -85,6 +90,10 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
         kwargs["grammar"] = grammar_from_proto(msg.grammar)
+    if msg.HasField("penalties"):
+        q = msg.penalties
+        kwargs["penalties"] = Penalties(q.presence, q.frequency, q.repetition or 1.0,
+                                        tuple((b.token, b.bias) for b in q.logit_bias), q.min_tokens, q.start)  # fmt: skip
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
 
 

@@ -1,0 +1,118 @@
+"""Penalties and biases on the target's logits: OpenAI's `presence_penalty`, `frequency_penalty` and
+`logit_bias`, vLLM's `repetition_penalty` and `min_tokens`.
+
+They depend on the tokens generated so far, so, like a grammar (`common.decoding.grammar`), they are
+state that follows the acceptance walk: the draw at a tree node sees the counts of the committed
+output plus the path to that node, and the walk draws along one path in order. The output is exactly
+the target alone's with the same settings. Formulas as vLLM's: repetition first (prompt and output
+tokens: a positive logit divided by it, a negative one multiplied), then frequency and presence
+(output tokens only), then the biases; EOS is barred until `min_tokens` are out.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+
+MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes them
+MAX_BIAS = 100.0
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """`start`: the absolute position of the first output token, the request's prompt length; a
+    sequence sets it when it starts generating (`at`)."""
+
+    presence: float = 0.0
+    frequency: float = 0.0
+    repetition: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
+    min_tokens: int = 0
+    start: int | None = None
+
+    def __post_init__(self) -> None:
+        for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency),
+                            ("repetition_penalty", self.repetition)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value):
+                raise ValueError(f"{name} must be a number, got {value!r}")
+        if not -2.0 <= self.presence <= 2.0:
+            raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence}")
+        if not -2.0 <= self.frequency <= 2.0:
+            raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency}")
+        if not 0.0 < self.repetition <= 10.0:
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 disables it), got {self.repetition}")
+        bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
+        if len(bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
+        for token, value in bias:
+            if token < 0 or not -MAX_BIAS <= value <= MAX_BIAS:
+                raise ValueError(f"logit_bias maps token ids >= 0 to biases in [-100, 100], got {token}: {value}")
+        object.__setattr__(self, "logit_bias", bias)
+        if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral) or self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
+        if self.start is not None and self.start < 0:
+            raise ValueError(f"penalties start must be a position >= 0, got {self.start}")
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens)
+
+    def at(self, start: int) -> Penalties:
+        return replace(self, start=start)
+
+
+class PenaltyState:
+    """One session's state for `penalties`: each output token's count (the committed output, plus
+    the path walked so far in this step) and, for the repetition penalty, the prompt's tokens."""
+
+    def __init__(self, penalties: Penalties, vocab_size: int, eos: frozenset[int]) -> None:
+        outside = [t for t, _ in penalties.logit_bias if t >= vocab_size]
+        if outside:
+            raise ValueError(f"logit_bias holds token id {max(outside)}: the model's ids are below {vocab_size}")
+        self.penalties = penalties
+        self.vocab_size = vocab_size
+        self.eos = np.array(sorted(t for t in eos if t < vocab_size), dtype=np.int64)
+        self.bias_ids = np.array([t for t, _ in penalties.logit_bias], dtype=np.int64)
+        self.bias = np.array([b for _, b in penalties.logit_bias], dtype=np.float32)
+        self.counts = np.zeros(vocab_size, dtype=np.int32)  # [V]
+        self.prompt_seen = np.zeros(vocab_size, dtype=bool)  # [V]
+        self.generated = 0
+
+    def follow(self, committed: list[int]) -> None:
+        """At the tree's root: the counts of the committed output (the tokens from the start)."""
+        start = self.penalties.start or 0
+        if start > len(committed):
+            raise ValueError(f"penalties start must be a position in [0, {len(committed)}], got {start}")
+        output = np.asarray(committed[start:], dtype=np.int64)
+        self.counts = np.bincount(output, minlength=self.vocab_size)[: self.vocab_size].astype(np.int32)
+        self.generated = output.size
+        if self.penalties.repetition != 1.0:
+            self.prompt_seen[:] = False
+            prompt = np.asarray(committed[:start], dtype=np.int64)
+            self.prompt_seen[prompt[prompt < self.vocab_size]] = True
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        """`logits` [1, V] with the penalties and biases at this point of the walk (a copy)."""
+        p = self.penalties
+        out = np.array(logits, dtype=np.float32)  # [1, V]
+        row = out[0]
+        if p.repetition != 1.0:
+            seen = np.flatnonzero(self.prompt_seen | (self.counts > 0))
+            values = row[seen]
+            row[seen] = np.where(values > 0, values / np.float32(p.repetition), values * np.float32(p.repetition))
+        if p.frequency or p.presence:
+            used = np.flatnonzero(self.counts)
+            row[used] -= np.float32(p.frequency) * self.counts[used] + np.float32(p.presence)
+        if self.bias_ids.size:
+            row[self.bias_ids] += self.bias
+        if self.generated < p.min_tokens and self.eos.size:
+            row[self.eos] = -np.inf
+        return out
+
+    def take(self, token: int) -> None:
+        if token < self.vocab_size:
+            self.counts[token] += 1
+        self.generated += 1

@@ -1,0 +1,117 @@
+"""Penalties and biases (OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition
+penalty and min_tokens): the target applies them at each draw, following the walk, so the output is
+exactly the target alone's with the same settings, greedy and seeded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from common.decoding.penalties import Penalties
+from common.decoding.sampling import SamplingParams, sample_rows
+from common.rpc.wire import sampling_from_proto, sampling_to_proto
+from tests.test_grammar import PROMPT, pair
+
+SETTINGS = {
+    "presence": Penalties(presence=1.5),
+    "frequency": Penalties(frequency=0.8, presence=-0.3),
+    "repetition": Penalties(repetition=1.6),
+    "all": Penalties(presence=0.4, frequency=0.6, repetition=1.3, logit_bias=((65, 2.0), (66, -5.0))),
+}
+
+
+def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int | None = None,
+              prompt: list[int] = PROMPT) -> list[int]:  # fmt: skip
+    """The target alone with vLLM's formulas, written apart: no KV cache, none of our session code."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    seq, out = list(prompt), []
+    with torch.no_grad():
+        for _ in range(params.max_new_tokens):
+            logits = hf(torch.tensor([seq])).logits[0, -1].float()
+            counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel())[: logits.numel()]
+            seen = counts > 0
+            seen[torch.tensor(prompt)] = True
+            logits = torch.where(seen, torch.where(logits > 0, logits / penalties.repetition,
+                                                   logits * penalties.repetition), logits)  # fmt: skip
+            logits = logits - penalties.frequency * counts - penalties.presence * (counts > 0)
+            for token, bias in penalties.logit_bias:
+                logits[token] += bias
+            if eos is not None and len(out) < penalties.min_tokens:
+                logits[eos] = -torch.inf
+            token = int(sample_rows(logits[None].numpy(), params, [len(seq)])[0])
+            seq.append(token)
+            out.append(token)
+            if token == eos:
+                break
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(SETTINGS))
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.9, seed=5)])
+def test_penalised_output_equals_the_target_alone_with_them(loaded, model_dirs, name, sampling):
+    penalties = SETTINGS[name]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, penalties=penalties, **sampling)
+    expected = reference(model_dirs["target"], penalties, params)
+    plain = pair(loaded).generate(PROMPT, SamplingParams(max_new_tokens=32, ignore_eos=True, **sampling))
+    assert expected != plain.token_ids  # they change the text
+    for mode in ("specexec", "autoregressive"):
+        got = pair(loaded, mode).generate(PROMPT, params)
+        assert got.token_ids == expected, mode
+
+
+def test_a_bias_bans_or_forces_a_token_and_min_tokens_holds_eos_back(loaded, model_dirs):
+    eos = loaded["target"].tokenizer.eos_token_id
+    gen = pair(loaded)
+    forced = gen.generate(PROMPT, SamplingParams(max_new_tokens=8, ignore_eos=True,
+                                                 penalties=Penalties(logit_bias=((70, 100.0),))))  # fmt: skip
+    assert forced.token_ids == [70] * 8
+    held = Penalties(logit_bias=((eos, 100.0),), min_tokens=5)
+    params = SamplingParams(max_new_tokens=20, penalties=held)
+    got = gen.generate(PROMPT, params)
+    assert got.token_ids == reference(model_dirs["target"], held, params, eos)
+    assert len(got.token_ids) == 6 and got.token_ids[-1] == eos and eos not in got.token_ids[:5]
+    assert got.finish_reason == "stop"
+
+
+def test_a_kept_sequences_next_request_counts_only_its_own_output(loaded):
+    gen = pair(loaded)
+    gen.use_prompt_cache(2)
+    try:
+        params = SamplingParams(max_new_tokens=16, ignore_eos=True, penalties=SETTINGS["all"])
+        first = gen.generate(PROMPT, params)
+        second = gen.generate(PROMPT + first.token_ids, params)
+        assert second.stats.cached_prompt_tokens > 0
+        assert second.token_ids == pair(loaded, "autoregressive").generate(PROMPT + first.token_ids, params).token_ids
+    finally:
+        gen.close()
+
+
+def test_wire_and_defaults():
+    params = SamplingParams(penalties=SETTINGS["all"].at(9))
+    assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert SamplingParams(penalties=Penalties()).penalties is None  # nothing to apply: any target serves it
+    assert not np.isnan(SETTINGS["all"].presence)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(presence=2.5), r"presence_penalty must be in \[-2, 2\]"),
+    (dict(frequency=-3), r"frequency_penalty must be in \[-2, 2\]"),
+    (dict(repetition=0), r"repetition_penalty must be in \(0, 10\]"),
+    (dict(logit_bias=((1, 101.0),)), r"biases in \[-100, 100\]"),
+    (dict(logit_bias=tuple((i, 1.0) for i in range(301))), "at most 300 tokens"),
+    (dict(min_tokens=-1), "min_tokens must be a whole number >= 0"),
+    (dict(presence=float("nan")), "presence_penalty must be a number"),
+])  # fmt: skip
+def test_bad_penalties_name_the_field(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        Penalties(**kwargs)
+
+
+def test_a_target_without_penalties_is_refused(loaded):
+    gen = pair(loaded)
+    info = gen.target.info()
+    gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar",)})
+    with pytest.raises(ValueError, match="penalties: the target node does not apply penalties"):
+        gen.stream(PROMPT, SamplingParams(penalties=Penalties(presence=1.0)))
