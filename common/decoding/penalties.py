@@ -65,8 +65,9 @@ class Penalties:
 
 
 class PenaltyState:
-    """One session's state for `penalties`: each output token's count (the committed output, plus
-    the path walked so far in this step) and, for the repetition penalty, the prompt's tokens."""
+    """A step's state for `penalties`, made at the tree's root: each output token's count (the
+    committed output, plus the path walked so far) and, for the repetition penalty, the prompt's
+    tokens. Counted afresh each step: nothing to roll back when a step fails or a sequence rewinds."""
 
     def __init__(self, penalties: Penalties, vocab_size: int, eos: frozenset[int]) -> None:
         outside = [t for t, _ in penalties.logit_bias if t >= vocab_size]
