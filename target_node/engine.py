@@ -330,7 +330,8 @@ class TargetEngine(NodeEngine[TargetSession]):
         tree runs (and is walked) alone, so a failure stays with the tree that caused it. A tree is
         walked, and its cache pruned, before the next pass runs: a backend may hold ids per tree.
         Each is laid out again first: the failed pass may have run chunks (llama.cpp runs a chain
-        that does not fit the pass before it)."""
+        that does not fit the pass before it), and walked trees (llama.cpp walks during the pass),
+        whose grammar matcher and penalty counts are then rewound."""
         draws: list[Callable[[int], int] | None] | None = None
         if len(group) > 1:
             start = time.perf_counter()
@@ -345,6 +346,7 @@ class TargetEngine(NodeEngine[TargetSession]):
                 try:
                     if len(group) > 1:
                         job.session.lay_out(ticket, limit)
+                        job.session.rewind_walk(ticket)
                     draw = job.session.run_alone(ticket)
                 except Exception as exc:
                     job.fail(exc)

@@ -109,7 +109,6 @@ class LlamaTargetSession(TargetSession):
         """The acceptance walk's draws, made while the pass's logits [n, vocab] are llama.cpp's own
         buffer (`run_trees`): nothing is copied out, and `finish` walks again over the draws kept."""
         draw, drawn = self._draw_from(ticket, logits), {}
-        self.rewind_walk(ticket)
 
         def remembered(node: int) -> int:
             if node not in drawn:

@@ -161,9 +161,9 @@ class TargetSession:
         return self.constraint
 
     def rewind_walk(self, ticket: TreeTicket) -> None:
-        """Before a walk's first draw: the grammar's matcher and the penalties' counts back at the
-        tree's root. A shared pass that failed after walking some trees (llama.cpp draws during the
-        pass) leaves theirs ahead, and each tree then runs and is walked again alone."""
+        """The grammar's matcher and the penalties' counts back at the tree's root (`prepare` leaves
+        them there), for a walk again: a shared pass that failed after walking some trees (llama.cpp
+        draws during the pass) leaves theirs ahead, and the engine runs each tree again alone."""
         if ticket.constraint is not None and ticket.params.grammar is not None:
             ticket.constraint.follow(self.committed[ticket.params.grammar.start or 0 :])
         if ticket.penalties is not None:
@@ -334,9 +334,9 @@ def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) ->
     """The target's draw at `node` from its logits [1, V] (`sample_rows`, as everywhere), keeping
     its log-probs on the ticket when the sampling asks for them. Under a grammar the draw is from
     the logits it allows, and the matcher takes the token, as the penalties' counts do: a walk
-    draws along its path, in order, from the root (`rewind_walk`: llama.cpp walks during the pass,
-    torch in `finish`). Log-probs stay the target's own, before the grammar and penalties, as for
-    temperature and filters."""
+    draws along its path, in order, from the root (llama.cpp walks during the pass, torch in
+    `finish`; a walk run again after a failed pass is rewound first, `rewind_walk`). Log-probs
+    stay the target's own, before the grammar and penalties, as for temperature and filters."""
     constraint, penalties = ticket.constraint, ticket.penalties
     shaped = logits if penalties is None else penalties.apply(logits)
     token = int(sample_rows(shaped if constraint is None else constraint.mask(shaped), ticket.params, [position])[0])

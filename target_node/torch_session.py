@@ -100,7 +100,6 @@ class TorchTargetSession(TargetSession):
         rows = torch.full((tree.size,), -1, dtype=torch.long)
         rows[ticket.logit_nodes] = torch.arange(ticket.logit_nodes.numel())
         root_pos = len(self.committed) - 1
-        self.rewind_walk(ticket)
 
         def draw(node: int) -> int:
             row = int(rows[node])

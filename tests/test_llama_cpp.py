@@ -1122,33 +1122,38 @@ def test_a_grammar_on_llama_cpp_reads_the_ggufs_own_vocabulary(ggufs, sampling):
 
 def test_a_shared_pass_that_fails_after_one_walk_walks_that_tree_again_from_its_root(ggufs):
     """llama.cpp draws during the pass: a pass that fails after one session's walk (here another
-    session's draw) leaves that session's matcher ahead; run again alone, its walk starts over from
-    the tree's root and gives the target alone's token."""
+    session's draw) leaves that session's matcher and penalty counts ahead; the engine runs each
+    tree again alone, rewound to its root, and the walked one gets the target alone's token."""
+    from common.decoding.penalties import Penalties
     from common.decoding.tree import TokenTree
-    from target_node.llama_session import LlamaTargetSession
+    from target_node.engine import TargetEngine, VerifyJob
 
     loaded = load_gguf(ggufs["F32"], kv_type="f32")
-    shared = loaded.model.shared_context(3, 256, 9, 64)
-    limits = dict(max_context=200, max_tree=9, max_depth=8, eos_token_ids=loaded.eos_token_ids,
-                  grammar_tokenizer=loaded.grammar_tokenizer, shared=shared)  # fmt: skip
-    params = SamplingParams(max_new_tokens=20, grammar=Grammar("regex", r"(ab|ba)+![0-9]{2,5}").at(len(PROMPT)))
+    engine = TargetEngine(loaded, max_context=200, max_tree=8)
+    params = SamplingParams(max_new_tokens=20, grammar=Grammar("regex", r"(ab|ba)+![0-9]{2,5}").at(len(PROMPT)),
+                            penalties=Penalties(presence=1.0).at(len(PROMPT)))  # fmt: skip
     root = TokenTree.root_only(PROMPT[-1])
-    alone = LlamaTargetSession(loaded.model, list(PROMPT), **limits)
+    alone = engine.sessions.get(engine.open_session(list(PROMPT)))
     ticket = alone.prepare(root, params, 10)
     expected = alone.finish(ticket, alone.run_alone(ticket)).tokens
 
-    a, b = (LlamaTargetSession(loaded.model, list(PROMPT), **limits) for _ in range(2))
-    ta, tb = a.prepare(root, params, 10), b.prepare(root, params, 10)
+    steps = []
+    for _ in range(2):
+        sid = engine.open_session(list(PROMPT))
+        session = engine.sessions.get(sid)
+        ticket = session.prepare(root, params, 10)
+        job = VerifyJob(sid, session, root, params, 10, [], None, None)
+        job.ticket = ticket
+        steps.append((job, ticket))
+    (ja, _), (jb, tb) = steps
 
     def fails(logits):
         raise RuntimeError("this draw fails")
 
     tb.constraint.mask = fails
-    with pytest.raises(RuntimeError, match="this draw fails"):
-        LlamaTargetSession.run_together([(a, ta), (b, tb)])
-    assert ta.constraint.consumed  # A was walked, and its matcher took the draw
-    a.lay_out(ta, 64)
-    assert a.finish(ta, a.run_alone(ta)).tokens == expected
+    engine._run_group(steps, engine.chain_limit())
+    assert isinstance(jb.error, RuntimeError)  # the failing tree fails alone
+    assert ja.result is not None and ja.result.tokens == expected
 
 
 def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs):

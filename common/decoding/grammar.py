@@ -143,6 +143,7 @@ class Constraint:
             raise GrammarError(f"grammar ({grammar.kind}) is invalid: {_said(self.matcher.get_error())}")
         self.vocab_size = vocab_size
         self.eos = frozenset(tokenizer.eos_tokens)
+        self._eos_ids = np.array(sorted(t for t in self.eos if t < vocab_size), dtype=np.int64)
         self.consumed: list[int] = []
         if not self.allowed().any():
             raise GrammarError(f"grammar ({grammar.kind}) allows no text")
@@ -181,7 +182,7 @@ class Constraint:
         if allowed.size < self.vocab_size:  # ids past the tokenizer's vocabulary
             allowed = np.concatenate([allowed, np.zeros(self.vocab_size - allowed.size, dtype=bool)])
         if not self.matcher.is_accepting():
-            allowed[[t for t in self.eos if t < self.vocab_size]] = False
+            allowed[self._eos_ids] = False
         return allowed
 
     def allowed_after(self, path: list[int]) -> np.ndarray:
