@@ -306,12 +306,13 @@ class SpecExec:
         return self._stream(self.encode(prompt), sampling, recovery)
 
     def check_sampling(self, sampling: SamplingParams) -> None:
-        """A grammar or penalties are refused before any session opens where the target cannot apply
-        them (a node from before them would ignore them), and a grammar that does not compile."""
-        for name in ("grammar", "penalties"):  # each a NodeInfo feature of the same name
-            if getattr(sampling, name) is not None and name not in self.target.info().features:
-                raise ValueError(f"{name}: the target node does not apply {name} (a node from before them); "
-                                 "update it, or ask without them")  # fmt: skip
+        """Settings the target cannot apply (a node from before them would ignore them: a grammar,
+        penalties, min_p) are refused before any session opens, and so is a grammar that does not
+        compile."""
+        for name in sampling.features():
+            if name not in self.target.info().features:
+                raise ValueError(f"{name}: the target node does not apply {name} (a node from before it); "
+                                 "update it, or ask without it")  # fmt: skip
         if sampling.grammar is not None:
             check_grammar(sampling.grammar)
 

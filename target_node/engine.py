@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from common.decoding.sampling import SamplingParams
+from common.decoding.sampling import TARGET_FEATURES, SamplingParams
 from common.decoding.tree import MAX_TREE_DEPTH, TokenTree, check_token_ids
 from common.decoding.types import NodeInfo, VerifyResult
 from common.model.loaded import LoadedModel
@@ -156,7 +156,7 @@ class TargetEngine(NodeEngine[TargetSession]):
         return self.loaded.model.shared_context(lanes, lane, self.max_tree, rows, cells)
 
     def info(self) -> NodeInfo:
-        return replace(super().info(), features=("grammar", "penalties"))
+        return replace(super().info(), features=TARGET_FEATURES)
 
     def use_curve(self, curve: list[tuple[int, float]]) -> None:
         """Also prices passes for the batcher, which waits for sessions due back where it pays

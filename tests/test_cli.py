@@ -359,5 +359,13 @@ def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, lo
     ids = loaded["target"].tokenizer.encode("Hello, ")
     expected = reference(model_dirs["target"], Penalties(presence=1.5, repetition=1.3), params, prompt=ids)
     assert result["token_ids"] == expected
-    bad = run("generate", *common, "--repetition-penalty", "0", check=False)
-    assert bad.returncode != 0 and "--repetition-penalty must be in (0, 10]" in bad.stderr
+    windowed = [*common, "--repetition-penalty", "1.8", "--repetition-window", "3", "--temperature", "1.4", "--min-p", "0.3"]
+    result = json.loads(run("generate", *windowed).stdout)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.4, min_p=0.3)
+    assert result["token_ids"] == reference(model_dirs["target"], Penalties(repetition=1.8, repetition_window=3),
+                                            params, prompt=ids)  # fmt: skip
+    for flags, message in ((["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 10]"),
+                           (["--min-p", "2"], "--min-p must be in [0, 1]"),
+                           (["--repetition-window", "-1"], "--repetition-window must be a whole number >= 0")):  # fmt: skip
+        bad = run("generate", *common, *flags, check=False)
+        assert bad.returncode != 0 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

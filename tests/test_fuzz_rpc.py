@@ -242,6 +242,8 @@ valid_temperature = st.one_of(
     st.floats(min_value=0, allow_nan=False, allow_infinity=False),
 )
 valid_top_p = st.one_of(st.sampled_from([1.0, 5e-324, 1e-9, 0.5]), st.floats(0, 1, exclude_min=True))
+valid_min_p = st.one_of(st.sampled_from([0.0, 1.0, 5e-324, 0.05]), st.floats(0, 1))
+bad_min_p = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -5e-324, 1.0000001]), st.floats(min_value=1, exclude_min=True))
 bad_temperature = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf, -5e-324]), st.floats(max_value=-1e-300)
 )
@@ -271,6 +273,8 @@ def valid_sampling(draw) -> pb.SamplingParams:
         msg.ignore_eos = draw(st.booleans())
     if draw(st.booleans()):
         msg.logprobs = draw(st.integers(0, 20))
+    if draw(st.booleans()):
+        msg.min_p = draw(valid_min_p)
     return msg
 
 
@@ -285,6 +289,7 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         ("max_new_tokens", absurd_u32),
         ("ignore_eos", st.booleans()),
         ("logprobs", absurd_u32),
+        ("min_p", any_float),
     ):
         if draw(st.booleans()):
             setattr(msg, name, draw(values))
@@ -298,7 +303,8 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         bias = draw(st.lists(st.builds(pb.LogitBias, token=absurd_u32, bias=any_float), max_size=3))
         msg.penalties.CopyFrom(pb.Penalties(presence=draw(any_float), frequency=draw(any_float),
                                             repetition=draw(any_float), logit_bias=bias, min_tokens=draw(absurd_u32),
-                                            start=draw(st.one_of(st.integers(0, 40), absurd_u32))))  # fmt: skip
+                                            start=draw(st.one_of(st.integers(0, 40), absurd_u32)),
+                                            repetition_window=draw(st.one_of(st.integers(0, 8), absurd_u32))))  # fmt: skip
     return msg
 
 
@@ -420,7 +426,7 @@ COMMON = [
 ]
 TREE = ["format_version", "ragged bytes", "entry count", "token out of vocab", "bad parent", "wrong root"]
 TREE += ["too large", "empty tree"]
-SAMPLING = ["temperature", "top_p", "empty stop", "max_new_tokens 0", "max_tokens 0"]
+SAMPLING = ["temperature", "top_p", "min_p", "empty stop", "max_new_tokens 0", "max_tokens 0"]
 PARAMS = [
     "budget 0",
     "budget over the node",
@@ -463,6 +469,8 @@ def mutate_sampling(draw, case: Case, name: str) -> None:
         sampling.temperature = draw(bad_temperature)
     elif name == "top_p":
         sampling.top_p = draw(bad_top_p)
+    elif name == "min_p":
+        sampling.min_p = draw(bad_min_p)
     elif name == "empty stop":
         sampling.stop.append("")
     elif name == "max_new_tokens 0":
@@ -866,13 +874,14 @@ def test_generate(nodes, prompt, sampling, mode, tree, request_id):
     temperature=st.one_of(st.sampled_from([5e-324, 1e-300, 1e-40]), st.floats(5e-324, 1e-20)),
     top_k=st.one_of(st.just(0), st.integers(1, 500)),
     top_p=valid_top_p,
+    min_p=valid_min_p,
 )
-def test_a_vanishing_temperature_draws_the_arg_max(seed, shape, scale, offset, temperature, top_k, top_p):
+def test_a_vanishing_temperature_draws_the_arg_max(seed, shape, scale, offset, temperature, top_k, top_p, min_p):
     """Dividing logits by a subnormal temperature overflows; the draw must still be the limit (greedy),
     not whatever a NaN distribution yields."""
     logits = torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
     logits = logits * scale + offset
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
     drawn = sample_rows(logits, params, list(range(shape[0])))
     assert drawn.tolist() == logits.argmax(-1).tolist()
     tally("sample_rows vanishing temperature", OK)

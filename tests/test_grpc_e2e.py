@@ -584,13 +584,17 @@ def test_a_gateway_takes_a_grammar_and_refuses_a_bad_one(gateway, in_process):
 
 
 @pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
-def test_penalties_over_the_wire_equal_in_process(nodes, in_process, mode):
+@pytest.mark.parametrize("setting", ["penalties", "min_p and a window"])
+def test_penalties_over_the_wire_equal_in_process(nodes, in_process, mode, setting):
     from common.decoding.penalties import Penalties
 
-    penalties = Penalties(presence=0.8, frequency=0.4, repetition=1.4, logit_bias=((70, 1.5),))
-    params = SamplingParams(**SAMPLINGS["seeded"], penalties=penalties)
+    if setting == "penalties":
+        params = SamplingParams(**SAMPLINGS["seeded"],
+                                penalties=Penalties(presence=0.8, frequency=0.4, repetition=1.4, logit_bias=((70, 1.5),)))  # fmt: skip
+    else:
+        params = SamplingParams(**SAMPLINGS["seeded"], min_p=0.2, penalties=Penalties(repetition=1.6, repetition_window=4))
     with remote(nodes, mode) as gen:
-        assert "penalties" in gen.target.info().features
+        assert set(params.features()) <= set(gen.target.info().features)
         got = gen.generate(PROMPT, params)
     assert got.token_ids == in_process["autoregressive"].generate(PROMPT, params).token_ids
     assert got.token_ids != in_process["autoregressive"].generate(PROMPT, SamplingParams(**SAMPLINGS["seeded"])).token_ids

@@ -1156,10 +1156,11 @@ def test_a_shared_pass_that_fails_after_one_walk_walks_that_tree_again_from_its_
     assert ja.result is not None and ja.result.tokens == expected
 
 
-def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs):
+@pytest.mark.parametrize("window, min_p", [(0, 0.0), (5, 0.15)])
+def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs, window, min_p):
     from common.decoding.penalties import Penalties
 
-    penalties = Penalties(presence=0.9, frequency=0.3, repetition=1.5, logit_bias=((70, 2.0),))
+    penalties = Penalties(presence=0.9, frequency=0.3, repetition=1.5, logit_bias=((70, 2.0),), repetition_window=window)
     runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
-                                                      penalties=penalties))  # fmt: skip
+                                                      penalties=penalties, min_p=min_p))  # fmt: skip
     assert runs["specexec"].token_ids == runs["autoregressive"].token_ids

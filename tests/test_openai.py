@@ -377,7 +377,7 @@ def test_errors_before_output_are_http_errors(client, server):
     assert raw(base + "/health") == (200, {"status": "ok", "target": "up", "draft": "up"})
 
 
-@pytest.mark.parametrize("field, value", [("min_p", 0.1), ("repeat_penalty", 1.2), ("allowed_token_ids", [1]),
+@pytest.mark.parametrize("field, value", [("mirostat", 2), ("dry_multiplier", 0.8), ("allowed_token_ids", [1]),
                                           ("bad_words", ["x"]), ("typical_p", 0.5),
                                           ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
@@ -385,7 +385,7 @@ def test_other_servers_output_changing_fields_are_refused_not_ignored(server, fi
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"min_p": 0, "repeat_penalty": 1.0, "allowed_token_ids": None, "bad_words": [], "typical_p": 1.0,
+    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "allowed_token_ids": None, "bad_words": [], "typical_p": 1.0,
                "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200

@@ -1,8 +1,11 @@
 """Penalties and biases (OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition
-penalty and min_tokens): the target applies them at each draw, following the walk, so the output is
-exactly the target alone's with the same settings, greedy and seeded."""
+penalty and min_tokens, llama.cpp's windowed repeat_penalty) and min_p: the target applies them at
+each draw, following the walk, so the output is exactly the target alone's with the same settings,
+greedy and seeded."""
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ SETTINGS = {
     "frequency": Penalties(frequency=0.8, presence=-0.3),
     "repetition": Penalties(repetition=1.6),
     "all": Penalties(presence=0.4, frequency=0.6, repetition=1.3, logit_bias=((65, 2.0), (66, -5.0))),
+    "repeat_last_n": Penalties(repetition=1.8, repetition_window=3),  # llama.cpp's window
 }
 
 
@@ -32,6 +36,9 @@ def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int 
             counts = torch.bincount(torch.tensor(out, dtype=torch.long), minlength=logits.numel())[: logits.numel()]
             seen = counts > 0
             seen[torch.tensor(prompt)] = True
+            if penalties.repetition_window:  # llama.cpp's: the context's last n tokens only
+                seen = torch.zeros_like(seen)
+                seen[torch.tensor(seq[-penalties.repetition_window:])] = True
             logits = torch.where(seen, torch.where(logits > 0, logits / penalties.repetition,
                                                    logits * penalties.repetition), logits)  # fmt: skip
             logits = logits - penalties.frequency * counts - penalties.presence * (counts > 0)
@@ -55,9 +62,22 @@ def test_penalised_output_equals_the_target_alone_with_them(loaded, model_dirs, 
     expected = reference(model_dirs["target"], penalties, params)
     plain = pair(loaded).generate(PROMPT, SamplingParams(max_new_tokens=32, ignore_eos=True, **sampling))
     assert expected != plain.token_ids  # they change the text
+    if penalties.repetition_window:  # and the window changes what the repetition penalty sees
+        assert expected != reference(model_dirs["target"], replace(penalties, repetition_window=0), params)
     for mode in ("specexec", "autoregressive"):
         got = pair(loaded, mode).generate(PROMPT, params)
         assert got.token_ids == expected, mode
+
+
+def test_min_p_output_equals_the_target_alone_with_it(loaded, model_dirs):
+    """min_p is one more filter in `sample_rows`, the draw every path shares; the walk's draws meet
+    the floor exactly where the target alone's do."""
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=1.5, seed=3, min_p=0.3)
+    expected = reference(model_dirs["target"], Penalties(), params)
+    plain = pair(loaded).generate(PROMPT, replace(params, min_p=0.0))
+    assert expected != plain.token_ids
+    for mode in ("specexec", "autoregressive"):
+        assert pair(loaded, mode).generate(PROMPT, params).token_ids == expected, mode
 
 
 def test_a_bias_bans_or_forces_a_token_and_min_tokens_holds_eos_back(loaded, model_dirs):
@@ -88,8 +108,10 @@ def test_a_kept_sequences_next_request_counts_only_its_own_output(loaded):
 
 
 def test_wire_and_defaults():
-    params = SamplingParams(penalties=SETTINGS["all"].at(9))
-    assert sampling_from_proto(sampling_to_proto(params)) == params
+    for params in (SamplingParams(penalties=SETTINGS["all"].at(9)),
+                   SamplingParams(temperature=0.5, min_p=0.25, penalties=SETTINGS["repeat_last_n"].at(4))):  # fmt: skip
+        assert sampling_from_proto(sampling_to_proto(params)) == params
+    assert not sampling_to_proto(SamplingParams()).HasField("min_p")  # an older node reads nothing new
     assert SamplingParams(penalties=Penalties()).penalties is None  # nothing to apply: any target serves it
 
 
@@ -101,15 +123,23 @@ def test_wire_and_defaults():
     (dict(logit_bias=tuple((i, 1.0) for i in range(301))), "at most 300 tokens"),
     (dict(min_tokens=-1), "min_tokens must be a whole number >= 0"),
     (dict(presence=float("nan")), "presence_penalty must be a number"),
+    (dict(repetition_window=-1), "repetition_window must be a whole number >= 0"),
 ])  # fmt: skip
 def test_bad_penalties_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Penalties(**kwargs)
 
 
-def test_a_target_without_penalties_is_refused(loaded):
+@pytest.mark.parametrize("feature, params", [
+    ("penalties", SamplingParams(penalties=Penalties(presence=1.0))),
+    ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
+    ("repetition_window", SamplingParams(penalties=Penalties(repetition=1.1, repetition_window=64))),
+])  # fmt: skip
+def test_a_target_without_a_feature_is_refused(loaded, feature, params):
+    """A node from before a setting would ignore its field and draw other text."""
     gen = pair(loaded)
     info = gen.target.info()
-    gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar",)})
-    with pytest.raises(ValueError, match="penalties: the target node does not apply penalties"):
-        gen.stream(PROMPT, SamplingParams(penalties=Penalties(presence=1.0)))
+    assert feature in info.features
+    gen.target.info = lambda: type(info)(**{**info.__dict__, "features": tuple(set(info.features) - {feature})})
+    with pytest.raises(ValueError, match=f"{feature}: the target node does not apply {feature}"):
+        gen.stream(PROMPT, params)

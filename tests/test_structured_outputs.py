@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import re
+from dataclasses import replace
 
 import openai
 import pytest
@@ -14,6 +15,7 @@ import pytest
 from client.api import SpecExec
 from client.openai.server import OpenAIServer
 from common.decoding.grammar import Grammar
+from common.decoding.penalties import Penalties
 from common.decoding.sampling import SamplingParams
 from draft_node.engine import DraftEngine
 from draft_node.tree_builder import TreeParams
@@ -216,7 +218,6 @@ def test_a_true_schema_is_any_json(api):
 
 def test_penalties_and_logit_bias_give_the_python_apis_text(api, gen):
     from client.api import render_chat
-    from common.decoding.penalties import Penalties
 
     body = {"presence_penalty": 0.7, "frequency_penalty": 0.5, "logit_bias": {"70": 3, "71": -100},
             "extra_body": {"repetition_penalty": 1.2, "min_tokens": 4}}  # fmt: skip
@@ -229,9 +230,43 @@ def test_penalties_and_logit_bias_give_the_python_apis_text(api, gen):
     assert 71 not in expected.token_ids
 
 
+@pytest.mark.parametrize("extra, penalties", [
+    ({"repeat_penalty": 1.4}, Penalties(repetition=1.4, repetition_window=64)),  # llama.cpp's default window
+    ({"repeat_penalty": 1.4, "repeat_last_n": 5}, Penalties(repetition=1.4, repetition_window=5)),
+    ({"repeat_penalty": 1.4, "repeat_last_n": -1}, Penalties(repetition=1.4)),  # the whole context
+    ({"repeat_penalty": 1.4, "repeat_last_n": 0}, None),  # llama.cpp's 0: off
+])  # fmt: skip
+def test_min_p_and_llama_cpps_repeat_penalty_give_the_python_apis_text(api, gen, extra, penalties):
+    from client.api import render_chat
+
+    out = chat(api, max_tokens=30, temperature=1.3, extra_body={"min_p": 0.2, **extra})
+    ids = render_chat(gen.tokenizer, [{"role": "user", "content": "Say it."}])
+    params = SamplingParams(temperature=1.3, seed=9, max_new_tokens=30, min_p=0.2, penalties=penalties)
+    assert out.choices[0].message.content == gen.generate(ids, params).text
+    assert out.choices[0].message.content != gen.generate(ids, replace(params, min_p=0.0)).text  # min_p counts
+    assert chat(api, stream=True, max_tokens=30, temperature=1.3, extra_body={"min_p": 0.2, **extra})[0] == out.choices[0].message.content
+
+
+def test_a_target_without_min_p_or_windows_is_a_400_naming_the_field(gen, api):
+    info = gen.target.info()
+    try:
+        gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar", "penalties")})
+        for extra, param in (({"min_p": 0.1}, "min_p"), ({"repeat_penalty": 1.2}, "repeat_penalty")):
+            with pytest.raises(openai.BadRequestError) as err:
+                chat(api, extra_body=extra)
+            assert err.value.body["param"] == param and "needs a target node that applies it" in err.value.body["message"]
+        assert chat(api, max_tokens=4, extra_body={"repetition_penalty": 1.2}).choices  # no window: served
+    finally:
+        del gen.target.info
+
+
 @pytest.mark.parametrize(
     "body, param, needle",
     [
+        ({"extra_body": {"min_p": 1.5}}, "min_p", "must be between 0.0 and 1.0"),
+        ({"extra_body": {"repeat_penalty": 0}}, "repeat_penalty", "must be above 0"),
+        ({"extra_body": {"repeat_penalty": 1.1, "repetition_penalty": 1.2}}, "repeat_penalty", "not both"),
+        ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n", "must be between -1 and"),
         ({"presence_penalty": 2.5}, "presence_penalty", "must be between -2.0 and 2.0"),
         ({"frequency_penalty": -3}, "frequency_penalty", "must be between -2.0 and 2.0"),
         ({"logit_bias": {"x": 1}}, "logit_bias", "must map token ids to biases"),

@@ -45,12 +45,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--temperature", type=float, default=0.0, help="0 (default) is greedy")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as probable as "
+                   "the most probable one (vLLM's and llama.cpp's; 0: off)")
     g.add_argument("--seed", type=int, default=0, help="seeded samples are identical to the target alone's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, over prompt and output (1: off)")
+    g.add_argument("--repetition-window", type=int, default=0, metavar="N", help="the repetition penalty over "
+                   "the context's last N tokens only (llama.cpp's --repeat-last-n); 0: all of them")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA", help="the text follows this JSON schema (JSON, or "
                        "@FILE); '{\"type\": \"object\"}': any JSON object")
@@ -163,6 +167,7 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         temperature=args.temperature,
         top_k=args.top_k,
         top_p=args.top_p,
+        min_p=args.min_p,
         seed=args.seed,
         max_new_tokens=SamplingParams.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         stop=tuple(args.stop),
@@ -173,11 +178,11 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 
 def penalties_from(args: argparse.Namespace) -> Penalties:
-    """--presence-penalty, --frequency-penalty and --repetition-penalty; a bad one named by its flag
-    (Penalties' errors start with the OpenAI field's name, which is the flag's)."""
+    """--presence-penalty, --frequency-penalty, --repetition-penalty and --repetition-window; a bad
+    one named by its flag (Penalties' errors start with the field's name, which is the flag's)."""
     try:
         return Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
-                         repetition=args.repetition_penalty)  # fmt: skip
+                         repetition=args.repetition_penalty, repetition_window=args.repetition_window)  # fmt: skip
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{field.replace('_', '-')} {rest}") from None

@@ -35,6 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from client.admission import Admission, QueueFull
 from client.api import Chunk, SpecExec
 from client.openai.protocol import (
+    PENALTY_FIELDS,
     Answer,
     ApiError,
     ChatCompletionRequest,
@@ -350,12 +351,16 @@ class Service:
         if any(token >= info.vocab_size for token, _ in bias):
             raise ApiError(400, f"'logit_bias' holds token id {max(t for t, _ in bias)}: the model's ids are below "
                            f"{info.vocab_size}", param="logit_bias")  # fmt: skip
-        if job.sampling.penalties is not None and "penalties" not in info.features:
-            raise ApiError(400, "penalties and 'logit_bias' need a target node that applies them (this one is "
-                           "from before them): update it", param="logit_bias" if bias else "presence_penalty")  # fmt: skip
-        if job.sampling.grammar is not None and "grammar" not in info.features:
+        missing = [name for name in job.sampling.features() if name not in info.features]
+        if "grammar" in missing:
             raise ApiError(400, f"'{request.grammar_field()}' asks for a grammar, which the target node does not "
                            "apply (a node from before grammars): update it", param=request.grammar_field())  # fmt: skip
+        if missing:
+            asked = [f for f in PENALTY_FIELDS if f in request.model_fields_set]
+            param = {"penalties": asked[0] if asked else "presence_penalty", "min_p": "min_p",
+                     "repetition_window": "repeat_penalty"}[missing[0]]  # fmt: skip
+            raise ApiError(400, f"'{param}' needs a target node that applies it (this one is from before it): "
+                           "update it", param=param)  # fmt: skip
         return job
 
     def start(self, job: Job, release: Callable[[], None]) -> Generation:

@@ -2,7 +2,7 @@
 in OpenAI's JSON shape, and the JSON of answers and of stream events.
 
 The models keep OpenAI's semantics where this server can honour them and refuse the rest: a field
-that would change the output and cannot be served (`echo`, `best_of`, `min_p`, ...) is a 400, not
+that would change the output and cannot be served (`echo`, `best_of`, `typical_p`, ...) is a 400, not
 silently ignored;
 `user` and fields it does not know are ignored. Numbers are strict: `"0.5"` or `true` is not a temperature.
 """
@@ -186,6 +186,9 @@ Integer = Annotated[int | None, Field(strict=True)]
 Number = Annotated[float | None, Field(strict=True)]
 Flag = Annotated[bool | None, Field(strict=True)]
 MaxTokens = Annotated[Integer, between(1, MAX_TOKENS)]
+DEFAULT_REPEAT_LAST_N = 64  # llama.cpp's server's
+PENALTY_FIELDS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty",
+                  "min_tokens")  # fmt: skip
 MAX_CHOICES = 16  # `n`: generated one after another, each a whole generation
 
 
@@ -303,9 +306,10 @@ class SamplingRequest(BaseModel):
     grammar: Any = None
     guided_whitespace_pattern: Annotated[Any, unless()] = None  # vLLM's; the JSON whitespace is ours
     # Other servers' extensions that change the output (vLLM's sampling params, llama.cpp's server):
-    min_p: Annotated[Any, unless(0, 0.0)] = None
+    min_p: Annotated[Number, between(0.0, 1.0)] = None  # vLLM's and llama.cpp's
     repetition_penalty: Annotated[Number, between(0.0, 10.0)] = None  # vLLM's; 0 is refused below
-    repeat_penalty: Annotated[Any, unless(1, 1.0)] = None
+    repeat_penalty: Annotated[Number, between(0.0, 10.0)] = None  # llama.cpp's: over the last repeat_last_n
+    repeat_last_n: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # llama.cpp's: 64; -1 all; 0 off
     length_penalty: Annotated[Any, unless(1, 1.0)] = None
     typical_p: Annotated[Any, unless(1, 1.0)] = None
     mirostat: Annotated[Any, unless(0)] = None
@@ -354,8 +358,17 @@ class SamplingRequest(BaseModel):
     def asked_penalties(self) -> Penalties | None:
         """OpenAI's presence/frequency penalties and logit_bias, vLLM's repetition_penalty and
         min_tokens, as the target applies them (`common.decoding.penalties`)."""
-        if self.repetition_penalty == 0:
-            raise bad("'repetition_penalty' must be above 0 (1 turns it off), got 0", param="repetition_penalty")
+        for name in ("repetition_penalty", "repeat_penalty"):
+            if getattr(self, name) == 0:
+                raise bad(f"'{name}' must be above 0 (1 turns it off), got 0", param=name)
+        repetition, window = self.repetition_penalty if self.repetition_penalty is not None else 1.0, 0
+        if self.repeat_penalty not in (None, 1.0):
+            if repetition != 1.0:
+                raise bad("give 'repetition_penalty' (vLLM's, over the whole context) or 'repeat_penalty' "
+                          "(llama.cpp's, over the last repeat_last_n tokens), not both", param="repeat_penalty")  # fmt: skip
+            window = DEFAULT_REPEAT_LAST_N if self.repeat_last_n is None else self.repeat_last_n
+            repetition = self.repeat_penalty if window else 1.0  # llama.cpp's 0: off
+            window = max(window, 0)  # -1: the whole context
         limit = self.max_new_tokens(0)  # 0: none given
         if self.min_tokens and limit and self.min_tokens > limit:
             raise bad(f"'min_tokens' ({self.min_tokens}) must not exceed the maximum tokens ({limit})",
@@ -364,9 +377,10 @@ class SamplingRequest(BaseModel):
             penalties = Penalties(
                 presence=self.presence_penalty or 0.0,
                 frequency=self.frequency_penalty or 0.0,
-                repetition=self.repetition_penalty if self.repetition_penalty is not None else 1.0,
+                repetition=repetition,
                 logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
                 min_tokens=self.min_tokens or 0,
+                repetition_window=window,
             )
         except ValueError as exc:
             raise bad(str(exc), param=str(exc).split(" ")[0]) from None
@@ -395,6 +409,7 @@ class SamplingRequest(BaseModel):
                 stop_token_ids=tuple(self.stop_token_ids or ()),
                 grammar=None if asked is None else asked[1],
                 penalties=self.asked_penalties(),
+                min_p=self.min_p or 0.0,
             )
         except ValueError as exc:
             raise bad(str(exc)) from exc

@@ -1,18 +1,21 @@
 """Penalties and biases on the target's logits: OpenAI's `presence_penalty`, `frequency_penalty` and
-`logit_bias`, vLLM's `repetition_penalty` and `min_tokens`.
+`logit_bias`, vLLM's `repetition_penalty` and `min_tokens`, llama.cpp's `repeat_penalty`.
 
 They depend on the tokens generated so far, so, like a grammar (`common.decoding.grammar`), they are
 state that follows the acceptance walk: the draw at a tree node sees the counts of the committed
 output plus the path to that node, and the walk draws along one path in order. The output is exactly
 the target alone's with the same settings. Formulas as vLLM's: repetition first (prompt and output
 tokens: a positive logit divided by it, a negative one multiplied), then frequency and presence
-(output tokens only), then the biases; EOS is barred until `min_tokens` are out.
+(output tokens only), then the biases; EOS is barred until `min_tokens` are out. llama.cpp's
+`repeat_penalty` is the same repetition penalty over the last `repeat_last_n` tokens of the context
+(prompt and output) only: `repetition_window`.
 """
 
 from __future__ import annotations
 
 import math
 import numbers
+from collections import deque
 from dataclasses import dataclass, field, replace
 
 import numpy as np
@@ -32,6 +35,7 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...] = field(default_factory=tuple)
     min_tokens: int = 0
     start: int | None = None
+    repetition_window: int = 0  # 0: the whole prompt and output (vLLM's); n: the context's last n tokens
 
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency),
@@ -53,6 +57,9 @@ class Penalties:
         object.__setattr__(self, "logit_bias", bias)
         if isinstance(self.min_tokens, bool) or not isinstance(self.min_tokens, numbers.Integral) or self.min_tokens < 0:
             raise ValueError(f"min_tokens must be a whole number >= 0, got {self.min_tokens!r}")
+        window = self.repetition_window
+        if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
+            raise ValueError(f"repetition_window must be a whole number >= 0 (0: the whole context), got {window!r}")
         if self.start is not None and self.start < 0:
             raise ValueError(f"penalties start must be a position >= 0, got {self.start}")
 
@@ -81,6 +88,8 @@ class PenaltyState:
         self.counts = np.zeros(vocab_size, dtype=np.int32)  # [V]
         self.prompt_seen = np.zeros(vocab_size, dtype=bool)  # [V]
         self.generated = 0
+        self.window: deque[int] = deque()  # the context's last repetition_window tokens, oldest first
+        self.in_window = np.zeros(vocab_size, dtype=np.int32)  # [V]: their counts
 
     def follow(self, committed: list[int]) -> None:
         """At the tree's root: the counts of the committed output (the tokens from the start)."""
@@ -90,7 +99,11 @@ class PenaltyState:
         output = np.asarray(committed[start:], dtype=np.int64)
         self.counts = np.bincount(output, minlength=self.vocab_size)[: self.vocab_size].astype(np.int32)
         self.generated = output.size
-        if self.penalties.repetition != 1.0:
+        if self.penalties.repetition != 1.0 and self.penalties.repetition_window:
+            self.window = deque(t for t in committed[-self.penalties.repetition_window:] if t < self.vocab_size)
+            self.in_window = np.bincount(np.asarray(self.window, dtype=np.int64),
+                                         minlength=self.vocab_size).astype(np.int32)  # fmt: skip
+        elif self.penalties.repetition != 1.0:
             self.prompt_seen[:] = False
             prompt = np.asarray(committed[:start], dtype=np.int64)
             self.prompt_seen[prompt[prompt < self.vocab_size]] = True
@@ -101,7 +114,7 @@ class PenaltyState:
         out = np.array(logits, dtype=np.float32)  # [1, V]
         row = out[0]
         if p.repetition != 1.0:
-            seen = np.flatnonzero(self.prompt_seen | (self.counts > 0))
+            seen = np.flatnonzero(self.in_window if p.repetition_window else self.prompt_seen | (self.counts > 0))
             values = row[seen]
             row[seen] = np.where(values > 0, values / np.float32(p.repetition), values * np.float32(p.repetition))
         if p.frequency or p.presence:
@@ -116,4 +129,9 @@ class PenaltyState:
     def take(self, token: int) -> None:
         if token < self.vocab_size:
             self.counts[token] += 1
+            if self.penalties.repetition != 1.0 and self.penalties.repetition_window:
+                self.window.append(token)
+                self.in_window[token] += 1
+                if len(self.window) > self.penalties.repetition_window:
+                    self.in_window[self.window.popleft()] -= 1
         self.generated += 1

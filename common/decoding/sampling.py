@@ -30,7 +30,7 @@ _NUCLEUS_PROBE = 256
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0 and top_p 1 switch those filters off."""
+    """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -48,6 +48,9 @@ class SamplingParams:
     grammar: Grammar | None = None
     # presence, frequency and repetition penalties, logit biases, min_tokens (`common.decoding.penalties`)
     penalties: Penalties | None = None
+    # vLLM's and llama.cpp's: after temperature, only tokens at least min_p times as probable as the
+    # most probable one stay (before top_k and top_p, as vLLM orders them)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -61,7 +64,7 @@ class SamplingParams:
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
-        for names, kind, what, plain in ((("temperature", "top_p"), numbers.Real, "a number", float),
+        for names, kind, what, plain in ((("temperature", "top_p", "min_p"), numbers.Real, "a number", float),
                                          (("top_k", "seed", "max_new_tokens"), numbers.Integral, "a whole number", int)):  # fmt: skip
             for name in names:
                 value = getattr(self, name)
@@ -74,6 +77,8 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         if not (math.isfinite(self.top_p) and 0 < self.top_p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.max_new_tokens < 1:
@@ -107,6 +112,20 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0
 
+    def features(self) -> tuple[str, ...]:
+        """The target node features (NodeInfo.features) these settings need: a node from before one
+        would ignore its field and draw other text, so clients check first."""
+        needed = [name for name in ("grammar", "penalties") if getattr(self, name) is not None]
+        if self.min_p:
+            needed.append("min_p")
+        if self.penalties is not None and self.penalties.repetition_window and self.penalties.repetition != 1.0:
+            needed.append("repetition_window")
+        return tuple(needed)
+
+
+# What this version's target nodes apply (NodeInfo.features), beyond temperature, top_k and top_p.
+TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window")
+
 
 def _splitmix64(x: int) -> int:
     x = (x + 0x9E3779B97F4A7C15) & _MASK64
@@ -131,6 +150,10 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
     # A temperature so small that the division overflows would leave NaN probabilities (and draw
     # garbage); in that limit the distribution is a point mass on the arg-max, which greedy picks.
     overflowed = ~np.isfinite(scores.max(-1))  # [r]
+    if params.min_p > 0:  # p_i >= min_p * p_max, in logits: s_i >= s_max + log(min_p)
+        with np.errstate(invalid="ignore"):
+            floor = scores.max(-1, keepdims=True) + np.float32(math.log(params.min_p))  # [r, 1]
+            scores = np.where(scores >= floor, scores, np.float32(-np.inf))  # [r, V]
     candidates = None  # [r, k]: the vocabulary ids of the kept columns, in their order
     if params.top_k:
         scores, candidates = _top(scores, params.top_k)

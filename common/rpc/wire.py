@@ -70,7 +70,9 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         penalties=None if p.penalties is None else pb.Penalties(
             presence=p.penalties.presence, frequency=p.penalties.frequency, repetition=p.penalties.repetition,
             logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.penalties.logit_bias],
-            min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0),
+            min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0,
+            repetition_window=p.penalties.repetition_window),
+        min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
     )
 
 
@@ -85,7 +87,7 @@ def grammar_from_proto(msg: pb.Grammar) -> Grammar:
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; set ones are validated there."""
     kwargs: dict = {}
-    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs"):
+    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
@@ -93,7 +95,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     if msg.HasField("penalties"):
         q = msg.penalties
         kwargs["penalties"] = Penalties(q.presence, q.frequency, q.repetition or 1.0,
-                                        tuple((b.token, b.bias) for b in q.logit_bias), q.min_tokens, q.start)  # fmt: skip
+                                        tuple((b.token, b.bias) for b in q.logit_bias), q.min_tokens, q.start,
+                                        q.repetition_window)  # fmt: skip
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
 
 
