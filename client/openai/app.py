@@ -10,9 +10,9 @@ notices at once, through ASGI's `http.disconnect`; a whole answer checks after e
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hmac
-import json
 import logging
 import threading
 import time
@@ -34,6 +34,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from client.admission import Admission, QueueFull
 from client.api import Chunk, SpecExec
+from client.openai import ollama
 from client.openai.protocol import (
     PENALTY_FIELDS,
     Answer,
@@ -43,6 +44,7 @@ from client.openai.protocol import (
     DetokenizeRequest,
     Job,
     TokenizeRequest,
+    json_text,
     validation_error,
 )
 from common.decoding.types import TokenLogprob
@@ -52,22 +54,12 @@ from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, role_registry, track
 log = logging.getLogger("specexec.openai")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health", "/metrics")
+ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health", "/metrics",
+          "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version")  # fmt: skip
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
 Choice = tuple[int, Chunk]  # a chunk of the request's choice number int (`n`)
-
-
-def json_text(payload: dict[str, Any]) -> str:
-    """UTF-8 where it can be: a lone surrogate (JSON allows it in a request's strings, and an error
-    message may echo one) cannot be encoded, so that answer escapes everything instead."""
-    text = json.dumps(payload, ensure_ascii=False)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return json.dumps(payload)
-    return text
 
 
 class JSONAnswer(Response):
@@ -221,10 +213,11 @@ class EventStream(StreamingResponse):
     does so only under ASGI spec < 2.4, and some uvicorn releases announce 2.4 yet drop writes to a
     gone client silently, so a stream nobody reads would otherwise run to its max_tokens."""
 
-    def __init__(self, generation: Generation) -> None:
+    def __init__(self, generation: Generation, body: AsyncIterator[bytes] | None = None,
+                 media_type: str = "text/event-stream") -> None:  # fmt: skip
         self.generation = generation
         headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
-        super().__init__(generation.events(), media_type="text/event-stream", headers=headers)
+        super().__init__(body or generation.events(), media_type=media_type, headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         ended = False
@@ -415,28 +408,45 @@ class Service:
 
     async def answer(self, request: CompletionRequest | ChatCompletionRequest, http: Request) -> Response:
         """A failure before the response starts is an HTTP error, by the gRPC status it maps to."""
+        generation = await self.begin(request, http)
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED)
+        if generation.answer.job.stream:
+            return EventStream(generation)
+        with http_errors():
+            return await generation.whole(http)
+
+    async def begin(
+        self, request: CompletionRequest | ChatCompletionRequest, http: Request, adjust: Callable[[Job], Job] | None = None
+    ) -> Generation | None:
+        """The started generation (None: the client left while it queued); `adjust` amends the job."""
         self.check_model(request.model)
-        try:
+        with http_errors():
             job = await run_in_threadpool(self.prepare, request)
+            job = job if adjust is None else adjust(job)
             release = await self.admit(http)
             if release is None:
                 event(log, "client_gone", stage="queued")
-                return Response(status_code=CLIENT_CLOSED)
+                return None
             try:
-                generation = await run_in_threadpool(self.start, job, release)
+                return await run_in_threadpool(self.start, job, release)
             except BaseException:
                 release()
                 raise
-            if generation.answer.job.stream:
-                return EventStream(generation)
-            return await generation.whole(http)
-        except ApiError:
-            raise
-        except Exception as exc:
-            error = ApiError.from_exception(exc)
-            if error.status == 500:  # a bug; a node that is down (502-504) is the error response's one line
-                log.exception("generation failed")
-            raise error from exc
+
+
+@contextlib.contextmanager
+def http_errors() -> Iterator[None]:
+    """A failure as the HTTP error its gRPC status maps to."""
+    try:
+        yield
+    except ApiError:
+        raise
+    except Exception as exc:
+        error = ApiError.from_exception(exc)
+        if error.status == 500:  # a bug; a node that is down (502-504) is the error response's one line
+            log.exception("generation failed")
+        raise error from exc
 
 
 def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, limit: int) -> None:
@@ -462,10 +472,12 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
 
 
 def error_response(request: Request, error: ApiError) -> Response:
+    """OpenAI's error object; Ollama's routes answer Ollama's, `{"error": message}`."""
     level = logging.WARNING if error.status >= 500 else logging.INFO
     event(log, "http_error", level, path=request.url.path, status=error.status, message=error.message)
     headers = {"Retry-After": str(QueueFull.retry_after)} if error.status == 429 else None
-    return JSONAnswer(error.body(), status_code=error.status, headers=headers)
+    body = {"error": error.message} if request.url.path.startswith("/api/") else error.body()
+    return JSONAnswer(body, status_code=error.status, headers=headers)
 
 
 async def on_api_error(request: Request, exc: Exception) -> Response:
@@ -678,6 +690,58 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
         """The gateway's Prometheus metrics on the API port too, as vLLM serves them (no token, as /health)."""
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
+    add_ollama_routes(api, service)
     app.include_router(v1)
     app.include_router(api)
     return app
+
+
+def add_ollama_routes(router: APIRouter, service: Service) -> None:
+    """Ollama's API (`client.openai.ollama`): its requests run as the OpenAI requests they mean."""
+
+    async def run(body: ollama.OllamaChatRequest | ollama.OllamaGenerateRequest, http: Request) -> Response:
+        chat = isinstance(body, ollama.OllamaChatRequest)
+        if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt):
+            service.check_model(ollama.model_name(body.model))
+            return JSONAnswer(ollama.loaded(body.model, chat))  # nothing to say: Ollama's "the model is loaded"
+        request = ollama.openai_request(body)
+        adjust = functools.partial(ollama.with_defaults, request=request, default_max_tokens=service.default_max_tokens)
+        generation = await service.begin(request, http, adjust)
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED)
+        reply = ollama.OllamaAnswer(generation.answer, body.model, chat)
+        if body.stream:
+            return EventStream(generation, ollama.lines(generation, reply), media_type="application/x-ndjson")
+        with http_errors():
+            whole = await ollama.whole(generation, reply, http)
+        return Response(status_code=CLIENT_CLOSED) if whole is None else JSONAnswer(whole)
+
+    @router.post("/api/chat")
+    async def chat(body: ollama.OllamaChatRequest, request: Request) -> Response:
+        return await run(body, request)
+
+    @router.post("/api/generate")
+    async def generate(body: ollama.OllamaGenerateRequest, request: Request) -> Response:
+        return await run(body, request)
+
+    @router.get("/api/tags")
+    async def tags() -> Response:
+        info = await run_in_threadpool(service.gen.target.info)
+        return JSONAnswer({"models": [ollama.model_entry(service.model_name, info, service.created)]})
+
+    @router.get("/api/ps")
+    async def running() -> Response:
+        info = await run_in_threadpool(service.gen.target.info)
+        entry = {**ollama.model_entry(service.model_name, info, service.created), "size_vram": 0,
+                 "expires_at": "2318-08-16T00:00:00Z", "context_length": info.max_context}  # fmt: skip
+        return JSONAnswer({"models": [entry]})
+
+    @router.post("/api/show")
+    async def show(body: ollama.OllamaShowRequest) -> Response:
+        service.check_model(ollama.model_name(body.model or body.name or ""))
+        info = await run_in_threadpool(service.gen.target.info)
+        return JSONAnswer(ollama.show(service.model_name, info, service.created, service.gen.tokenizer))
+
+    @router.get("/api/version")
+    async def version() -> Response:
+        return JSONAnswer({"version": ollama.API_VERSION})

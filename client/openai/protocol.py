@@ -778,6 +778,17 @@ class Job:
 # Answers
 
 
+def json_text(payload: dict[str, Any]) -> str:
+    """UTF-8 where it can be: a lone surrogate (JSON allows it in a request's strings, and an error
+    message may echo one) cannot be encoded, so that answer escapes everything instead."""
+    text = json.dumps(payload, ensure_ascii=False)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return json.dumps(payload)
+    return text
+
+
 @functools.cache
 def _byte_decoder() -> dict[str, int]:
     from transformers.convert_slow_tokenizer import bytes_to_unicode

@@ -8,6 +8,7 @@
     POST /v1/chat/completions     messages rendered with the target tokenizer's chat template
     POST /tokenize, /detokenize   a prompt or messages to ids and back, as vLLM's and llama.cpp's servers
     GET  /health                  200 while the target serves, else 503 (no token needed)
+    POST /api/chat, /api/generate Ollama's API (`client.openai.ollama`), with /api/tags, show, ps, version
 
 Browser pages on this machine (http://localhost:PORT, 127.0.0.1, [::1]) may call it (CORS), as
 Ollama allows; `--allowed-origins` names others ("*" for any).
