@@ -116,9 +116,10 @@ def add_backend_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--kv-type",
-        choices=("f16", "f32"),
+        choices=("f16", "f32", "q8_0", "q4_0"),
         default="f16",
-        help="llama.cpp backend: the KV cache's type (f32 for exactness tests)",
+        help="llama.cpp backend: the KV cache's type (f32 for exactness tests; q8_0 and q4_0 hold a "
+        "long context in half or a quarter of f16's memory, with flash attention)",
     )
 
 

@@ -1164,3 +1164,33 @@ def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs, window, m
     runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
                                                       penalties=penalties, min_p=min_p))  # fmt: skip
     assert runs["specexec"].token_ids == runs["autoregressive"].token_ids
+
+
+@pytest.fixture(scope="module")
+def wide_ggufs(tmp_path_factory) -> dict[str, Path]:
+    """A target with heads of 32 dimensions, as quantized KV caches need (the tiny ones have 16)."""
+    root = tmp_path_factory.mktemp("wide")
+    target = make_tiny_model(root / "target", arch="qwen2", layers=2, hidden=128, heads=4, kv_heads=2, seed=3)
+    return {"F32": gguf_model_dir(target, root / "target-f32", "F32"), "draft": truncate_layers(target, root / "draft", keep=1)}
+
+
+def test_a_quantized_kv_cache_holds_a_context_in_less_memory(wide_ggufs, ggufs):
+    """--kv-type q8_0 / q4_0, as llama.cpp's -ctk/-ctv: the cache of 100 tokens in about half and a
+    quarter of f16's bytes, and trees still run through it."""
+    sizes = {}
+    for kv in ("f16", "q8_0", "q4_0"):
+        model = LlamaCppModel(wide_ggufs["F32"] / "model.gguf", kv_type=kv, threads=1)
+        ctx = model.context(256, max_rows=17)
+        try:
+            lane = ctx.lane(256, 16)
+            lane.extend(list(range(5, 105)))
+            sizes[kv] = model.lib.llama_state_get_size(ctx._ctx)
+        finally:
+            ctx.close()
+    assert sizes["q8_0"] < 0.6 * sizes["f16"] and sizes["q4_0"] < 0.35 * sizes["f16"], sizes
+    gen = SpecExec.local(str(wide_ggufs["draft"]), str(wide_ggufs["F32"]), tree=TreeParams(budget=16),
+                         backend="llama.cpp", kv_type="q8_0")  # fmt: skip
+    out = gen.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True))
+    assert len(out.token_ids) == 24 and out.stats.target_steps < 24
+    with pytest.raises(LlamaCppError, match=r"heads of a multiple of 32 dimensions \(this model's have 16\)"):
+        LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="q8_0", threads=1).context(64, max_rows=9)

@@ -48,6 +48,9 @@ MAX_SEQUENCES = 256  # LLAMA_MAX_SEQ in llama.cpp's src/llama-cparams.h
 MAX_TREE_LEAVES = MAX_SEQUENCES - 1  # sequence 0 holds the committed tokens
 MAX_SHARED_ROWS = 512  # tree tokens of a pass sessions share: llama.cpp's compute buffer grows with it
 GGML_TYPE_F32 = 0
+# --kv-type: the KV cache's element type (ggml's type ids). A quantized V needs llama.cpp's flash
+# attention, so q8_0 and q4_0 turn it on; each halves (q8_0) or quarters (q4_0) the cache of f16.
+KV_TYPES = {"f16": 1, "f32": GGML_TYPE_F32, "q8_0": 8, "q4_0": 2}
 BAD_FILE = "bad model file: "  # how tokenizer_identity's child says the file is at fault
 PAD_SWITCH = "SPECEXEC_PAD_PASSES"  # "0": passes run at their own size (LlamaCppModel.pad_passes)
 DEFAULT_KV_SESSIONS = 2  # a node's shared KV pool, in sessions' worth of cells, unless --kv-cache-tokens
@@ -168,8 +171,8 @@ class LlamaCppModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise FileNotFoundError(f"GGUF file not found: {self.path}")
-        if kv_type not in ("f16", "f32"):
-            raise ValueError(f"kv_type must be f16 or f32, got {kv_type!r}")
+        if kv_type not in KV_TYPES:
+            raise ValueError(f"kv_type must be one of {', '.join(KV_TYPES)}, got {kv_type!r}")
         if repack and has_amx(lib):
             log.warning("this llama.cpp was built with AMX kernels, which crash on some models "
                         "(ggml-org/llama.cpp#20824): loading without repacked weights; "
@@ -338,18 +341,23 @@ class LlamaContext:
             raise ValueError(f"a KV cache of {n_ctx} tokens is smaller than a pass of {params.n_seq_max} rows "
                              f"over {lanes} sessions; give it at least {params.n_seq_max}")  # fmt: skip
         params.kv_unified = True  # sequences share cells: a tree's ids cost no copies
-        if model.n_gpu_layers == 0:
+        if model.kv_type in ("q8_0", "q4_0"):
+            params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_ENABLED  # llama.cpp's only kernels for a quantized V
+        elif model.n_gpu_layers == 0:
             # On the CPU, flash attention's kernels put tree passes of 24+ tokens up to 0.04 away from
             # one-token passes (F32 file); without it 4e-5, and passes took the same time (+-2%).
             params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
         params.n_threads = params.n_threads_batch = model.threads
-        if model.kv_type == "f32":
-            params.type_k = params.type_v = GGML_TYPE_F32
+        params.type_k = params.type_v = KV_TYPES[model.kv_type]
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
-            raise LlamaCppError(
-                f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} sequences"
-            )
+            why = ""
+            if model.kv_type in ("q8_0", "q4_0"):
+                head = lib.llama_model_n_embd(model._model) // max(lib.llama_model_n_head(model._model), 1)
+                why = (f" with a {model.kv_type} KV cache: it needs flash attention and heads of a multiple of 32 "
+                       f"dimensions (this model's have {head}); --kv-type f16 does not")  # fmt: skip
+            raise LlamaCppError(f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} "
+                                f"sequences{why}")  # fmt: skip
         self._mem = lib.llama_get_memory(self._ctx)
         self._stop = ctypes.create_string_buffer(2)  # [flag, NUL]: set to cut an interruptible pass short
         # Only an interruptible pass may see the flag set: sessions share a context, and a request
