@@ -173,6 +173,39 @@ def test_matcher_follows_rollbacks_and_refuses_tokens_off_the_grammar(loaded):
     assert np.isinf(c.mask(logits)).sum() == 300 - 2
 
 
+@pytest.mark.parametrize("name, answer, off", [
+    ("schema", '{"n": 3, "ok": true}', '{"n": "3"}'),
+    ("regex", "abba!42", "abba!4x"),
+    ("choice", "maybe so", "maybe"),
+])  # fmt: skip
+def test_a_grammar_after_a_thought_leaves_the_thought_free(loaded, name, answer, off):
+    """A reasoning template opens the thought in the prompt: any text runs up to the first
+    `</think>`, then the grammar holds (vLLM applies one after the reasoning as well)."""
+    lt, tok = loaded["target"].grammar_tokenizer(), loaded["target"].tokenizer
+    grammar = GRAMMARS[name].after_thought("</think>")
+    assert grammar.kind == "lark" and check(grammar, lt) is None
+
+    def takes(text: str) -> bool:
+        c = Constraint(grammar, lt, vocab_size=300)
+        try:
+            c.follow(tok.encode(text))
+        except GrammarError:
+            return False
+        return bool(c.matcher.is_accepting())
+
+    assert takes("Let me see: {\"n\": 1} ok?\n</think>\n\n" + answer)
+    assert not takes("Let me see.</think>\n\n" + off)
+    assert not takes("a</think> b</think>" + answer)  # the first `</think>` ends the thought
+    assert not takes(answer)  # no thought, no end to it
+    assert takes("</think>" + answer)  # an empty thought
+
+
+def test_lark_and_gbnf_cannot_follow_a_thought():
+    for name in ("lark", "gbnf"):
+        with pytest.raises(GrammarError, match=f"grammar .{name}. cannot follow a thought"):
+            GRAMMARS[name].after_thought("</think>")
+
+
 # ------------------------------------------------------------------------------------------------
 # The draft's search under the grammar
 

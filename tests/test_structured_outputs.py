@@ -172,6 +172,32 @@ def test_a_target_that_does_not_apply_grammars_is_a_400_not_unconstrained_text(g
         del gen.target.info
 
 
+THINKING = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}<assistant><think>\n"
+            "{#- a thought ends with </think> -#}")  # fmt: skip
+
+
+def test_a_grammar_follows_the_thought_a_template_opens(gen, api):
+    """A reasoning template (Qwen3's) opens the thought in the prompt: the grammar holds after it,
+    not over it, and the thought comes back as reasoning_content."""
+    from client.api import render_chat
+
+    template, gen.tokenizer.chat_template = gen.tokenizer.chat_template, THINKING
+    try:
+        out = chat(api, response_format={"type": "json_object"}, max_tokens=30, temperature=0)
+        ids = render_chat(gen.tokenizer, [{"role": "user", "content": "Say it."}])
+        grammar = Grammar.json_object().after_thought("</think>")
+        expected = gen.generate(ids, SamplingParams(max_new_tokens=30, grammar=grammar)).text
+        thought, _, answer = expected.partition("</think>")
+        message = out.choices[0].message
+        assert message.model_extra["reasoning_content"] == thought.strip()
+        assert (message.content or "") == answer.strip() and (not answer.strip() or json.loads(answer))
+        with pytest.raises(openai.BadRequestError) as err:
+            chat(api, extra_body={"grammar": 'root ::= "x"'})
+        assert err.value.body["param"] == "grammar" and "cannot follow a thought" in err.value.body["message"]
+    finally:
+        gen.tokenizer.chat_template = template
+
+
 def test_forced_calls_keep_the_tools_definitions(api):
     """pydantic writes a tool's nested types as `$defs` with `$ref`s to them: the forced call's
     schema moves them to its root, named per tool, so the references still resolve."""

@@ -33,7 +33,7 @@ from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
 from client.openai import structured
-from client.openai.reasoning import START, THINKING, ReasoningReader, opens_thought, thinks
+from client.openai.reasoning import CLOSE, START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.grammar import Grammar, GrammarError, check
 from common.decoding.penalties import MAX_LOGIT_BIAS, Penalties
@@ -762,12 +762,16 @@ class Job:
         sampling = request.sampling(default_max_tokens)
         ids = request.prompt_ids(tokenizer)
         reasoning = None
+        opened = chat and thinks(chat_template(tokenizer)) and opens_thought(tokenizer.decode(ids[-16:]))
         if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
-            reasoning = THINKING if opens_thought(tokenizer.decode(ids[-16:])) else START
-        if reasoning == THINKING and sampling.grammar is not None:
-            name = request.grammar_field()
-            raise bad(f"'{name}' asks for a grammar, but the chat template opens a thought the answer would start "
-                      "in: send chat_template_kwargs {\"enable_thinking\": false}", param=name)  # fmt: skip
+            reasoning = THINKING if opened else START
+        if opened and sampling.grammar is not None:  # the answer starts in a thought: the grammar follows it
+            try:
+                sampling = replace(sampling, grammar=sampling.grammar.after_thought(CLOSE))
+            except GrammarError as exc:
+                name = request.grammar_field()
+                raise bad(f"'{name}': {exc}, and the chat template opens a thought the answer starts in: send "
+                          "chat_template_kwargs {\"enable_thinking\": false}", param=name) from None  # fmt: skip
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
                    continuous_usage=request.continuous_usage,

@@ -12,6 +12,7 @@ token the grammar forbids would simply never be accepted.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -74,6 +75,29 @@ class Grammar:
     def at(self, start: int) -> Grammar:
         return replace(self, start=start)
 
+    def after_thought(self, end: str) -> Grammar:
+        """This grammar for an answer that starts inside a thought (a reasoning model's template opened
+        it in the prompt): any text up to the first `end`, up to 8 spaces or newlines, then this
+        grammar, as vLLM applies one only after the reasoning. Written as Lark, so any target that
+        reads Lark applies it; a Lark or GBNF grammar cannot be nested in one (`GrammarError`)."""
+        if self.kind == "json_schema":
+            try:
+                schema = json.loads(self.text)
+            except (ValueError, RecursionError) as exc:
+                raise GrammarError(f"grammar (json_schema) is invalid: {exc}") from None
+            if isinstance(schema, dict) and "x-guidance" not in schema:
+                schema = {**schema, "x-guidance": JSON_DEFAULTS}
+            answer = f"%json {json.dumps(schema)}"
+        elif self.kind == "regex":
+            answer = _lark_regex(self.text)
+        elif self.kind == "choice":
+            answer = " | ".join(map(json.dumps, _choices(self.text)))
+        else:
+            raise GrammarError(f"grammar ({self.kind}) cannot follow a thought; a JSON schema, regex or choice can")
+        thought = _lark_regex("(?s:.*)" + re.sub(r"([\\.^$|?*+()\[\]{}-])", r"\\\1", end))
+        return Grammar("lark", f"start: thought /[ \\t\\n]{{0,8}}/ answer\nthought[lazy]: {thought}\nanswer: {answer}\n",
+                       self.start)  # fmt: skip
+
     def definition(self) -> str:
         """llguidance's grammar for it (not yet checked: `compile` checks it)."""
         import llguidance
@@ -87,6 +111,11 @@ class Grammar:
             return llguidance.grammar_from(from_kind[self.kind], self.text)  # type: ignore[arg-type]
         except ValueError as exc:
             raise GrammarError(f"grammar ({self.kind}) is invalid: {exc}") from None
+
+
+def _lark_regex(pattern: str) -> str:
+    """`pattern` as a Lark regex literal: each unescaped slash escaped."""
+    return "/" + re.sub(r"(?<!\\)((?:\\\\)*)/", r"\1\\/", pattern) + "/"
 
 
 def _json_defaults(text: str) -> dict[str, Any] | None:
