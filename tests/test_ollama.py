@@ -153,3 +153,58 @@ def test_raw_http_shapes(server):
     assert {"model", "created_at", "message"} <= set(objects[0])
     bad = httpx.post(base + "/api/chat", json={"messages": ASK})
     assert bad.status_code == 400 and bad.json() == {"error": "'model' is required"}
+
+
+def test_ollama_probes_and_curl_bodies(server):
+    """Ollama's CLI and health checks probe / ; its docs' curl -d examples send no JSON header."""
+    import httpx
+
+    base = server.url.removesuffix("/v1")
+    assert httpx.get(base + "/").text == "Ollama is running" and httpx.head(base + "/").status_code == 200
+    assert httpx.head(base + "/api/version").status_code == 200
+    body = json.dumps({"model": MODEL, "prompt": "Say it.", "stream": False, "options": {"num_predict": 3}})
+    out = httpx.post(base + "/api/generate", content=body, headers={"Content-Type": "application/x-www-form-urlencoded"})
+    assert out.status_code == 200 and out.json()["eval_count"] == 3
+    shown = httpx.post(base + "/api/show", content="{}")
+    assert shown.status_code == 400 and shown.json() == {"error": "'model' is required"}
+
+
+def test_no_num_predict_runs_to_the_end_of_the_context(client, gen):
+    """Ollama's default (-1), and a num_predict past the context, end where the context does, not at
+    the server's --default-max-tokens (1024 here; the context is 1024 tokens, prompt included)."""
+    from client.openai.ollama import limited
+    from client.openai.protocol import Job
+
+    job = Job(True, [1] * 24, None, SamplingParams(max_new_tokens=16), False, False)
+    assert [limited(job, n, 1024).sampling.max_new_tokens for n in (None, 5000, 7)] == [1000, 1000, 7]
+    many = {"type": "array", "items": {"type": "integer"}, "minItems": 2000}  # cannot end early
+    out = client.generate(MODEL, "Say it.", format=many, options={"num_predict": 5000, "temperature": 0})
+    prompt = len(render_chat(gen.tokenizer, ASK))
+    assert out.done_reason == "length" and out.eval_count == 1024 - prompt
+
+
+@pytest.mark.parametrize("call, needle", [
+    (lambda c: c.chat(MODEL, messages=ASK, options={"repeat_penalty": 0}), "'options.repeat_penalty' must be above 0"),
+    (lambda c: c.chat(MODEL, messages=ASK, format={"type": "bogus"}), "'format': grammar (json_schema) is invalid"),
+    (lambda c: c.generate(MODEL, "x " * 1200), "but the prompt has"),
+    (lambda c: c.chat(MODEL, messages=ASK, think=True), "'think': the model 'tiny-ollama' does not think"),
+])  # fmt: skip
+def test_errors_after_translation_name_ollamas_fields(client, call, needle):
+    with pytest.raises(ollama.ResponseError) as err:
+        call(client)
+    assert err.value.status_code == 400 and needle in err.value.error, err.value.error
+
+
+def test_an_older_target_runs_ollamas_defaults_without_the_window(client, gen):
+    """Ollama's default repeat_penalty needs a target that applies a window; on an older one a
+    request that did not ask for it runs without it rather than failing."""
+    info = gen.target.info()
+    try:
+        gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar", "penalties")})
+        out = client.chat(MODEL, messages=ASK, options={"seed": 4, "num_predict": 12})
+        assert out.message.content == expected(gen, seed=4, max_new_tokens=12, penalties=None)
+        with pytest.raises(ollama.ResponseError) as err:  # asked for: refused, not dropped
+            client.chat(MODEL, messages=ASK, options={"repeat_penalty": 1.2})
+        assert "'options.repeat_penalty' needs a target node that applies it" in err.value.error
+    finally:
+        del gen.target.info

@@ -25,6 +25,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from pydantic import ValidationError
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
@@ -44,6 +45,7 @@ from client.openai.protocol import (
     DetokenizeRequest,
     Job,
     TokenizeRequest,
+    chat_template,
     json_text,
     validation_error,
 )
@@ -54,7 +56,7 @@ from common.ops.metrics import HTTP_REQUESTS, HTTP_SECONDS, role_registry, track
 log = logging.getLogger("specexec.openai")
 
 MAX_BODY_BYTES = 8 * 1024 * 1024
-ROUTES = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health", "/metrics",
+ROUTES = ("/", "/v1/models", "/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize", "/health", "/metrics",
           "/api/chat", "/api/generate", "/api/tags", "/api/show", "/api/ps", "/api/version")  # fmt: skip
 CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only metrics see it
 KEEP_ALIVE_SECONDS = 15.0
@@ -701,12 +703,18 @@ def add_ollama_routes(router: APIRouter, service: Service) -> None:
 
     async def run(body: ollama.OllamaChatRequest | ollama.OllamaGenerateRequest, http: Request) -> Response:
         chat = isinstance(body, ollama.OllamaChatRequest)
-        if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt):
-            service.check_model(ollama.model_name(body.model))
-            return JSONAnswer(ollama.loaded(body.model, chat))  # nothing to say: Ollama's "the model is loaded"
-        request = ollama.openai_request(body)
-        adjust = functools.partial(ollama.with_defaults, request=request, default_max_tokens=service.default_max_tokens)
-        generation = await service.begin(request, http, adjust)
+        try:
+            if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt):
+                service.check_model(ollama.model_name(body.model))
+                return JSONAnswer(ollama.loaded(body.model, chat))  # nothing to say: Ollama's "the model is loaded"
+            info = await run_in_threadpool(service.gen.target.info)
+            request, num_predict = ollama.openai_request(body, info.features)
+            if not getattr(body, "raw", False):
+                ollama.check_think(body, chat_template(service.gen.tokenizer))
+            adjust = functools.partial(ollama.limited, num_predict=num_predict, max_context=info.max_context)
+            generation = await service.begin(request, http, adjust)
+        except ApiError as error:
+            raise ollama.renamed(error, generate=not chat) from None
         if generation is None:
             return Response(status_code=CLIENT_CLOSED)
         reply = ollama.OllamaAnswer(generation.answer, body.model, chat)
@@ -716,32 +724,47 @@ def add_ollama_routes(router: APIRouter, service: Service) -> None:
             whole = await ollama.whole(generation, reply, http)
         return Response(status_code=CLIENT_CLOSED) if whole is None else JSONAnswer(whole)
 
+    async def read(http: Request, kind: type[ollama.Body]) -> ollama.Body:
+        """The body as JSON whatever its Content-Type: Ollama's own examples send it with curl -d."""
+        try:
+            return kind.model_validate_json(await http.body() or b"{}")
+        except ValidationError as exc:
+            raise ollama.renamed(validation_error(exc.errors()), generate=kind is ollama.OllamaGenerateRequest) from None
+
+    @router.api_route("/", methods=["GET", "HEAD"])
+    async def running() -> Response:
+        """What Ollama answers there; its CLI and health checks probe it."""
+        return Response("Ollama is running", media_type="text/plain")
+
     @router.post("/api/chat")
-    async def chat(body: ollama.OllamaChatRequest, request: Request) -> Response:
-        return await run(body, request)
+    async def chat(request: Request) -> Response:
+        return await run(await read(request, ollama.OllamaChatRequest), request)
 
     @router.post("/api/generate")
-    async def generate(body: ollama.OllamaGenerateRequest, request: Request) -> Response:
-        return await run(body, request)
+    async def generate(request: Request) -> Response:
+        return await run(await read(request, ollama.OllamaGenerateRequest), request)
 
-    @router.get("/api/tags")
+    @router.api_route("/api/tags", methods=["GET", "HEAD"])
     async def tags() -> Response:
         info = await run_in_threadpool(service.gen.target.info)
         return JSONAnswer({"models": [ollama.model_entry(service.model_name, info, service.created)]})
 
     @router.get("/api/ps")
-    async def running() -> Response:
+    async def loaded_models() -> Response:
         info = await run_in_threadpool(service.gen.target.info)
         entry = {**ollama.model_entry(service.model_name, info, service.created), "size_vram": 0,
                  "expires_at": "2318-08-16T00:00:00Z", "context_length": info.max_context}  # fmt: skip
         return JSONAnswer({"models": [entry]})
 
     @router.post("/api/show")
-    async def show(body: ollama.OllamaShowRequest) -> Response:
+    async def show(request: Request) -> Response:
+        body = await read(request, ollama.OllamaShowRequest)
+        if not (body.model or body.name):
+            raise ApiError(400, "'model' is required", param="model")
         service.check_model(ollama.model_name(body.model or body.name or ""))
         info = await run_in_threadpool(service.gen.target.info)
         return JSONAnswer(ollama.show(service.model_name, info, service.created, service.gen.tokenizer))
 
-    @router.get("/api/version")
+    @router.api_route("/api/version", methods=["GET", "HEAD"])
     async def version() -> Response:
         return JSONAnswer({"version": ollama.API_VERSION})

@@ -6,7 +6,8 @@ A request is read as the OpenAI request it means and runs as that one does: the 
 template, structured outputs (`format`), tool calls and thoughts. Only the answer's shape is
 Ollama's: newline-delimited JSON objects (or one), the last with `done`, the token counts and the
 durations in nanoseconds. Where an option is left out, Ollama's default holds: temperature 0.8,
-top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, no limit but the context.
+top_k 40, top_p 0.9, repeat_penalty 1.1 over the last 64 tokens, no limit but the context. The
+body is JSON whatever its Content-Type, and `GET /` answers as Ollama's does: its CLI probes it.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -37,7 +38,7 @@ from client.openai.reasoning import thinks
 log = logging.getLogger("specexec.openai")
 
 API_VERSION = "0.12.0"  # the Ollama release whose API this follows
-DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
+DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.9, "repeat_penalty": 1.1, "repeat_last_n": 64}
 # Ollama's options that are the OpenAI request's fields of the same name (vLLM's and llama.cpp's for
 # the last ones: refused unless they change nothing, as on /v1)
 SAME = ("temperature", "top_k", "top_p", "min_p", "stop", "repeat_penalty", "repeat_last_n", "presence_penalty",
@@ -58,7 +59,7 @@ class OllamaRequest(BaseModel):
     options: dict[str, Any] | None = None
     stream: Annotated[bool, Field(strict=True)] = True
     keep_alive: Any = None  # how long Ollama keeps a model loaded: the nodes keep theirs
-    think: Annotated[bool | None, Field(strict=True)] = None
+    think: Annotated[bool, Field(strict=True)] | Literal["high", "medium", "low"] | None = None  # a level: on
 
 
 class OllamaChatRequest(OllamaRequest):
@@ -76,6 +77,9 @@ class OllamaGenerateRequest(OllamaRequest):
     images: Any = None
 
 
+Body = TypeVar("Body", bound=BaseModel)
+
+
 def model_name(name: str) -> str:
     """Ollama's clients add the default tag: `qwen:latest` is `qwen`."""
     return name.removesuffix(":latest")
@@ -85,12 +89,20 @@ def listed_name(name: str) -> str:
     return name if ":" in name else f"{name}:latest"
 
 
-def openai_request(request: OllamaChatRequest | OllamaGenerateRequest) -> ChatCompletionRequest | CompletionRequest:
-    """The OpenAI request `request` means; a bad field is a 400 named as the Ollama request names it."""
+def openai_request(
+    request: OllamaChatRequest | OllamaGenerateRequest, features: tuple[str, ...] = ("repetition_window",)
+) -> tuple[ChatCompletionRequest | CompletionRequest, int | None]:
+    """The OpenAI request `request` means, and its num_predict (None: until the context ends); a bad
+    field is a 400 named as the Ollama request names it. Ollama's default repeat_penalty needs a
+    target that applies a window (`features`): an older one runs without it."""
+    options = request.options or {}
     fields: dict[str, Any] = {"model": model_name(request.model), "stream": request.stream,
-                              **_options(request.options or {}), **_format(request.format)}  # fmt: skip
+                              **_options(options), **_format(request.format)}  # fmt: skip
+    if "repetition_window" not in features and "repeat_penalty" not in options:
+        del fields["repeat_penalty"]
+    num_predict = fields.pop("max_tokens", None)
     if request.think is not None:
-        fields["chat_template_kwargs"] = {"enable_thinking": request.think}
+        fields["chat_template_kwargs"] = {"enable_thinking": bool(request.think)}
     if isinstance(request, OllamaChatRequest):
         fields["messages"] = [_message(m) for m in request.messages]
         if request.tools:
@@ -109,13 +121,29 @@ def openai_request(request: OllamaChatRequest | OllamaGenerateRequest) -> ChatCo
             system = [{"role": "system", "content": request.system}] if request.system else []
             kind, fields["messages"] = ChatCompletionRequest, [*system, {"role": "user", "content": request.prompt}]
     try:
-        return kind.model_validate(fields)
+        return kind.model_validate(fields), num_predict
     except ValidationError as exc:
-        error = validation_error(exc.errors())
-        message, param = error.message, NAMES.get(error.param or "", error.param)
-        for openai_name, ollama_name in NAMES.items():
-            message = message.replace(f"'{openai_name}'", f"'{ollama_name}'")
-        raise ApiError(400, message, param=param) from None
+        raise validation_error(exc.errors()) from None
+
+
+def renamed(error: ApiError, generate: bool) -> ApiError:
+    """`error` naming the fields as the Ollama request names them: `options.temperature`, `format`,
+    and for /api/generate `prompt` (sent as a chat's one message)."""
+    names = {**NAMES, "messages": "prompt"} if generate else NAMES
+    message = error.message
+    for openai_name, ollama_name in names.items():
+        message = message.replace(f"'{openai_name}", f"'{ollama_name}")  # also 'messages[0].content'
+    if generate:
+        message = message.replace("the messages have", "the prompt has")
+    param = error.param if error.param is None else names.get(error.param, error.param)
+    return ApiError(error.status, message, type=error.type, param=param, code=error.code)
+
+
+def check_think(request: OllamaRequest, template: str | None) -> None:
+    """As Ollama answers: thinking asked of a model whose template has no thoughts is a 400."""
+    if request.think and not thinks(template):
+        raise ApiError(400, f"'think': the model {request.model!r} does not think (its chat template has no "
+                       "thoughts)", param="think")  # fmt: skip
 
 
 def _options(options: dict[str, Any]) -> dict[str, Any]:
@@ -126,12 +154,11 @@ def _options(options: dict[str, Any]) -> dict[str, Any]:
         elif name == "seed":
             fields["seed"] = None if isinstance(value, int) and not isinstance(value, bool) and value < 0 else value
         elif name == "num_predict":
-            if isinstance(value, int) and not isinstance(value, bool) and value in (-1, -2):
-                continue  # no limit, or the context's: the default, cut where the context ends
-            if value == 0 or (isinstance(value, int) and value < -2):
-                raise ApiError(400, f"'options.num_predict' must be -1 (no limit) or at least 1, got {value}",
-                               param="options.num_predict")  # fmt: skip
-            fields["max_tokens"] = value
+            if isinstance(value, bool) or not isinstance(value, int) or value == 0 or value < -2:
+                raise ApiError(400, f"'options.num_predict' must be -1 (no limit) or a whole number of at least "
+                               f"1, got {json.dumps(value)[:40]}", param="options.num_predict")  # fmt: skip
+            if value > 0:  # -1 and -2: until the context ends
+                fields["max_tokens"] = value
         elif name == "tfs_z":
             if value not in (None, 1, 1.0):
                 raise ApiError(400, "'options.tfs_z' is not supported by this server", param="options.tfs_z")
@@ -168,11 +195,11 @@ def _message(message: Any) -> Any:
     return out
 
 
-def with_defaults(job: Job, request: ChatCompletionRequest | CompletionRequest, default_max_tokens: int) -> Job:
-    """A raw generation without num_predict runs to the chat default, not completions' 16 tokens."""
-    if isinstance(request, CompletionRequest) and request.max_tokens is None:
-        return replace(job, sampling=replace(job.sampling, max_new_tokens=default_max_tokens))
-    return job
+def limited(job: Job, num_predict: int | None, max_context: int) -> Job:
+    """num_predict tokens at most, and never past the context: Ollama's -1 (its default) runs until the
+    context ends, and a num_predict past it is cut there, not refused."""
+    room = max(1, max_context - len(job.prompt_ids))
+    return replace(job, sampling=replace(job.sampling, max_new_tokens=min(num_predict or room, room)))
 
 
 def now() -> str:

@@ -22,6 +22,7 @@ import numpy as np
 
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes them
 MAX_BIAS = 100.0
+MIN_REPETITION = 1e-6
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class Penalties:
             raise ValueError(f"presence_penalty must be in [-2, 2], got {self.presence}")
         if not -2.0 <= self.frequency <= 2.0:
             raise ValueError(f"frequency_penalty must be in [-2, 2], got {self.frequency}")
-        if not 0.0 < self.repetition <= 10.0:
-            raise ValueError(f"repetition_penalty must be in (0, 10] (1 disables it), got {self.repetition}")
+        if not MIN_REPETITION <= self.repetition <= 10.0:  # a smaller one is 0 in float32: a division by zero
+            raise ValueError(f"repetition_penalty must be in (0, 10] (1 disables it; at least {MIN_REPETITION}), "
+                             f"got {self.repetition}")  # fmt: skip
         bias = tuple((int(t), float(b)) for t, b in dict(self.logit_bias).items())
         if len(bias) > MAX_LOGIT_BIAS:
             raise ValueError(f"logit_bias takes at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}")
