@@ -3,21 +3,17 @@ answer is the text the Python API gives for the same request under Ollama's defa
 
 from __future__ import annotations
 
-import copy
 import json
 
 import ollama
 import openai
 import pytest
 
-from client.api import SpecExec, render_chat
+from client.api import render_chat
 from client.openai.server import OpenAIServer
 from common.decoding.penalties import Penalties
 from common.decoding.sampling import SamplingParams
-from draft_node.engine import DraftEngine
-from draft_node.tree_builder import TreeParams
-from target_node.engine import TargetEngine
-from tests.test_tool_calls import HERMES_TEMPLATE
+from tests.test_structured_outputs import hermes_pair
 
 MODEL = "tiny-ollama"
 ASK = [{"role": "user", "content": "Say it."}]
@@ -25,12 +21,8 @@ OLLAMA_DEFAULTS = dict(temperature=0.8, top_k=40, top_p=0.9, penalties=Penalties
 
 
 @pytest.fixture(scope="module")
-def gen(loaded) -> SpecExec:
-    tokenizer = copy.copy(loaded["target"].tokenizer)
-    tokenizer.chat_template = HERMES_TEMPLATE
-    target = TargetEngine(loaded["target"], max_context=1024, max_tree=8)
-    draft = DraftEngine(loaded["truncated"], max_context=1024, max_tree=8)
-    return SpecExec(target, draft, tokenizer, tree=TreeParams(budget=8))
+def gen(loaded):
+    return hermes_pair(loaded)
 
 
 @pytest.fixture(scope="module")

@@ -34,6 +34,11 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": 
 
 @pytest.fixture(scope="module")
 def gen(loaded) -> SpecExec:
+    return hermes_pair(loaded)
+
+
+def hermes_pair(loaded) -> SpecExec:
+    """The tiny pair in one process, its tokenizer with a Hermes tool-call chat template."""
     tokenizer = copy.copy(loaded["target"].tokenizer)
     tokenizer.chat_template = HERMES_TEMPLATE
     target = TargetEngine(loaded["target"], max_context=1024, max_tree=8)
