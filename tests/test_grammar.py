@@ -206,6 +206,13 @@ def test_lark_and_gbnf_cannot_follow_a_thought():
             GRAMMARS[name].after_thought("</think>")
 
 
+def test_a_schemas_size_counts_its_characters_and_names_it_after_a_thought():
+    assert len(Grammar.json_schema({"enum": ["日本語"]}).text) == len('{"enum": ["日本語"]}')  # not \u escapes
+    near = Grammar.json_schema({"enum": ["x" * 65500]})  # fits; wrapped, it does not
+    with pytest.raises(GrammarError, match=r"grammar \(json_schema, after a thought\) must be at most 65536"):
+        near.after_thought("</think>")
+
+
 # ------------------------------------------------------------------------------------------------
 # The draft's search under the grammar
 

@@ -1194,3 +1194,8 @@ def test_a_quantized_kv_cache_holds_a_context_in_less_memory(wide_ggufs, ggufs):
     assert len(out.token_ids) == 24 and out.stats.target_steps < 24
     with pytest.raises(LlamaCppError, match=r"heads of a multiple of 32 dimensions \(this model's have 16\)"):
         LlamaCppModel(ggufs["F32"] / "model.gguf", kv_type="q8_0", threads=1).context(64, max_rows=9)
+    node = subprocess.run([sys.executable, "-m", "client.cli.main", "target", "--model", str(ggufs["F32"]), "--backend",
+                           "llama.cpp", "--kv-type", "q8_0", "--listen", "127.0.0.1:0"],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)  # fmt: skip
+    assert node.returncode == 2 and "Traceback" not in node.stderr, node.stderr[-2000:]
+    assert "specexec: error: llama.cpp could not make a context" in node.stderr

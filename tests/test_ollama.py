@@ -180,6 +180,7 @@ def test_no_num_predict_runs_to_the_end_of_the_context(client, gen):
     (lambda c: c.chat(MODEL, messages=ASK, format={"type": "bogus"}), "'format': grammar (json_schema) is invalid"),
     (lambda c: c.generate(MODEL, "x " * 1200), "but the prompt has"),
     (lambda c: c.chat(MODEL, messages=ASK, think=True), "'think': the model 'tiny-ollama' does not think"),
+    (lambda c: c.chat(MODEL, messages=ASK, think="HIGH"), "'think' must be true, false, \"high\""),
 ])  # fmt: skip
 def test_errors_after_translation_name_ollamas_fields(client, call, needle):
     with pytest.raises(ollama.ResponseError) as err:

@@ -19,9 +19,9 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
 from client.openai.protocol import (
     Answer,
@@ -30,6 +30,7 @@ from client.openai.protocol import (
     CompletionRequest,
     Job,
     chat_template,
+    field_error,
     json_text,
     validation_error,
 )
@@ -51,6 +52,12 @@ NAMES = {"max_tokens": "options.num_predict", "response_format": "format", "chat
          **{name: f"options.{name}" for name in (*SAME, "seed")}}  # fmt: skip
 
 
+def _think(value: Any) -> Any:
+    if value is None or isinstance(value, bool) or value in ("high", "medium", "low"):
+        return value
+    raise field_error(f"must be true, false, \"high\", \"medium\" or \"low\", got {json.dumps(value)[:40]}")
+
+
 class OllamaRequest(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
@@ -59,7 +66,7 @@ class OllamaRequest(BaseModel):
     options: dict[str, Any] | None = None
     stream: Annotated[bool, Field(strict=True)] = True
     keep_alive: Any = None  # how long Ollama keeps a model loaded: the nodes keep theirs
-    think: Annotated[bool, Field(strict=True)] | Literal["high", "medium", "low"] | None = None  # a level: on
+    think: Annotated[Any, BeforeValidator(_think)] = None  # a level ("high", ...): on
 
 
 class OllamaChatRequest(OllamaRequest):

@@ -62,7 +62,8 @@ class Grammar:
         """`true` is any JSON value; `false` matches nothing, a `GrammarError`."""
         if schema is False:
             raise GrammarError("grammar (json_schema) is the schema false, which no text matches")
-        return cls("json_schema", schema if isinstance(schema, str) else json.dumps({} if schema is True else schema))
+        text = schema if isinstance(schema, str) else json.dumps({} if schema is True else schema, ensure_ascii=False)
+        return cls("json_schema", text)  # unescaped: the size limit counts characters, not \u escapes
 
     @classmethod
     def json_object(cls) -> Grammar:
@@ -87,7 +88,7 @@ class Grammar:
                 raise GrammarError(f"grammar (json_schema) is invalid: {exc}") from None
             if isinstance(schema, dict) and "x-guidance" not in schema:
                 schema = {**schema, "x-guidance": JSON_DEFAULTS}
-            answer = f"%json {json.dumps(schema)}"
+            answer = f"%json {json.dumps(schema, separators=(',', ':'), ensure_ascii=False)}"
         elif self.kind == "regex":
             answer = _lark_regex(self.text)
         elif self.kind == "choice":
@@ -95,8 +96,11 @@ class Grammar:
         else:
             raise GrammarError(f"grammar ({self.kind}) cannot follow a thought; a JSON schema, regex or choice can")
         thought = _lark_regex("(?s:.*)" + re.sub(r"([\\.^$|?*+()\[\]{}-])", r"\\\1", end))
-        return Grammar("lark", f"start: thought /[ \\t\\n]{{0,8}}/ answer\nthought[lazy]: {thought}\nanswer: {answer}\n",
-                       self.start)  # fmt: skip
+        text = f"start: thought /[ \\t\\n]{{0,8}}/ answer\nthought[lazy]: {thought}\nanswer: {answer}\n"
+        try:
+            return Grammar("lark", text, self.start)
+        except GrammarError as exc:  # the limit, met by the wrapping: name the grammar the client sent
+            raise GrammarError(str(exc).replace("grammar (lark)", f"grammar ({self.kind}, after a thought)")) from None
 
     def definition(self) -> str:
         """llguidance's grammar for it (not yet checked: `compile` checks it)."""

@@ -66,6 +66,10 @@ class UnloadableModel(LlamaCppError, ValueError):
     """The file is at fault, not the run: a clear error, not a traceback."""
 
 
+class UnsupportedKVType(LlamaCppError, ValueError):
+    """This model cannot have this --kv-type: a clear error, not a traceback."""
+
+
 class Aborted(LlamaCppError, ForwardInterrupted):
     """An interruptible pass was cut short (`LlamaContext.interrupt`); llama.cpp took its cells back."""
 
@@ -222,6 +226,19 @@ class LlamaCppModel:
         self.pad_rows = padded_rows(curve)
         return padded_curve(curve, self.pad_rows)
 
+    def head_size(self) -> int:
+        """The attention heads' key size: the GGUF's own where it sets one (Qwen3, Gemma), else the
+        embedding over the heads."""
+        lib, buf = self.lib, ctypes.create_string_buffer(128)
+
+        def meta(key: str) -> str | None:
+            return buf.value.decode() if lib.llama_model_meta_val_str(self._model, key.encode(), buf, len(buf)) > 0 else None
+
+        key_length = meta(f"{meta('general.architecture')}.attention.key_length")
+        if key_length and key_length.isdigit():
+            return int(key_length)
+        return lib.llama_model_n_embd(self._model) // max(lib.llama_model_n_head(self._model), 1)
+
     def new_context(self, n_ctx: int, max_tree: int) -> TreeContext:
         """A context of one session's own."""
         return self.context(n_ctx, max_rows=max_tree + 1).lane(n_ctx, max_tree, owns=True)
@@ -351,13 +368,12 @@ class LlamaContext:
         params.type_k = params.type_v = KV_TYPES[model.kv_type]
         self._ctx = lib.llama_init_from_model(model._model, params)
         if not self._ctx:
-            why = ""
+            where = f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} sequences"
             if model.kv_type in ("q8_0", "q4_0"):
-                head = lib.llama_model_n_embd(model._model) // max(lib.llama_model_n_head(model._model), 1)
-                why = (f" with a {model.kv_type} KV cache: it needs flash attention and heads of a multiple of 32 "
-                       f"dimensions (this model's have {head}); --kv-type f16 does not")  # fmt: skip
-            raise LlamaCppError(f"llama.cpp could not make a context of {n_ctx} tokens and {params.n_seq_max} "
-                                f"sequences{why}")  # fmt: skip
+                raise UnsupportedKVType(f"{where} with a {model.kv_type} KV cache: it needs flash attention and "
+                                        f"heads of a multiple of 32 dimensions (this model's have {model.head_size()}); "
+                                        "--kv-type f16 does not")  # fmt: skip
+            raise LlamaCppError(where)
         self._mem = lib.llama_get_memory(self._ctx)
         self._stop = ctypes.create_string_buffer(2)  # [flag, NUL]: set to cut an interruptible pass short
         # Only an interruptible pass may see the flag set: sessions share a context, and a request
