@@ -1,12 +1,15 @@
 """What penalties cost SpecExec: the quickstart's pair in one process, the bench's chat prompts,
-each answered without penalties and with a chat UI's usual ones (presence 0.6, frequency 0.3), SpecExec
-and the target alone, interleaved prompt by prompt.
+each answered without penalties and with them, SpecExec and the target alone, interleaved prompt by
+prompt. `--setting chat-ui`: a chat UI's usual presence 0.6 and frequency 0.3, greedy. `--setting
+ollama`: what every request through Ollama's API gets by default, sampled (temperature 0.8, top_k 40,
+top_p 0.9, seeded) with and without repeat_penalty 1.1 over the last 64 tokens.
 
 The target applies penalties at each draw; the draft does not, so its trees keep proposing what the
-penalties push down, and fewer of their tokens are accepted. Greedy. Reports tokens/s and tokens per
-target step.
+penalties push down, and fewer of their tokens are accepted. Reports tokens/s and tokens per target
+step.
 
     .venv/bin/python -m benchmarks.penalties --out docs/structured/penalties.md
+    .venv/bin/python -m benchmarks.penalties --setting ollama --out docs/structured/penalties-ollama.md
 """
 
 from __future__ import annotations
@@ -24,7 +27,11 @@ from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
 
 PROMPTS = Path(__file__).resolve().parents[1] / "client" / "data" / "bench_prompts.jsonl"
-USUAL = Penalties(presence=0.6, frequency=0.3)
+SETTINGS = {  # name: (sampling for every contestant, the penalties added, what the report says)
+    "chat-ui": ({}, Penalties(presence=0.6, frequency=0.3), "greedy; presence 0.6, frequency 0.3"),
+    "ollama": (dict(temperature=0.8, top_k=40, top_p=0.9), Penalties(repetition=1.1, repetition_window=64),
+               "Ollama's defaults: temperature 0.8, top_k 40, top_p 0.9, seeded; repeat_penalty 1.1 over 64 tokens"),
+}  # fmt: skip
 
 
 def main() -> None:
@@ -34,6 +41,7 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=8)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--per-category", type=int, default=3)
+    p.add_argument("--setting", choices=sorted(SETTINGS), default="chat-ui")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     rows = [json.loads(line) for line in PROMPTS.read_text().splitlines() if line.strip()]
@@ -41,7 +49,8 @@ def main() -> None:
     spec = SpecExec.local(args.draft, args.target, draft_quantize="int8", tree=TreeParams(budget=args.budget),
                           backend="llama.cpp")  # fmt: skip
     alone = spec.variant("autoregressive", None)
-    contestants = {"SpecExec": (spec, None), "SpecExec, penalties": (spec, USUAL), "target alone, penalties": (alone, USUAL)}
+    sampling, usual, said = SETTINGS[args.setting]
+    contestants = {"SpecExec": (spec, None), "SpecExec, penalties": (spec, usual), "target alone, penalties": (alone, usual)}
     got: dict[str, list[tuple[str, float, float]]] = {name: [] for name in contestants}
     spec.generate(render_chat(spec.tokenizer, [{"role": "user", "content": "Hi"}]), max_new_tokens=8)
     for i, task in enumerate(tqdm(tasks, desc="prompts")):
@@ -49,11 +58,12 @@ def main() -> None:
         names = list(contestants)
         for name in names[i % len(names) :] + names[: i % len(names)]:  # rotating order
             gen, penalties = contestants[name]
-            s = gen.generate(ids, SamplingParams(max_new_tokens=args.tokens, penalties=penalties)).stats
+            s = gen.generate(ids, SamplingParams(max_new_tokens=args.tokens, penalties=penalties, seed=i,
+                                                 **sampling)).stats  # fmt: skip
             got[name].append((task["category"], s.new_tokens / s.wall_seconds, s.new_tokens / max(s.target_steps, 1)))
-    lines = [f"# Penalties and SpecExec: the quickstart pair, {len(tasks)} chat prompts, greedy, {args.tokens} tokens",
-             "", f"`python -m benchmarks.penalties` (draft {args.draft} int8, target {args.target}, budget "
-             f"{args.budget}, one process; presence 0.6, frequency 0.3; interleaved prompt by prompt).", "",
+    lines = [f"# Penalties and SpecExec: the quickstart pair, {len(tasks)} chat prompts, {args.tokens} tokens",
+             "", f"`python -m benchmarks.penalties --setting {args.setting}` (draft {args.draft} int8, target "
+             f"{args.target}, budget {args.budget}, one process; {said}; interleaved prompt by prompt).", "",
              "| contestant | category | tok/s (median) | tokens per target step |", "|---|---|---|---|"]  # fmt: skip
     for name, runs in got.items():
         for category in ("code", "prose"):
