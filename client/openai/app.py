@@ -423,7 +423,7 @@ class Service:
     ) -> Generation | None:
         """The started generation (None: the client left while it queued); `adjust` amends the job."""
         self.check_model(request.model)
-        with http_errors():
+        with http_errors(grammar_field=request.grammar_field()):
             job = await run_in_threadpool(self.prepare, request)
             job = job if adjust is None else adjust(job)
             release = await self.admit(http)
@@ -438,8 +438,9 @@ class Service:
 
 
 @contextlib.contextmanager
-def http_errors() -> Iterator[None]:
-    """A failure as the HTTP error its gRPC status maps to."""
+def http_errors(grammar_field: str | None = None) -> Iterator[None]:
+    """A failure as the HTTP error its gRPC status maps to. A grammar the target refuses (one that
+    compiles, but not against the target's vocabulary) names the field that asked for it."""
     try:
         yield
     except ApiError:
@@ -448,6 +449,8 @@ def http_errors() -> Iterator[None]:
         error = ApiError.from_exception(exc)
         if error.status == 500:  # a bug; a node that is down (502-504) is the error response's one line
             log.exception("generation failed")
+        if error.status == 400 and error.param is None and error.message.startswith("grammar ("):
+            error.param = grammar_field
         raise error from exc
 
 
