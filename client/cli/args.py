@@ -321,7 +321,8 @@ def comma_list(value: str) -> tuple[str, ...]:
 def add_openai_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("OpenAI-compatible HTTP endpoint")
     g.add_argument(
-        "--openai", metavar="HOST:PORT", help="also (or only) serve /v1/completions, /v1/chat/completions"
+        "--openai", metavar="HOST:PORT", help="also (or only) serve /v1/completions, /v1/chat/completions and "
+        "Ollama's /api/chat, /api/generate (on 127.0.0.1:11434 it stands in for Ollama)"
     )
     g.add_argument("--served-model-name", help="the model id clients send (default: the target's model id)")
     g.add_argument(
