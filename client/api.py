@@ -343,7 +343,8 @@ class SpecExec:
 
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
-        text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids)
+        min_tokens = sampling.penalties.min_tokens if sampling.penalties is not None else 0
+        text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids, min_tokens)
         started = time.perf_counter()
         finish = "length"
         for result in sequence.steps(sampling, self.tree, stats, self.current_planner):

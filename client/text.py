@@ -11,10 +11,15 @@ from typing import Any
 
 
 class TextAssembler:
-    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = ()) -> None:
+    def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = (),
+                 min_tokens: int = 0) -> None:  # fmt: skip
+        """`min_tokens`: as vLLM, no stop string ends the text before that many tokens are out (one
+        that ends inside a later token counts); the target holds back stop tokens until then."""
         self.tokenizer = tokenizer
         self.stop = stop
         self.stop_ids = frozenset(stop_ids)
+        self.min_tokens = min_tokens
+        self.armed: int | None = 0 if not min_tokens else None  # characters before which no stop string ends
         self.token_ids: list[int] = []
         self.text = ""
         self.emitted = 0
@@ -24,11 +29,14 @@ class TextAssembler:
     def add(self, tokens: list[int]) -> str:
         """Returns the newly settled text; sets `stopped` once a stop string or a stop token appears.
         A stop token counts, as an EOS does, but is not shown."""
-        at = next((k for k, t in enumerate(tokens) if t in self.stop_ids), None) if self.stop_ids else None
+        before = len(self.token_ids)
+        at = next((k for k, t in enumerate(tokens) if t in self.stop_ids and before + k >= self.min_tokens), None)
         if at is not None:
             tokens = tokens[:at]
         self.token_ids += tokens
         self.used = len(tokens)
+        if self.armed is None and len(self.token_ids) > self.min_tokens:
+            self.armed = len(self.tokenizer.decode(self.token_ids[: self.min_tokens], skip_special_tokens=True))
         text = self.tokenizer.decode(self.token_ids, skip_special_tokens=True)
         hold = 0
         found = self._stops(text)
@@ -50,7 +58,9 @@ class TextAssembler:
         return new
 
     def _stops(self, text: str) -> list[int]:
-        return [text.find(stop, max(0, self.emitted - len(stop))) for stop in self.stop]
+        if self.armed is None:  # fewer than min_tokens + 1 tokens: none yet
+            return [-1] * len(self.stop)
+        return [text.find(stop, max(0, self.emitted - len(stop), self.armed - len(stop) + 1)) for stop in self.stop]
 
     def _through_stop(self, added: int) -> int:
         """How many of the `added` tokens it took to complete the stop string: a step that accepted

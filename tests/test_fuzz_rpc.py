@@ -304,7 +304,8 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         msg.penalties.CopyFrom(pb.Penalties(presence=draw(any_float), frequency=draw(any_float),
                                             repetition=draw(any_float), logit_bias=bias, min_tokens=draw(absurd_u32),
                                             start=draw(st.one_of(st.integers(0, 40), absurd_u32)),
-                                            repetition_window=draw(st.one_of(st.integers(0, 8), absurd_u32))))  # fmt: skip
+                                            repetition_window=draw(st.one_of(st.integers(0, 8), absurd_u32)),
+                                            stop_token_ids=draw(st.lists(absurd_u32, max_size=3))))  # fmt: skip
     return msg
 
 

@@ -26,7 +26,7 @@ SETTINGS = {
 
 
 def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int | None = None,
-              prompt: list[int] = PROMPT) -> list[int]:  # fmt: skip
+              prompt: list[int] = PROMPT, stops: tuple[int, ...] = ()) -> list[int]:  # fmt: skip
     """The target alone with vLLM's formulas, written apart: no KV cache, none of our session code."""
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     seq, out = list(prompt), []
@@ -44,12 +44,13 @@ def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int 
             logits = logits - penalties.frequency * counts - penalties.presence * (counts > 0)
             for token, bias in penalties.logit_bias:
                 logits[token] += bias
-            if eos is not None and len(out) < penalties.min_tokens:
-                logits[eos] = -torch.inf
+            if len(out) < penalties.min_tokens:  # EOS and the stop tokens held back, as vLLM holds them
+                for barred in ([eos] if eos is not None else []) + list(stops):
+                    logits[barred] = -torch.inf
             token = int(sample_rows(logits[None].numpy(), params, [len(seq)])[0])
             seq.append(token)
             out.append(token)
-            if token == eos:
+            if token == eos or token in stops:
                 break
     return out
 
@@ -94,6 +95,24 @@ def test_a_bias_bans_or_forces_a_token_and_min_tokens_holds_eos_back(loaded, mod
     assert got.finish_reason == "stop"
 
 
+def test_min_tokens_holds_back_stop_tokens_and_strings_too(loaded, model_dirs):
+    """vLLM's min_tokens: no stop token is drawn, and no stop string ends the text, before it."""
+    eos = loaded["target"].tokenizer.eos_token_id
+    plain = pair(loaded).generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True)).token_ids
+    stop = plain[1]  # what the target draws second: a stop token there would end the text at once
+    held = Penalties(min_tokens=5)
+    params = SamplingParams(max_new_tokens=12, stop_token_ids=(stop,), penalties=held)
+    expected = reference(model_dirs["target"], held, params, eos, stops=(stop,))
+    assert stop not in expected[:5] and expected != plain[:2]
+    for mode in ("specexec", "autoregressive"):
+        got = pair(loaded, mode).generate(PROMPT, params)
+        assert got.token_ids == expected, mode
+    text = loaded["target"].tokenizer.decode(plain[:2])  # a stop string the text reaches at once
+    strung = pair(loaded).generate(PROMPT, SamplingParams(max_new_tokens=12, ignore_eos=True, stop=(text,),
+                                                          penalties=Penalties(min_tokens=4)))  # fmt: skip
+    assert strung.token_ids == plain[: len(strung.token_ids)] and len(strung.token_ids) > 4
+
+
 def test_a_kept_sequences_next_request_counts_only_its_own_output(loaded):
     gen = pair(loaded)
     gen.use_prompt_cache(2)
@@ -134,6 +153,7 @@ def test_bad_penalties_name_the_field(kwargs, message):
     ("penalties", SamplingParams(penalties=Penalties(presence=1.0))),
     ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
     ("repetition_window", SamplingParams(penalties=Penalties(repetition=1.1, repetition_window=64))),
+    ("min_tokens_stops", SamplingParams(stop_token_ids=(5,), penalties=Penalties(min_tokens=3))),
 ])  # fmt: skip
 def test_a_target_without_a_feature_is_refused(loaded, feature, params):
     """A node from before a setting would ignore its field and draw other text."""

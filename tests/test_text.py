@@ -112,3 +112,23 @@ def test_stop_token_ids_are_checked():
     with pytest.raises(ValueError, match="at most 64 ids"):
         SamplingParams(stop_token_ids=tuple(range(65)))
     assert SamplingParams(stop_token_ids=[4, 5]).stop_token_ids == (4, 5)
+
+
+@given(text=TEXT, stops=STOPS, stop_id=st.sampled_from([None, ord("a"), ord("c")]), min_tokens=st.integers(0, 12),
+       cuts=st.lists(st.integers(1, 5), max_size=40))  # fmt: skip
+def test_min_tokens_holds_stops_back_as_vllm_does(text, stops, stop_id, min_tokens, cuts):
+    """vLLM's: no stop string ends the text within the first min_tokens tokens (one that ends in a
+    later token counts, even if it starts earlier), and no stop token counts there; however the
+    steps cut the tokens, the text is the same."""
+    assembler = TextAssembler(CharTokenizer(), tuple(stops), () if stop_id is None else (stop_id,), min_tokens)
+    ids, emitted, at = [ord(c) for c in text], "", 0
+    for n in [*cuts, len(ids)]:
+        if at >= len(ids) or assembler.stopped:
+            break
+        emitted += assembler.add(ids[at : at + n])
+        at += n
+    emitted += assembler.flush()
+    ends = [i for s in stops for i in [text.find(s, max(0, min_tokens - len(s) + 1))] if i >= 0]  # one char a token
+    if stop_id is not None and chr(stop_id) in text[min_tokens:]:
+        ends.append(text.index(chr(stop_id), min_tokens))
+    assert emitted == text[: min(ends, default=len(text))]

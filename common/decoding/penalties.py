@@ -8,7 +8,8 @@ the target alone's with the same settings. Formulas as vLLM's: repetition first 
 tokens: a positive logit divided by it, a negative one multiplied), then frequency and presence
 (output tokens only), then the biases; EOS is barred until `min_tokens` are out. llama.cpp's
 `repeat_penalty` is the same repetition penalty over the last `repeat_last_n` tokens of the context
-(prompt and output) only: `repetition_window`.
+(prompt and output) only: `repetition_window`. As vLLM's, `min_tokens` holds back the request's
+stop_token_ids with EOS (`stop_ids`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class Penalties:
     min_tokens: int = 0
     start: int | None = None
     repetition_window: int = 0  # 0: the whole prompt and output (vLLM's); n: the context's last n tokens
+    stop_ids: tuple[int, ...] = field(default_factory=tuple)  # held back with EOS until min_tokens (vLLM's)
 
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency),
@@ -62,6 +64,10 @@ class Penalties:
         window = self.repetition_window
         if isinstance(window, bool) or not isinstance(window, numbers.Integral) or window < 0:
             raise ValueError(f"repetition_window must be a whole number >= 0 (0: the whole context), got {window!r}")
+        stops = tuple(self.stop_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in stops):
+            raise ValueError(f"stop_token_ids must be token ids (whole numbers >= 0), got {list(stops)!r}")
+        object.__setattr__(self, "stop_ids", tuple(int(t) for t in stops))
         if self.start is not None and self.start < 0:
             raise ValueError(f"penalties start must be a position >= 0, got {self.start}")
 
@@ -84,7 +90,8 @@ class PenaltyState:
             raise ValueError(f"logit_bias holds token id {max(outside)}: the model's ids are below {vocab_size}")
         self.penalties = penalties
         self.vocab_size = vocab_size
-        self.eos = np.array(sorted(t for t in eos if t < vocab_size), dtype=np.int64)
+        barred = set(eos) | set(penalties.stop_ids)  # until min_tokens are out
+        self.eos = np.array(sorted(t for t in barred if t < vocab_size), dtype=np.int64)
         self.bias_ids = np.array([t for t, _ in penalties.logit_bias], dtype=np.int64)
         self.bias = np.array([b for _, b in penalties.logit_bias], dtype=np.float32)
         self.counts = np.zeros(vocab_size, dtype=np.int32)  # [V]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -104,6 +104,9 @@ class SamplingParams:
             raise ValueError(f"penalties must be Penalties or None, got {type(self.penalties).__name__}")
         if self.penalties is not None and not self.penalties.active:  # none: any target applies that
             object.__setattr__(self, "penalties", None)
+        if self.penalties is not None and self.penalties.min_tokens and self.stop_token_ids:
+            # vLLM's: min_tokens holds back the stop tokens too, so the target must know them
+            object.__setattr__(self, "penalties", replace(self.penalties, stop_ids=self.stop_token_ids))
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
@@ -120,11 +123,13 @@ class SamplingParams:
             needed.append("min_p")
         if self.penalties is not None and self.penalties.repetition_window and self.penalties.repetition != 1.0:
             needed.append("repetition_window")
+        if self.penalties is not None and self.penalties.min_tokens and self.penalties.stop_ids:
+            needed.append("min_tokens_stops")
         return tuple(needed)
 
 
 # What this version's target nodes apply (NodeInfo.features), beyond temperature, top_k and top_p.
-TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window")
+TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops")
 
 
 def _splitmix64(x: int) -> int:

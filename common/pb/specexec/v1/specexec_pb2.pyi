@@ -107,7 +107,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., penalties: _Optional[_Union[Penalties, _Mapping]] = ..., min_p: _Optional[float] = ...) -> None: ...
 
 class Penalties(_message.Message):
-    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window")
+    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window", "stop_token_ids")
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class Penalties(_message.Message):
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     REPETITION_WINDOW_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     presence: float
     frequency: float
     repetition: float
@@ -122,7 +123,8 @@ class Penalties(_message.Message):
     min_tokens: int
     start: int
     repetition_window: int
-    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ...) -> None: ...
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token", "bias")
