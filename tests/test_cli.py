@@ -366,6 +366,7 @@ def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, lo
                                             params, prompt=ids)  # fmt: skip
     for flags, message in ((["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 10]"),
                            (["--min-p", "2"], "--min-p must be in [0, 1]"),
-                           (["--repetition-window", "-1"], "--repetition-window must be a whole number >= 0")):  # fmt: skip
+                           (["--repetition-window", "-1"], "--repetition-window must be a whole number >= 0"),
+                           (["--min-tokens", "-1"], "--min-tokens must be a whole number >= 0")):  # fmt: skip
         bad = run("generate", *common, *flags, check=False)
         assert bad.returncode != 0 and message in bad.stderr and "Traceback" not in bad.stderr, bad.stderr

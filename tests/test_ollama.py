@@ -159,6 +159,16 @@ def test_ollama_probes_and_curl_bodies(server):
     assert out.status_code == 200 and out.json()["eval_count"] == 3
     shown = httpx.post(base + "/api/show", content="{}")
     assert shown.status_code == 400 and shown.json() == {"error": "'model' is required"}
+    unload = httpx.post(base + "/api/generate", json={"model": MODEL, "keep_alive": 0}).json()
+    assert unload["done"] and unload["done_reason"] == "unload"
+
+
+def test_the_name_api_tags_lists_works_on_v1_too(server):
+    """A tool that lists models through /api/tags and then calls /v1 sends `NAME:latest`."""
+    api = openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0)
+    out = api.chat.completions.create(model=f"{MODEL}:latest", messages=ASK, max_tokens=3)
+    assert out.choices[0].finish_reason == "length"
+    assert api.models.retrieve(f"{MODEL}:latest").id == MODEL
 
 
 def test_no_num_predict_runs_to_the_end_of_the_context(client, gen):

@@ -53,6 +53,8 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     g.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's, in [-2, 2]")
     g.add_argument("--repetition-penalty", type=float, default=1.0, help="vLLM's, over prompt and output (1: off)")
+    g.add_argument("--min-tokens", type=int, default=0, metavar="N", help="vLLM's: no EOS, stop token or stop "
+                   "string ends the text before N tokens")
     g.add_argument("--repetition-window", type=int, default=0, metavar="N", help="the repetition penalty over "
                    "the context's last N tokens only (llama.cpp's --repeat-last-n); 0: all of them")
     shape = g.add_mutually_exclusive_group()
@@ -178,11 +180,12 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
 
 
 def penalties_from(args: argparse.Namespace) -> Penalties:
-    """--presence-penalty, --frequency-penalty, --repetition-penalty and --repetition-window; a bad
-    one named by its flag (Penalties' errors start with the field's name, which is the flag's)."""
+    """--presence-penalty, --frequency-penalty, --repetition-penalty, --repetition-window and
+    --min-tokens; a bad one named by its flag (Penalties' errors start with the field's name, which is the flag's)."""
     try:
         return Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
-                         repetition=args.repetition_penalty, repetition_window=args.repetition_window)  # fmt: skip
+                         repetition=args.repetition_penalty, repetition_window=args.repetition_window,
+                         min_tokens=args.min_tokens)  # fmt: skip
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
         raise ValueError(f"--{field.replace('_', '-')} {rest}") from None

@@ -325,7 +325,8 @@ class Service:
         return "down"
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        """The served name, or the one Ollama's /api/tags lists for it (`NAME:latest`)."""
+        if model is not None and model not in (self.model_name, ollama.listed_name(self.model_name)):
             raise ApiError(
                 404,
                 f"The model '{model}' does not exist: this server serves '{self.model_name}'",
@@ -666,7 +667,7 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
 
     @v1.get("/models/{model_id:path}")
     async def model(model_id: str) -> Response:
-        if model_id != service.model_name:
+        if model_id not in (service.model_name, ollama.listed_name(service.model_name)):
             raise ApiError(
                 404, f"The model '{model_id}' does not exist", param="model", code="model_not_found"
             )
@@ -709,7 +710,7 @@ def add_ollama_routes(router: APIRouter, service: Service) -> None:
         try:
             if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt):
                 service.check_model(ollama.model_name(body.model))
-                return JSONAnswer(ollama.loaded(body.model, chat))  # nothing to say: Ollama's "the model is loaded"
+                return JSONAnswer(ollama.loaded(body, chat))  # nothing to say: Ollama's "the model is loaded"
             info = await run_in_threadpool(service.gen.target.info)
             request, num_predict = ollama.openai_request(body, info.features)
             if not getattr(body, "raw", False):

@@ -213,9 +213,11 @@ def now() -> str:
     return datetime.now(UTC).isoformat().replace("+00:00", "Z")
 
 
-def loaded(model: str, chat: bool) -> dict[str, Any]:
-    """Ollama's answer to a request with nothing to say: the model is loaded."""
-    body = {"model": model, "created_at": now(), "done": True, "done_reason": "load"}
+def loaded(request: OllamaRequest, chat: bool) -> dict[str, Any]:
+    """Ollama's answer to a request with nothing to say: the model is loaded (or, with keep_alive 0,
+    unloaded; the nodes keep theirs either way)."""
+    unload = request.keep_alive in (0, "0", "0s", "0m")
+    body = {"model": request.model, "created_at": now(), "done": True, "done_reason": "unload" if unload else "load"}
     return {**body, "message": {"role": "assistant", "content": ""}} if chat else {**body, "response": ""}
 
 
