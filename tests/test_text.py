@@ -93,14 +93,7 @@ def test_stop_strings_stay_on_the_client(monkeypatch: pytest.MonkeyPatch):
        cuts=st.lists(st.integers(1, 5), max_size=30))  # fmt: skip
 def test_a_stop_token_ends_the_text_before_it_and_counts(text: str, stop_id: int, cuts: list[int]):
     assembler = TextAssembler(CharTokenizer(), (), (stop_id,))
-    ids, emitted, used, at = [ord(c) for c in text], "", 0, 0
-    for n in [*cuts, len(ids)]:
-        if at >= len(ids) or assembler.stopped:
-            break
-        emitted += assembler.add(ids[at : at + n])
-        used += assembler.used
-        at += n
-    emitted += assembler.flush()
+    emitted, used = fed(assembler, text, cuts)
     end = text.find(chr(stop_id))
     assert emitted == (text if end < 0 else text[:end])
     assert used == (len(text) if end < 0 else end + 1) and assembler.stopped == (end >= 0)
@@ -121,14 +114,21 @@ def test_min_tokens_holds_stops_back_as_vllm_does(text, stops, stop_id, min_toke
     later token counts, even if it starts earlier), and no stop token counts there; however the
     steps cut the tokens, the text is the same."""
     assembler = TextAssembler(CharTokenizer(), tuple(stops), () if stop_id is None else (stop_id,), min_tokens)
-    ids, emitted, at = [ord(c) for c in text], "", 0
-    for n in [*cuts, len(ids)]:
-        if at >= len(ids) or assembler.stopped:
-            break
-        emitted += assembler.add(ids[at : at + n])
-        at += n
-    emitted += assembler.flush()
+    emitted, _ = fed(assembler, text, cuts)
     ends = [i for s in stops for i in [text.find(s, max(0, min_tokens - len(s) + 1))] if i >= 0]  # one char a token
     if stop_id is not None and chr(stop_id) in text[min_tokens:]:
         ends.append(text.index(chr(stop_id), min_tokens))
     assert emitted == text[: min(ends, default=len(text))]
+
+
+def fed(assembler: TextAssembler, text: str, cuts: list[int]) -> tuple[str, int]:
+    """`text` (a token a character) added in steps of `cuts` tokens until it stops: what was
+    emitted, and how many tokens counted."""
+    ids, emitted, used, at = [ord(c) for c in text], "", 0, 0
+    for n in [*cuts, len(ids)]:
+        if at >= len(ids) or assembler.stopped:
+            break
+        emitted += assembler.add(ids[at : at + n])
+        used += assembler.used
+        at += n
+    return emitted + assembler.flush(), used
