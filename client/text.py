@@ -41,9 +41,13 @@ class TextAssembler:
         hold = 0
         found = self._stops(text)
         if any(at >= 0 for at in found):
+            # as one-token decoding would stop: at the first token that completes a stop string
+            self.used = self._through_stop(len(tokens))
+            if self.used < len(tokens):
+                text = self.tokenizer.decode(self.token_ids[: before + self.used], skip_special_tokens=True)
+                found = self._stops(text)
             text = text[: min(at for at in found if at >= 0)]  # the earliest, whatever the list order
             self.stopped = True
-            self.used = self._through_stop(len(tokens))
         if at is not None and not self.stopped:
             self.stopped, self.used = True, at + 1
         self.text = text
