@@ -22,6 +22,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
+from client.bench.stats import paired
 from common.decoding.penalties import Penalties
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -71,8 +72,7 @@ def main() -> None:
             lines.append(f"| {name} | {category} | {statistics.median(r[1] for r in mine):.2f} | "
                          f"{statistics.mean(r[2] for r in mine):.2f} |")  # fmt: skip
     ratios = [a[1] / b[1] for a, b in zip(got["SpecExec, penalties"], got["SpecExec"], strict=True)]
-    lines += ["", f"SpecExec with penalties / without, tok/s paired by prompt: geometric mean "
-              f"{statistics.geometric_mean(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})."]  # fmt: skip
+    lines += ["", f"SpecExec with penalties / without, tok/s paired by prompt: {paired(ratios)}."]
     report = "\n".join(lines) + "\n"
     print(report)
     if args.out:

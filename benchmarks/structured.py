@@ -22,6 +22,7 @@ import numpy as np
 from tqdm import tqdm
 
 from client.api import SpecExec, render_chat
+from client.bench.stats import paired
 from common.decoding.grammar import Constraint, Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams
@@ -138,8 +139,7 @@ def main() -> None:
     lines.append("")
     for name in ("SpecExec, schema", "SpecExec, schema, draft blind to it"):
         ratios = [a[0] / b[0] for a, b in zip(rows[name], rows["SpecExec"], strict=True)]
-        lines.append(f"{name} / SpecExec without one, tok/s paired by prompt: geometric mean "
-                     f"{statistics.geometric_mean(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f}).")  # fmt: skip
+        lines.append(f"{name} / SpecExec without one, tok/s paired by prompt: {paired(ratios)}.")
     lines += ["", f"A draw's matcher step on the target's vocabulary: {mask_cost(spec, TASKS[0][1]):.3f} ms."]
     report = "\n".join(lines) + "\n"
     print(report)

@@ -12,6 +12,11 @@ from client.bench.harness import Contestant, Run
 SHARES = ("draft_share", "target_share", "network_share", "bookkeeping_share")  # of a step's time
 
 
+def paired(ratios: list[float]) -> str:
+    """Per-prompt speed ratios as the reports print them: their geometric mean, and their range."""
+    return f"geometric mean {statistics.geometric_mean(ratios):.3f} ({min(ratios):.2f}-{max(ratios):.2f})"
+
+
 def check_exactness(runs: list[Run], families: dict[str, str]) -> list[dict[str, Any]]:
     """Every engine contestant against the target alone, per prompt and setting: first divergence."""
     reference = {(r.prompt, r.setting): r.token_ids for r in runs if r.contestant == "autoregressive"}
