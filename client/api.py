@@ -341,6 +341,28 @@ class SpecExec:
     ) -> Completion:
         return collect(self.stream(prompt, sampling, **kwargs))
 
+    def score(self, prompt: str | list[int], logprobs: int = 0) -> list[TokenLogprob]:
+        """The target's log-probability of each prompt token after the first, given the tokens before
+        it, with its `logprobs` most likely alternatives: a text's likelihood, as lm-eval's loglikelihood
+        tasks and perplexity read it. The target alone scores it, a chain of given tokens a pass; with
+        a prompt cache the scored prompt's KV stays for a generation that follows."""
+        ids = self.encode(prompt)
+        self.check_sampling(SamplingParams(logprobs=logprobs, score=True))
+        info = self.target.info()
+        chain = max(1, min(info.max_tree_nodes - 1, info.max_tree_depth))
+        cache = self.prompt_cache
+        sequence = self.sequence(ids) if cache is None else cache.acquire(ids)[0]
+        scored = False
+        try:
+            out = sequence.score(logprobs, chain)
+            scored = True
+            return out
+        finally:
+            if cache is None:
+                sequence.close()
+            else:
+                cache.release(sequence, reusable=scored)
+
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
         min_tokens = sampling.penalties.min_tokens if sampling.penalties is not None else 0

@@ -16,11 +16,13 @@ from contextlib import closing
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
+import numpy as np
+
 from client.budget import BudgetPlanner, RegimeStats, regime
 from common.decoding.grammar import Grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DraftedTree, TokenTree, TreeParams
-from common.decoding.types import NodeInfo, VerifyResult, check_pair, model_identity
+from common.decoding.types import NodeInfo, TokenLogprob, VerifyResult, check_pair, model_identity
 from common.runtime.faults import NodeChanged, NodeFault, NodeUnavailable, SessionLost
 from common.runtime.sessions import TooManySessions, common_prefix
 
@@ -698,6 +700,35 @@ class Sequence:
                     yield result
                     if result.finish_reason or not result.tokens:
                         return
+
+    def score(self, logprobs: int, chain: int) -> list[TokenLogprob]:
+        """The target's log-prob of each token of the sequence after the first, given those before it,
+        with its `logprobs` most likely alternatives: a text's likelihood (OpenAI's `echo`, lm-eval's
+        loglikelihood tasks, perplexity). The target runs the sequence again from its first token,
+        in chains of up to `chain` given tokens a pass (`SamplingParams.score`); the draft takes no
+        part. After it the target holds the sequence's KV, and generation goes on from there."""
+        if chain < 1:
+            raise ValueError(f"chain must be >= 1, got {chain}")
+        sampling = SamplingParams(logprobs=logprobs, ignore_eos=True, score=True)
+        tokens, out = self.tokens, []
+        self.tokens, self._valid["target"] = tokens[:1], 1  # the next call truncates the target to it
+        try:
+            while len(self.tokens) < len(tokens):
+                given = tokens[len(self.tokens) - 1 : len(self.tokens) + chain]
+                tree = TokenTree(np.array(given, dtype=np.int64), np.arange(-1, len(given) - 1, dtype=np.int64))
+                result = self._verify(tree, sampling, len(given) - 1)
+                if result.tokens != given[1:] or result.logprobs is None or len(result.logprobs) != len(given) - 1:
+                    raise ValueError("the target node did not score the tokens it was given (a node from before "
+                                     "scoring?); update it")  # fmt: skip
+                out += result.logprobs
+                self.tokens = self.tokens + result.tokens
+                self._valid["target"] = len(self.tokens)
+                self._length["target"] = max(self._length["target"], len(self.tokens))
+        except Exception:
+            self.tokens = tokens
+            self._distrust()
+            raise
+        return out
 
     @staticmethod
     def _account(

@@ -117,6 +117,8 @@ class TargetSession:
                 raise TreeError(
                     f"tree root token {int(tree.tokens[0])} is not the last committed token {self.committed[-1]}"
                 )
+            if params.score and not np.array_equal(tree.parents, np.arange(-1, tree.size - 1)):
+                raise TreeError("a scored tree must be a chain of the tokens to score: node i's parent is node i - 1")
             if max_tokens < 1:
                 raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
             max_tokens = min(max_tokens, self.max_context - len(self.committed))
@@ -336,10 +338,14 @@ def draw_at(ticket: TreeTicket, node: int, logits: np.ndarray, position: int) ->
     the logits it allows, and the matcher takes the token, as the penalties' counts do: a walk
     draws along its path, in order, from the root (llama.cpp walks during the pass, torch in
     `finish`; a walk run again after a failed pass is rewound first, `rewind_walk`). Log-probs
-    stay the target's own, before the grammar and penalties, as for temperature and filters."""
+    stay the target's own, before the grammar and penalties, as for temperature and filters. A
+    scoring step's draws are its chain's tokens (`SamplingParams.score`)."""
     constraint, penalties = ticket.constraint, ticket.penalties
-    shaped = logits if penalties is None else penalties.apply(logits)
-    token = int(sample_rows(shaped if constraint is None else constraint.mask(shaped), ticket.params, [position])[0])
+    if ticket.params.score and node + 1 < ticket.tree.size:  # a scored chain: its next token is given
+        token = int(ticket.tree.tokens[node + 1])
+    else:
+        shaped = logits if penalties is None else penalties.apply(logits)
+        token = int(sample_rows(shaped if constraint is None else constraint.mask(shaped), ticket.params, [position])[0])
     if constraint is not None:
         constraint.consume(token)
     if penalties is not None:

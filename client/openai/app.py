@@ -43,9 +43,11 @@ from client.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    Echo,
     Job,
     TokenizeRequest,
     chat_template,
+    joined,
     json_text,
     validation_error,
 )
@@ -151,7 +153,11 @@ class Generation:
                     cached = chunk.stats.cached_prompt_tokens
         finally:
             await self.close()
-        choices = [("".join(texts[i]), finishes[i], self.answer.logprobs(ids[i], logprobs[i], i)) for i in range(n)]
+        choices = []
+        for i in range(n):
+            echoed, opening = self.answer.opening(i)  # first: the text's offsets count from the prompt's
+            choices.append((echoed + "".join(texts[i]), finishes[i],
+                            joined(opening, self.answer.logprobs(ids[i], logprobs[i], i))))  # fmt: skip
         return JSONAnswer(self.answer.whole(choices, count, cached))
 
     async def events(self) -> AsyncIterator[bytes]:
@@ -179,15 +185,16 @@ class Generation:
                 if result is None:
                     break
                 index, chunk = result  # choices come one after another: what is pending is this one's
+                echoed, opening = answer.opening(index)  # a choice's first event starts with the prompt
                 count += len(chunk.token_ids)
                 if index == 0 and chunk.stats is not None:  # later choices find the prompt that choice 0 left
                     cached = chunk.stats.cached_prompt_tokens
                 ids += chunk.token_ids
                 logprobs += chunk.logprobs or []
                 piece = answer.read(index, chunk.text, chunk.finish_reason, chunk.finish_reason is not None)
-                if piece.finish is not None or piece.content or piece.calls or piece.reasoning:
-                    pending = answer.logprobs(ids, logprobs, index) if ids else None
-                    yield sse(answer.event(piece.content, piece.finish, index=index, logprobs=pending,
+                if echoed or piece.finish is not None or piece.content or piece.calls or piece.reasoning:
+                    pending = joined(opening, answer.logprobs(ids, logprobs, index) if ids else None)
+                    yield sse(answer.event(echoed + piece.content, piece.finish, index=index, logprobs=pending,
                                            calls=piece.calls, reasoning=piece.reasoning,
                                            usage=self._usage(count, cached)))  # fmt: skip
                     ids, logprobs, sent = [], [], time.monotonic()
@@ -347,6 +354,9 @@ class Service:
         if any(token >= info.vocab_size for token, _ in bias):
             raise ApiError(400, f"'logit_bias' holds token id {max(t for t, _ in bias)}: the model's ids are below "
                            f"{info.vocab_size}", param="logit_bias")  # fmt: skip
+        if job.echo and job.sampling.logprobs is not None and "score" not in info.features:
+            raise ApiError(400, "'echo' with 'logprobs' needs a target node that scores prompts (this one is from "
+                           "before it): update it, or ask without them", param="echo")  # fmt: skip
         missing = [name for name in job.sampling.features() if name not in info.features]
         if "grammar" in missing:
             raise ApiError(400, f"'{request.grammar_field()}' asks for a grammar, which the target node does not "
@@ -362,7 +372,7 @@ class Service:
     def start(self, job: Job, release: Callable[[], None]) -> Generation:
         """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
         any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
-        answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
+        answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer, echo=self._echo(job))
         chunks = self._choices(job, answer.id)
         try:
             first = next(chunks)
@@ -373,9 +383,21 @@ class Service:
             raise
         return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
 
+    def _echo(self, job: Job) -> Echo | None:
+        """The prompt a completion echoes; with log-probs the target scores it first (the prompt's KV
+        stays for the generation, `--prompt-cache`)."""
+        if not job.echo:
+            return None
+        text = job.prompt_text if isinstance(job.prompt_text, str) else self.gen.tokenizer.decode(job.prompt_ids)
+        logprobs = job.sampling.logprobs
+        return Echo(text, job.prompt_ids, None if logprobs is None else self.gen.score(job.prompt_ids, logprobs))
+
     def _choices(self, job: Job, request_id: str) -> Iterator[Choice]:
         """The request's `n` choices, one after another on the one slot it was admitted to: each a
         generation of its own (the prompt's KV is kept between them, `--prompt-cache`)."""
+        if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
+            yield from ((index, Chunk("", [], "length")) for index in range(job.n))
+            return
         for index in range(job.n):
             chunks = track_generation(
                 self.gen.stream(job.prompt_ids, job.choice(index)),

@@ -433,8 +433,21 @@ class CompletionRequest(SamplingRequest):
     tools: Annotated[Any, refused(lambda v: not v)] = None  # chat's
     tool_choice: Annotated[Any, refused(lambda v: v in (None, "none"))] = None
 
+    max_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # 0 with echo: the prompt alone, scored
+    # The prompt before the text, and with `logprobs` its tokens' own first (the first token's null):
+    # a text's likelihood, as lm-eval's loglikelihood tasks ask for it.
+    echo: Flag = None
+
     def logprob_count(self) -> int | None:
         return self.logprobs
+
+    def max_new_tokens(self, default: int) -> int:
+        if self.max_tokens == 0:
+            if not self.echo:
+                raise bad(f"'max_tokens' must be between 1 and {MAX_TOKENS}, got 0 (0 only with 'echo')",
+                          param="max_tokens")  # fmt: skip
+            return 1  # nothing is generated (`Job.generate`)
+        return super().max_new_tokens(default)
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
         return list(tokenizer.encode(self.prompt)) if isinstance(self.prompt, str) else list(self.prompt)
@@ -742,6 +755,8 @@ class Job:
     reasoning: str | None = None  # how the answer starts, for a thinking template: ReasoningReader.state
     continuous_usage: bool = False  # each stream event carries the usage so far
     named_call: bool = False  # tool_choice named a function: its call ends with 'stop', as OpenAI's does
+    echo: bool = False  # completions' `echo`: the prompt comes first (`Echo`)
+    generate: bool = True  # False: max_tokens 0 with echo, the prompt alone
 
     def choice(self, index: int) -> SamplingParams:
         """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
@@ -751,7 +766,7 @@ class Job:
     @staticmethod
     def of(request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, chat_max_tokens: int) -> Job:
         """Tokenizes the prompt: slow for a long one, so callers run this off the event loop."""
-        tools, max_calls = None, None
+        tools, max_calls, echo, generate = None, None, False, True
         if isinstance(request, ChatCompletionRequest):
             chat, prompt, default_max_tokens = True, request.rendered(), chat_max_tokens
             offered = request.offered_tools()
@@ -759,6 +774,7 @@ class Job:
             max_calls = 1 if request.parallel_tool_calls is False else None
         else:
             chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
+            echo, generate = bool(request.echo), request.max_tokens != 0
         sampling = request.sampling(default_max_tokens)
         ids = request.prompt_ids(tokenizer)
         reasoning = None
@@ -774,7 +790,7 @@ class Job:
                           "chat_template_kwargs {\"enable_thinking\": false}", param=name) from None  # fmt: skip
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
-                   continuous_usage=request.continuous_usage,
+                   continuous_usage=request.continuous_usage, echo=echo, generate=generate,
                    named_call=chat and isinstance(getattr(request, "tool_choice", None), dict))  # fmt: skip
 
 
@@ -822,6 +838,22 @@ class Piece:
     finish: str | None
 
 
+@dataclass(frozen=True)
+class Echo:
+    """A completion's prompt, sent before its text (`echo`), and its tokens' log-probs when asked."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None  # one per token after the first (`SpecExec.score`)
+
+
+def joined(first: dict[str, Any] | None, then: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Two runs of completions' `logprobs` lists as one."""
+    if first is None or then is None:
+        return first if then is None else then
+    return {key: first[key] + then[key] for key in first}
+
+
 @dataclass
 class Answer:
     """The JSON objects of one request's answer: the whole completion, or its stream's events."""
@@ -835,12 +867,14 @@ class Answer:
     chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # each choice's
     thoughts: dict[int, ReasoningReader] = field(default_factory=dict, init=False, repr=False)
+    echo: Echo | None = None
+    echoed: set[int] = field(default_factory=set, init=False, repr=False)  # choices whose prompt went out
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
 
     def logprobs(
-        self, token_ids: list[int], logprobs: list[TokenLogprob] | None, index: int = 0
+        self, token_ids: list[int], logprobs: Sequence[TokenLogprob | None] | None, index: int = 0
     ) -> dict[str, Any] | None:
         """Choice `index`'s (or its stream event's) `logprobs` for its next `token_ids`, in OpenAI's
         shape: chat's `content` list, or the legacy completions' parallel lists. None unless asked."""
@@ -855,9 +889,19 @@ class Answer:
         for text in texts:
             offsets.append(self.chars.get(index, 0))
             self.chars[index] = offsets[-1] + len(text)
-        tops = [{**{self._text(i): v for i, v in lp.top}, text: lp.logprob} for text, lp in zip(texts, entries, strict=True)]
-        return {"tokens": texts, "token_logprobs": [lp.logprob for lp in entries], "top_logprobs": tops,
-                "text_offset": offsets}  # fmt: skip
+        tops = [None if lp is None else {**{self._text(i): v for i, v in lp.top}, text: lp.logprob}
+                for text, lp in zip(texts, entries, strict=True)]  # fmt: skip
+        return {"tokens": texts, "token_logprobs": [None if lp is None else lp.logprob for lp in entries],
+                "top_logprobs": tops, "text_offset": offsets}  # fmt: skip
+
+    def opening(self, index: int) -> tuple[str, dict[str, Any] | None]:
+        """Choice `index`'s echoed prompt and its `logprobs` (the first token has none), once: what
+        its text starts with."""
+        if self.echo is None or index in self.echoed:
+            return "", None
+        self.echoed.add(index)
+        entries = None if self.echo.logprobs is None else [None, *self.echo.logprobs]
+        return self.echo.text, self.logprobs(self.echo.token_ids, entries, index)
 
     def read(self, index: int, text: str, finish: str | None, last: bool) -> Piece:
         """Choice `index`'s next piece as it is sent (`last`: the choice's end): its thoughts, its

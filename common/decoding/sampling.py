@@ -51,6 +51,10 @@ class SamplingParams:
     # vLLM's and llama.cpp's: after temperature, only tokens at least min_p times as probable as the
     # most probable one stay (before top_k and top_p, as vLLM orders them)
     min_p: float = 0.0
+    # A scoring step (`Sequence.score`): the tree is a chain of given tokens, a text to score, and each
+    # draw that has a child in it is that child, whatever the target would draw; the log-probs are
+    # theirs. Its last node's draw is the target's own.
+    score: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -107,6 +111,12 @@ class SamplingParams:
         if self.penalties is not None and self.penalties.min_tokens and self.stop_token_ids:
             # vLLM's: min_tokens holds back the stop tokens too, so the target must know them
             object.__setattr__(self, "penalties", replace(self.penalties, stop_ids=self.stop_token_ids))
+        if not isinstance(self.score, bool):
+            raise ValueError(f"score must be true or false, got {self.score!r}")
+        if self.score and self.logprobs is None:
+            raise ValueError("score needs logprobs: scoring reports each given token's log-probability")
+        if self.score and (self.grammar is not None or self.penalties is not None):
+            raise ValueError("score takes no grammar or penalties: a scored token is given, not drawn")
         if any(len(s) > MAX_STOP_CHARS for s in self.stop):
             longest = max(len(s) for s in self.stop)
             raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {longest}")
@@ -125,11 +135,13 @@ class SamplingParams:
             needed.append("repetition_window")
         if self.penalties is not None and self.penalties.min_tokens and self.penalties.stop_ids:
             needed.append("min_tokens_stops")
+        if self.score:
+            needed.append("score")
         return tuple(needed)
 
 
 # What this version's target nodes apply (NodeInfo.features), beyond temperature, top_k and top_p.
-TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops")
+TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops", "score")
 
 
 def _splitmix64(x: int) -> int:

@@ -73,6 +73,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
             min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0,
             repetition_window=p.penalties.repetition_window, stop_token_ids=list(p.penalties.stop_ids)),
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
+        score=p.score or None,
     )
 
 
@@ -87,7 +88,7 @@ def grammar_from_proto(msg: pb.Grammar) -> Grammar:
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; set ones are validated there."""
     kwargs: dict = {}
-    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p"):
+    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p", "score"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
