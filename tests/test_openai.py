@@ -302,6 +302,24 @@ def test_stop_token_ids_end_the_text_as_eos_does(client, gen, loaded):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, extra_body={"stop_token_ids": [-1]})
 
 
+@pytest.mark.parametrize("stream", [False, True])
+def test_several_prompts_get_their_choices_in_order(client, gen, stream):
+    """A list of prompts (LangChain's and lm-eval's batches): choices i*n to i*n+n-1 are prompt i's,
+    each the text that prompt alone gives with its index's seed, as vLLM answers."""
+    prompts = ["Hello, ", "def f(", [72, 101, 108]]
+    out = client.completions.create(model=MODEL, prompt=prompts, max_tokens=6, n=2, stream=stream, **SEEDED,
+                                    extra_body={"ignore_eos": True})  # fmt: skip
+    events = list(out) if stream else [out]
+    texts = ["".join(c.text for e in events for c in e.choices if c.index == i) for i in range(6)]
+    for i, prompt in enumerate(prompts):
+        for j in range(2):
+            want = gen.generate(prompt, SamplingParams(max_new_tokens=6, ignore_eos=True, **(SEEDED | {"seed": 7 + j})))
+            assert texts[2 * i + j] == want.text, (i, j)
+    if not stream:
+        assert out.usage.prompt_tokens == sum(len(gen.encode(p)) for p in prompts)
+        assert out.usage.completion_tokens == 36
+
+
 def test_seed_reproducibility_and_openai_default_temperature(client, gen):
     def sample(seed: int) -> str:
         out = client.completions.create(
@@ -331,7 +349,12 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(stop=["a", "b" * 1000]), "stop", "got one of 1000"),
         (dict(prompt=[65, 10**6]), "prompt", "holds token id 1000000: the model's ids are below"),
         (dict(logprobs=21), "logprobs", "between 0 and 20"),
-        (dict(prompt=["one", "two"]), "prompt", "one prompt"),
+        (dict(prompt=["one", ""]), "prompt", "item 1: is empty"),
+        (dict(prompt=["one", [65, -1]]), "prompt", "item 1: holds token id -1"),
+        (dict(prompt=["one"] * 257), "prompt", "at most 256 prompts"),
+        (dict(prompt=["one"] * 20, n=16), "n", "asks for 320 choices: at most 256"),
+        (dict(prompt=[[65], [65, 10**6]]), "prompt", "holds token id 1000000: the model's ids are below"),
+        (dict(prompt=[[65], [65] * 600]), "prompt", "maximum context length is 512 tokens, but the prompt has 600"),
     ],
 )
 def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):

@@ -248,6 +248,19 @@ def test_lm_evals_loglikelihood_request(server, gen):
     assert sum(continuation) == pytest.approx(sum(s.logprob for s in scored[ctxlen - 1 :]), abs=1e-4)
 
 
+def test_a_batch_of_loglikelihood_requests(server, gen):
+    """lm-eval with batch_size > 1: several token-id prompts, each choice with its own prompt's scores."""
+    prompts = [TEXT, TEXT[5:17], TEXT[:2]]
+    status, out = post(server, {"prompt": prompts, "max_tokens": 1, "logprobs": 1, "echo": True, "temperature": 0})
+    assert status == 200, out
+    assert [c["index"] for c in out["choices"]] == [0, 1, 2]
+    for choice, prompt in zip(out["choices"], prompts, strict=True):
+        values = choice["logprobs"]["token_logprobs"]
+        assert len(values) == len(prompt) + 1 and values[0] is None
+        assert values[1:-1] == pytest.approx([s.logprob for s in gen.score(prompt, logprobs=1)], abs=1e-5)
+        assert choice["text"].startswith(gen.tokenizer.decode(prompt))
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_max_tokens_0_with_echo_answers_the_scored_prompt(server, gen, stream):
     import openai

@@ -132,7 +132,7 @@ class Generation:
     async def whole(self, request: Request) -> Response:
         """The whole answer, or nothing if the client leaves first: one that timed out (and may be
         retrying) must not keep both nodes busy for the rest of its max_tokens."""
-        n = self.answer.job.n
+        n = self.answer.job.choices
         texts: list[list[str]] = [[] for _ in range(n)]
         ids: list[list[int]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
@@ -344,17 +344,17 @@ class Service:
     def prepare(self, request: CompletionRequest | ChatCompletionRequest) -> Job:
         """Tokenized and checked before the request queues: a bad one fails without waiting."""
         info = self.gen.target.info()
-        ids = getattr(request, "prompt", None)
-        if isinstance(ids, list) and ids and max(ids) >= info.vocab_size:
-            raise ApiError(400, f"'prompt' holds token id {max(ids)}: the model's ids are below {info.vocab_size}",
-                           param="prompt")  # fmt: skip
+        given = [p for p in getattr(request, "prompt", None) or () if isinstance(p, list)]  # token ids
+        if given and max(map(max, given)) >= info.vocab_size:
+            raise ApiError(400, f"'prompt' holds token id {max(map(max, given))}: the model's ids are below "
+                           f"{info.vocab_size}", param="prompt")  # fmt: skip
         job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
         check_context(request, job, info.max_context)
         bias = job.sampling.penalties.logit_bias if job.sampling.penalties is not None else ()
         if any(token >= info.vocab_size for token, _ in bias):
             raise ApiError(400, f"'logit_bias' holds token id {max(t for t, _ in bias)}: the model's ids are below "
                            f"{info.vocab_size}", param="logit_bias")  # fmt: skip
-        if job.echo and job.sampling.logprobs is not None and "score" not in info.features:
+        if job.echoed is not None and job.sampling.logprobs is not None and "score" not in info.features:
             raise ApiError(400, "'echo' with 'logprobs' needs a target node that scores prompts (this one is from "
                            "before it): update it, or ask without them", param="echo")  # fmt: skip
         missing = [name for name in job.sampling.features() if name not in info.features]
@@ -383,27 +383,27 @@ class Service:
             raise
         return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
 
-    def _echo(self, job: Job) -> Echo | None:
-        """The prompt a completion echoes; with log-probs the target scores it first (the prompt's KV
-        stays for the generation, `--prompt-cache`)."""
-        if not job.echo:
+    def _echo(self, job: Job) -> list[Echo] | None:
+        """The prompts a completion echoes; with log-probs the target scores each first (its KV stays
+        for the generation, `--prompt-cache`)."""
+        if job.echoed is None:
             return None
-        text = job.prompt_text if isinstance(job.prompt_text, str) else self.gen.tokenizer.decode(job.prompt_ids)
-        logprobs = job.sampling.logprobs
-        return Echo(text, job.prompt_ids, None if logprobs is None else self.gen.score(job.prompt_ids, logprobs))
+        k = job.sampling.logprobs
+        return [Echo(text, ids, None if k is None else self.gen.score(ids, k))
+                for text, ids in zip(job.echoed, job.prompts, strict=True)]  # fmt: skip
 
     def _choices(self, job: Job, request_id: str) -> Iterator[Choice]:
         """The request's `n` choices, one after another on the one slot it was admitted to: each a
         generation of its own (the prompt's KV is kept between them, `--prompt-cache`)."""
         if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
-            yield from ((index, Chunk("", [], "length")) for index in range(job.n))
+            yield from ((index, Chunk("", [], "length")) for index in range(job.choices))
             return
-        for index in range(job.n):
+        for index in range(job.choices):
             chunks = track_generation(
-                self.gen.stream(job.prompt_ids, job.choice(index)),
-                request_id=request_id if job.n == 1 else f"{request_id}-{index}",
+                self.gen.stream(job.prompt_of(index), job.choice(index)),
+                request_id=request_id if job.choices == 1 else f"{request_id}-{index}",
                 endpoint="chat" if job.chat else "completions",
-                prompt_tokens=len(job.prompt_ids),
+                prompt_tokens=len(job.prompt_of(index)),
                 prompt=job.prompt_text,
             )
             with closing(chunks):
@@ -481,7 +481,7 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
     """As vLLM and OpenAI answer: 400 for a prompt over the context, or a max_tokens the request set
     that cannot fit after it. A default max_tokens is not the client's ask: the answer stops with
     finish_reason "length" where the context ends."""
-    prompt = len(job.prompt_ids)
+    prompt = max(map(len, job.prompts))  # the longest, of a completions request's several
     where = "messages" if job.chat else "prompt"
     if prompt > limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} "

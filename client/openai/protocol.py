@@ -190,6 +190,7 @@ DEFAULT_REPEAT_LAST_N = 64  # llama.cpp's server's
 PENALTY_FIELDS = ("logit_bias", "presence_penalty", "frequency_penalty", "repetition_penalty", "repeat_penalty",
                   "min_tokens")  # fmt: skip
 MAX_CHOICES = 16  # `n`: generated one after another, each a whole generation
+MAX_PROMPTS = 256  # completions' prompts a request; with `n`, at most this many choices in all
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -208,10 +209,25 @@ def _stop(value: Any) -> tuple[str, ...]:
     return tuple(items)
 
 
-def _one_prompt(prompt: Any) -> Any:
-    """A string, token ids, or a one-element list of either (what the OpenAI client sends)."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
+def _prompts(value: Any) -> list[str | list[int]]:
+    """One prompt (a string or token ids) or a list of them, as OpenAI, vLLM and llama.cpp take it
+    (LangChain's and lm-eval's batches send several)."""
+    if isinstance(value, str) or (isinstance(value, list) and value and all(type(t) is int for t in value)):
+        value = [value]
+    if not isinstance(value, list) or not value:
+        raise field_error("must be a non-empty string, a list of token ids, or a list of those")
+    if len(value) > MAX_PROMPTS:
+        raise field_error(f"takes at most {MAX_PROMPTS} prompts, got {len(value)}")
+    out = []
+    for i, prompt in enumerate(value):
+        try:
+            out.append(_one_prompt(prompt))
+        except PydanticCustomError as exc:
+            raise field_error(exc.message() if len(value) == 1 else f"item {i}: {exc.message()}") from None
+    return out
+
+
+def _one_prompt(prompt: Any) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
             raise field_error("is empty")
@@ -220,8 +236,6 @@ def _one_prompt(prompt: Any) -> Any:
         if min(prompt) < 0:
             raise field_error(f"holds token id {min(prompt)}: ids are >= 0")
         return prompt
-    if isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, str | list) for p in prompt):
-        raise sentence_error("only one prompt per request is supported")
     raise field_error("must be a non-empty string or a list of token ids")
 
 
@@ -424,9 +438,9 @@ class SamplingRequest(BaseModel):
 
 
 class CompletionRequest(SamplingRequest):
-    """POST /v1/completions: one prompt, as text or token ids."""
+    """POST /v1/completions: a prompt, as text or token ids, or a list of them (choices `n` apiece)."""
 
-    prompt: Annotated[str | list[int], BeforeValidator(_one_prompt)]
+    prompt: Annotated[list[str | list[int]], BeforeValidator(_prompts)]
     # The legacy API's: the k most likely alternatives of each token, and always its own.
     logprobs: Annotated[Integer, between(0, MAX_LOGPROBS)] = None
     top_logprobs: Annotated[Any, refused(lambda v: v in (None, 0))] = None  # chat's; here `logprobs` takes k
@@ -450,7 +464,10 @@ class CompletionRequest(SamplingRequest):
         return super().max_new_tokens(default)
 
     def prompt_ids(self, tokenizer: Any) -> list[int]:
-        return list(tokenizer.encode(self.prompt)) if isinstance(self.prompt, str) else list(self.prompt)
+        return self.all_prompt_ids(tokenizer)[0]
+
+    def all_prompt_ids(self, tokenizer: Any) -> list[list[int]]:
+        return [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in self.prompt]
 
 
 # apply_chat_template's own parameters: not the template's variables, so not the client's to set.
@@ -755,28 +772,48 @@ class Job:
     reasoning: str | None = None  # how the answer starts, for a thinking template: ReasoningReader.state
     continuous_usage: bool = False  # each stream event carries the usage so far
     named_call: bool = False  # tool_choice named a function: its call ends with 'stop', as OpenAI's does
-    echo: bool = False  # completions' `echo`: the prompt comes first (`Echo`)
+    echoed: list[str] | None = None  # completions' `echo`: each prompt's text, before its choices' (`Echo`)
     generate: bool = True  # False: max_tokens 0 with echo, the prompt alone
+    # A completions request's prompts, its first `prompt_ids`; choices i*n to i*n+n-1 are prompt i's, as vLLM orders them
+    prompts: list[list[int]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.prompts = self.prompts or [self.prompt_ids]
+
+    @property
+    def choices(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prompt_of(self, index: int) -> list[int]:
+        return self.prompts[index // self.n]
 
     def choice(self, index: int) -> SamplingParams:
-        """Choice `index`'s sampling: the request's seed plus its index, so the first choice is the
-        text n=1 gives, and each other one a draw of its own (greedy: the same text)."""
-        return replace(self.sampling, seed=(self.sampling.seed + index) % (MAX_SEED + 1))
+        """Choice `index`'s sampling: the request's seed plus its index among its prompt's, so the
+        first choice is the text n=1 gives, and each other one a draw of its own (greedy: the same text)."""
+        return replace(self.sampling, seed=(self.sampling.seed + index % self.n) % (MAX_SEED + 1))
 
     @staticmethod
     def of(request: CompletionRequest | ChatCompletionRequest, tokenizer: Any, chat_max_tokens: int) -> Job:
         """Tokenizes the prompt: slow for a long one, so callers run this off the event loop."""
-        tools, max_calls, echo, generate = None, None, False, True
+        tools, max_calls, echoed, generate = None, None, None, True
         if isinstance(request, ChatCompletionRequest):
             chat, prompt, default_max_tokens = True, request.rendered(), chat_max_tokens
             offered = request.offered_tools()
             tools = None if offered is None else frozenset(t["function"]["name"] for t in offered)
             max_calls = 1 if request.parallel_tool_calls is False else None
+            prompts = [request.prompt_ids(tokenizer)]
         else:
-            chat, prompt, default_max_tokens = False, request.prompt, COMPLETIONS_DEFAULT_MAX_TOKENS
-            echo, generate = bool(request.echo), request.max_tokens != 0
+            chat, default_max_tokens = False, COMPLETIONS_DEFAULT_MAX_TOKENS
+            prompt = request.prompt[0] if len(request.prompt) == 1 else request.prompt
+            if len(request.prompt) * (request.n or 1) > MAX_PROMPTS:
+                raise bad(f"'n' {request.n} for each of {len(request.prompt)} prompts asks for "
+                          f"{len(request.prompt) * (request.n or 1)} choices: at most {MAX_PROMPTS} a request",
+                          param="n")  # fmt: skip
+            prompts, generate = request.all_prompt_ids(tokenizer), request.max_tokens != 0
+            if request.echo:
+                echoed = [p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompt]
         sampling = request.sampling(default_max_tokens)
-        ids = request.prompt_ids(tokenizer)
+        ids = prompts[0]
         reasoning = None
         opened = chat and thinks(chat_template(tokenizer)) and opens_thought(tokenizer.decode(ids[-16:]))
         if chat and request.reasoning_format != "none" and thinks(chat_template(tokenizer)):
@@ -790,7 +827,7 @@ class Job:
                           "chat_template_kwargs {\"enable_thinking\": false}", param=name) from None  # fmt: skip
         return Job(chat, ids, prompt, sampling, bool(request.stream), request.include_usage, n=request.n or 1,
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
-                   continuous_usage=request.continuous_usage, echo=echo, generate=generate,
+                   continuous_usage=request.continuous_usage, echoed=echoed, generate=generate, prompts=prompts,
                    named_call=chat and isinstance(getattr(request, "tool_choice", None), dict))  # fmt: skip
 
 
@@ -867,7 +904,7 @@ class Answer:
     chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # each choice's
     thoughts: dict[int, ReasoningReader] = field(default_factory=dict, init=False, repr=False)
-    echo: Echo | None = None
+    echo: list[Echo] | None = None  # each prompt's, when echoed
     echoed: set[int] = field(default_factory=set, init=False, repr=False)  # choices whose prompt went out
 
     def __post_init__(self) -> None:
@@ -900,8 +937,9 @@ class Answer:
         if self.echo is None or index in self.echoed:
             return "", None
         self.echoed.add(index)
-        entries = None if self.echo.logprobs is None else [None, *self.echo.logprobs]
-        return self.echo.text, self.logprobs(self.echo.token_ids, entries, index)
+        echo = self.echo[index // self.job.n]
+        entries = None if echo.logprobs is None else [None, *echo.logprobs]
+        return echo.text, self.logprobs(echo.token_ids, entries, index)
 
     def read(self, index: int, text: str, finish: str | None, last: bool) -> Piece:
         """Choice `index`'s next piece as it is sent (`last`: the choice's end): its thoughts, its
@@ -940,7 +978,7 @@ class Answer:
     def usage(self, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
         """`cached_tokens`: prompt tokens the target held, from an earlier request (the prompt cache) or
         another session (prefix sharing)."""
-        prompt = len(self.job.prompt_ids)
+        prompt = sum(len(p) for p in self.job.prompts)
         return {
             "prompt_tokens": prompt,
             "completion_tokens": completion_tokens,
