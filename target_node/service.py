@@ -53,7 +53,7 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
             timing=timing,
             **_step_args(request, context),
         )
-        self._observe(request.session_id, request.step_id, timing, tree.size, result)
+        self._observe(request.session_id, request.step_id, timing, tree.size, result, scored=sampling.score)
         return _response(result, timing)
 
     def Decode(self, request: pb.DecodeRequest, context: grpc.ServicerContext) -> Iterator[pb.VerifyResponse]:
@@ -74,10 +74,12 @@ class TargetServicer(NodeServicer, pb_grpc.TargetServiceServicer):
         except Exception as exc:
             abort_for(context, exc, "Decode")
 
-    def _observe(self, session_id: str, step_id: int, timing: StepTiming, size: int, result: VerifyResult) -> None:
+    def _observe(self, session_id: str, step_id: int, timing: StepTiming, size: int, result: VerifyResult,
+                 scored: bool = False) -> None:  # fmt: skip
+        """A scoring step's chain is no draft: the acceptance metrics leave it out."""
         e = self._engine()
         observe_step("verify", session_id, step_id, timing, size, model_name=e.loaded.name,
-                     accepted=result.accepted, tokens=len(result.tokens))  # fmt: skip
+                     accepted=None if scored else result.accepted, tokens=len(result.tokens))  # fmt: skip
 
 
 def _step_args(request: pb.VerifyRequest | pb.DecodeRequest, context: grpc.ServicerContext) -> dict[str, Any]:

@@ -275,7 +275,7 @@ class TargetSession:
             if first_eos is not None:
                 tokens = tokens[: first_eos + 1]
                 finish = "stop"
-        accepted = min(accepted, len(tokens))
+        accepted = 0 if params.score else min(accepted, len(tokens))  # given tokens: nothing speculated
         self._keep(ticket, path[: len(tokens)])  # the root and every new token but the last, the next root
         self.committed.extend(tokens)
         # tokens[i] is the draw at path[i]: the accepted child's token, then the target's own

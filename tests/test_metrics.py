@@ -215,6 +215,19 @@ def test_status_command(stack, generated, capsys):
     assert "acceptance: metrics unreachable" in out and "status: NOT OK" in out
 
 
+def test_scoring_steps_are_no_drafts_in_the_acceptance_metrics(stack, generated):
+    """An echoed prompt's chains are given tokens: Verify calls, but not drafts the target accepted."""
+    names = ("specexec:spec_decode_num_drafts_total", "specexec:spec_decode_num_accepted_tokens_total")
+    before = scrape(stack["ports"]["target_m"])
+    out = stack["client"].completions.create(model="tiny", prompt=SECRET_PROMPT * 4, max_tokens=0, echo=True,
+                                             logprobs=1)  # fmt: skip
+    assert out.choices[0].logprobs.token_logprobs[0] is None and len(out.choices[0].logprobs.token_logprobs) > 8
+    after = scrape(stack["ports"]["target_m"])
+    verifies = [value(m, "specexec:rpc_requests_total", method="TargetService/Verify", code="OK") for m in (before, after)]
+    assert verifies[1] > verifies[0]
+    assert [value(after, n, model_name="target") for n in names] == [value(before, n, model_name="target") for n in names]
+
+
 class _Context:
     """What RpcMetrics reads of a call's context: no status set, and whether the client is still there."""
 

@@ -88,6 +88,7 @@ def test_a_scored_tree_must_be_a_chain(loaded):
     result = target.verify(session, TokenTree(np.array(TEXT[2:5]), np.array([-1, 0, 1])),
                            SamplingParams(logprobs=0, score=True, ignore_eos=True), 2)  # fmt: skip
     assert result.tokens == TEXT[3:5] and len(result.logprobs) == 2
+    assert result.accepted == 0  # given, not speculated: the node's acceptance metrics leave them out
 
 
 def test_a_scoring_steps_last_draw_is_the_targets_own(loaded):
