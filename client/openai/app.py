@@ -372,8 +372,8 @@ class Service:
     def start(self, job: Job, release: Callable[[], None]) -> Generation:
         """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
         any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
-        answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer, echo=self._echo(job))
-        chunks = self._choices(job, answer.id)
+        answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
+        chunks = self._choices(job, answer)
         try:
             first = next(chunks)
         except StopIteration:
@@ -383,25 +383,26 @@ class Service:
             raise
         return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
 
-    def _echo(self, job: Job) -> list[Echo] | None:
-        """The prompts a completion echoes; with log-probs the target scores each first (its KV stays
-        for the generation, `--prompt-cache`)."""
-        if job.echoed is None:
-            return None
-        k = job.sampling.logprobs
-        return [Echo(text, ids, None if k is None else self.gen.score(ids, k))
-                for text, ids in zip(job.echoed, job.prompts, strict=True)]  # fmt: skip
+    def _echo(self, job: Job, prompt: int) -> Echo:
+        """Prompt `prompt` as its choices echo it; with log-probs the target scores it first (its KV
+        stays for the generation, `--prompt-cache`)."""
+        assert job.echoed is not None
+        ids, k = job.prompts[prompt], job.sampling.logprobs
+        return Echo(job.echoed[prompt], ids, None if k is None else self.gen.score(ids, k))
 
-    def _choices(self, job: Job, request_id: str) -> Iterator[Choice]:
-        """The request's `n` choices, one after another on the one slot it was admitted to: each a
-        generation of its own (the prompt's KV is kept between them, `--prompt-cache`)."""
-        if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
-            yield from ((index, Chunk("", [], "length")) for index in range(job.choices))
-            return
+    def _choices(self, job: Job, answer: Answer) -> Iterator[Choice]:
+        """The request's choices, one after another on the one slot it was admitted to: `n` for each
+        prompt, each a generation of its own (the prompt's KV is kept between them, `--prompt-cache`).
+        An echoed prompt is scored before its first choice, which its text opens (`Answer.opening`)."""
         for index in range(job.choices):
+            if job.echoed is not None and index % job.n == 0:
+                answer.echo[index // job.n] = self._echo(job, index // job.n)
+            if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
+                yield index, Chunk("", [], "length")
+                continue
             chunks = track_generation(
                 self.gen.stream(job.prompt_of(index), job.choice(index)),
-                request_id=request_id if job.choices == 1 else f"{request_id}-{index}",
+                request_id=answer.id if job.choices == 1 else f"{answer.id}-{index}",
                 endpoint="chat" if job.chat else "completions",
                 prompt_tokens=len(job.prompt_of(index)),
                 prompt=job.prompt_text,

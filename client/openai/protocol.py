@@ -904,11 +904,12 @@ class Answer:
     chars: dict[int, int] = field(default_factory=dict, init=False, repr=False)
     readers: dict[int, ToolCallReader] = field(default_factory=dict, init=False, repr=False)  # each choice's
     thoughts: dict[int, ReasoningReader] = field(default_factory=dict, init=False, repr=False)
-    echo: list[Echo] | None = None  # each prompt's, when echoed
+    echo: list[Echo | None] = field(default_factory=list, init=False, repr=False)  # each echoed prompt's, once scored
     echoed: set[int] = field(default_factory=set, init=False, repr=False)  # choices whose prompt went out
 
     def __post_init__(self) -> None:
         self.id = self.id or ("chatcmpl-" if self.job.chat else "cmpl-") + secrets.token_hex(12)
+        self.echo = [None] * len(self.job.prompts)
 
     def logprobs(
         self, token_ids: list[int], logprobs: Sequence[TokenLogprob | None] | None, index: int = 0
@@ -934,10 +935,10 @@ class Answer:
     def opening(self, index: int) -> tuple[str, dict[str, Any] | None]:
         """Choice `index`'s echoed prompt and its `logprobs` (the first token has none), once: what
         its text starts with."""
-        if self.echo is None or index in self.echoed:
+        echo = self.echo[index // self.job.n]
+        if echo is None or index in self.echoed:
             return "", None
         self.echoed.add(index)
-        echo = self.echo[index // self.job.n]
         entries = None if echo.logprobs is None else [None, *echo.logprobs]
         return echo.text, self.logprobs(echo.token_ids, entries, index)
 
