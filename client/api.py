@@ -53,6 +53,8 @@ class Chunk:
     finish_reason: str | None = None
     stats: GenerationStats | None = None
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
+    # the first chunk's, with `prompt_logprobs`: one per prompt token after the first (`SpecExec.score`)
+    prompt_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass
@@ -62,6 +64,7 @@ class Completion:
     finish_reason: str
     stats: GenerationStats = field(default_factory=GenerationStats)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first, when asked
 
     def as_dict(self) -> dict[str, Any]:
         out = {
@@ -70,8 +73,10 @@ class Completion:
             "finish_reason": self.finish_reason,
             "stats": self.stats.as_dict(),
         }
-        if self.logprobs is not None:
-            out["logprobs"] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in self.logprobs]
+        for name in ("logprobs", "prompt_logprobs"):
+            values = getattr(self, name)
+            if values is not None:
+                out[name] = [{"logprob": lp.logprob, "top": [list(pair) for pair in lp.top]} for lp in values]
         return out
 
 
@@ -348,13 +353,11 @@ class SpecExec:
         a prompt cache the scored prompt's KV stays for a generation that follows."""
         ids = self.encode(prompt)
         self.check_sampling(SamplingParams(logprobs=logprobs, score=True))
-        info = self.target.info()
-        chain = max(1, min(info.max_tree_nodes - 1, info.max_tree_depth))
         cache = self.prompt_cache
         sequence = self.sequence(ids) if cache is None else cache.acquire(ids)[0]
         scored = False
         try:
-            out = sequence.score(logprobs, chain)
+            out, _ = sequence.score(logprobs, self._chain())
             scored = True
             return out
         finally:
@@ -363,13 +366,22 @@ class SpecExec:
             else:
                 cache.release(sequence, reusable=scored)
 
+    def _chain(self) -> int:
+        """Given tokens a scoring pass takes: as many as a tree the target verifies."""
+        info = self.target.info()
+        return max(1, min(info.max_tree_nodes - 1, info.max_tree_depth))
+
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
         min_tokens = sampling.penalties.min_tokens if sampling.penalties is not None else 0
         text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids, min_tokens)
         started = time.perf_counter()
         finish = "length"
-        for result in sequence.steps(sampling, self.tree, stats, self.current_planner):
+        ahead = None
+        if sampling.prompt_logprobs is not None:  # the prompt scored first, its last pass drawing the first token
+            scored, ahead = sequence.score(sampling.prompt_logprobs, self._chain(), then=sampling)
+            yield Chunk("", [], prompt_logprobs=scored)
+        for result in sequence.steps(sampling, self.tree, stats, self.current_planner, ahead=ahead):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
             stats.new_tokens -= len(result.tokens) - text.used  # tokens a step accepted past a stop string
@@ -477,8 +489,10 @@ def collect(chunks: Iterator[Chunk]) -> Completion:
     texts: list[str] = []
     ids: list[int] = []
     logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob] | None = None
     final: Chunk | None = None
     for chunk in chunks:
+        prompt_logprobs = chunk.prompt_logprobs if chunk.prompt_logprobs is not None else prompt_logprobs
         texts.append(chunk.text)
         ids += chunk.token_ids
         if chunk.logprobs is not None:
@@ -487,4 +501,4 @@ def collect(chunks: Iterator[Chunk]) -> Completion:
             final = chunk
     if final is None or final.stats is None:
         raise RuntimeError("generation ended without a final chunk")
-    return Completion("".join(texts), ids, final.finish_reason, final.stats, logprobs)
+    return Completion("".join(texts), ids, final.finish_reason, final.stats, logprobs, prompt_logprobs)

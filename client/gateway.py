@@ -110,9 +110,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     if cancelled.is_set():
                         return
                     if chunk.finish_reason is None:
-                        piece = pb.GenerateChunk(
-                            text=chunk.text, token_ids=chunk.token_ids, logprobs=logprobs_to_proto(chunk.logprobs)
-                        )
+                        piece = pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
+                                                 logprobs=logprobs_to_proto(chunk.logprobs),
+                                                 prompt_logprobs=logprobs_to_proto(chunk.prompt_logprobs))  # fmt: skip
                         yield pb.GenerateResponse(request_id=rid, chunk=piece)
                         continue
                     if chunk.text:

@@ -649,22 +649,32 @@ class Sequence:
         tree: TreeParams | None,
         stats: GenerationStats,
         planner: PlannerSource = None,
+        ahead: VerifyResult | None = None,
     ) -> Iterator[VerifyResult]:
         """`planner`, if given (or once its callable returns one), picks each step's tree size
-        (`--budget auto`) instead of `tree`."""
+        (`--budget auto`) instead of `tree`. `ahead`: the first step, drawn by `score`'s last pass."""
         if sampling.grammar is not None:  # it covers what this request generates, from here on
             sampling = replace(sampling, grammar=sampling.grammar.at(len(self.tokens)))
         if sampling.penalties is not None:  # they count this request's output tokens
             sampling = replace(sampling, penalties=sampling.penalties.at(len(self.tokens)))
         self.grammar = sampling.grammar  # the draft's search follows it too
         try:
-            yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats)
+            if ahead is not None:
+                self._account(ahead, None, 0.0, 0.0, stats)
+                self.tokens += ahead.tokens
+                self._valid["target"] = len(self.tokens)
+                self._length["target"] = max(self._length["target"], len(self.tokens))
+                yield ahead
+                if ahead.finish_reason:
+                    return
+            yield from self._steps(sampling, StepBudget(tree, planner, sampling), stats, len(ahead.tokens) if ahead else 0)
         except Exception:
             self._distrust()
             raise
 
-    def _steps(self, sampling: SamplingParams, budget: StepBudget, stats: GenerationStats) -> Iterator[VerifyResult]:
-        generated = 0
+    def _steps(
+        self, sampling: SamplingParams, budget: StepBudget, stats: GenerationStats, generated: int = 0
+    ) -> Iterator[VerifyResult]:
         while generated < sampling.max_new_tokens:
             start = time.perf_counter()
             left = sampling.max_new_tokens - generated
@@ -701,34 +711,48 @@ class Sequence:
                     if result.finish_reason or not result.tokens:
                         return
 
-    def score(self, logprobs: int, chain: int) -> list[TokenLogprob]:
+    def score(
+        self, logprobs: int, chain: int, then: SamplingParams | None = None
+    ) -> tuple[list[TokenLogprob], VerifyResult | None]:
         """The target's log-prob of each token of the sequence after the first, given those before it,
-        with its `logprobs` most likely alternatives: a text's likelihood (OpenAI's `echo`, lm-eval's
-        loglikelihood tasks, perplexity). The target runs the sequence again from its first token,
-        in chains of up to `chain` given tokens a pass (`SamplingParams.score`); the draft takes no
-        part. After it the target holds the sequence's KV, and generation goes on from there."""
+        with its `logprobs` most likely alternatives: a text's likelihood (vLLM's prompt_logprobs,
+        OpenAI's `echo`, lm-eval's loglikelihood tasks, perplexity). The target runs the sequence again
+        from its first token, in chains of up to `chain` given tokens a pass (`SamplingParams.score`);
+        the draft takes no part. After it the target holds the sequence's KV.
+
+        `then`: the generation that follows, if any. Where the last pass can draw its first token
+        (no grammar or penalties, the same log-probs) it does, and that step comes back too, to be
+        the generation's first (`steps(ahead=...)`): one pass fewer."""
         if chain < 1:
             raise ValueError(f"chain must be >= 1, got {chain}")
-        sampling = SamplingParams(logprobs=logprobs, ignore_eos=True, score=True)
-        tokens, out = self.tokens, []
+        plain = SamplingParams(logprobs=logprobs, ignore_eos=True, score=True)
+        merged = None
+        if then is not None and then.grammar is None and then.penalties is None and then.logprobs == logprobs:
+            merged = replace(then, score=True, prompt_logprobs=None)
+        tokens, out, ahead = self.tokens, [], None
         self.tokens, self._valid["target"] = tokens[:1], 1  # the next call truncates the target to it
         try:
             while len(self.tokens) < len(tokens):
                 given = tokens[len(self.tokens) - 1 : len(self.tokens) + chain]
+                last = len(self.tokens) + chain >= len(tokens) and merged is not None
                 tree = TokenTree(np.array(given, dtype=np.int64), np.arange(-1, len(given) - 1, dtype=np.int64))
-                result = self._verify(tree, sampling, len(given) - 1)
-                if result.tokens != given[1:] or result.logprobs is None or len(result.logprobs) != len(given) - 1:
+                most = len(given) - 1 + (merged.max_new_tokens if last and merged is not None else 0)
+                result = self._verify(tree, merged if last and merged is not None else plain, most)
+                if result.tokens[: len(given) - 1] != given[1:] or result.logprobs is None or len(
+                    result.logprobs) != len(result.tokens):  # fmt: skip
                     raise ValueError("the target node did not score the tokens it was given (a node from before "
                                      "scoring?); update it")  # fmt: skip
-                out += result.logprobs
-                self.tokens = self.tokens + result.tokens
+                out += result.logprobs[: len(given) - 1]
+                self.tokens = self.tokens + given[1:]
+                if len(result.tokens) == len(given):  # the generation's first token
+                    ahead = replace(result, tokens=result.tokens[-1:], accepted=0, logprobs=result.logprobs[-1:])
                 self._valid["target"] = len(self.tokens)
-                self._length["target"] = max(self._length["target"], len(self.tokens))
+                self._length["target"] = len(self.tokens) + (ahead is not None)  # the next call rolls it back, or `steps` takes it
         except Exception:
             self.tokens = tokens
             self._distrust()
             raise
-        return out
+        return out, ahead
 
     @staticmethod
     def _account(

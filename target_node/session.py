@@ -271,7 +271,8 @@ class TargetSession:
             tokens = tokens[:max_tokens]
             finish = "length"
         if not params.ignore_eos and self.eos:
-            first_eos = next((i for i, t in enumerate(tokens) if t in self.eos), None)
+            drawn = accepted if params.score else 0  # a scored chain's tokens are given: an EOS among them is text
+            first_eos = next((i for i, t in enumerate(tokens) if t in self.eos and i >= drawn), None)
             if first_eos is not None:
                 tokens = tokens[: first_eos + 1]
                 finish = "stop"

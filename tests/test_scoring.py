@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from client.api import SpecExec
+from client.api import SpecExec, collect
 from client.generation import Sequence
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams
@@ -66,6 +66,80 @@ def test_a_generation_after_scoring_is_the_one_without(loaded):
         gen.close()
     assert after.token_ids == plain.token_ids
     assert after.stats.cached_prompt_tokens == len(TEXT)
+
+
+class Counting:
+    """A target engine whose Verify and Decode calls are counted: the passes a generation asked for."""
+
+    def __init__(self, inner: TargetEngine) -> None:
+        self.inner, self.calls = inner, 0
+
+    def verify(self, *args, **kwargs):
+        self.calls += 1
+        return self.inner.verify(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        for result in self.inner.decode(*args, **kwargs):
+            self.calls += 1
+            yield result
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
+@pytest.mark.parametrize("sampling", [{}, {"temperature": 0.9, "seed": 4}], ids=["greedy", "seeded"])
+def test_prompt_logprobs_come_first_and_change_no_token(loaded, mode, sampling):
+    """vLLM's prompt_logprobs: the prompt's scores in the first chunk, the generation the one without
+    them, its first token drawn by the last scoring pass (one pass fewer)."""
+    target = Counting(TargetEngine(loaded["target"], max_context=256, max_tree=8))
+    draft = DraftEngine(loaded["truncated"], max_context=256, max_tree=8) if mode == "specexec" else None
+    gen = SpecExec(target, draft, loaded["target"].tokenizer, mode=mode, tree=TreeParams(budget=8))
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, logprobs=2, **sampling)
+    plain = gen.generate(TEXT, params)
+    target.calls = 0
+    chunks = list(gen.stream(TEXT, replace(params, prompt_logprobs=2)))
+    calls = target.calls
+    out = collect(iter(chunks))
+    assert chunks[0].prompt_logprobs is not None and chunks[0].token_ids == []
+    assert out.token_ids == plain.token_ids and out.text == plain.text
+    check_close(out.logprobs, plain.logprobs)
+    check_close(out.prompt_logprobs, gen.score(TEXT, logprobs=2))
+    if mode == "autoregressive":  # 32 given tokens in chains of 8, then the 11 tokens after the first
+        assert calls == 4 + 11
+
+
+def test_prompt_logprobs_with_one_token_to_generate_take_the_scoring_passes_alone(loaded):
+    target = Counting(TargetEngine(loaded["target"], max_context=256, max_tree=8))
+    gen = SpecExec(target, None, loaded["target"].tokenizer, mode="autoregressive")
+    params = SamplingParams(max_new_tokens=1, logprobs=1, ignore_eos=True)
+    out = gen.generate(TEXT, replace(params, prompt_logprobs=1))
+    assert target.calls == 4 and out.finish_reason == "length"
+    assert out.token_ids == gen.generate(TEXT, params).token_ids and len(out.prompt_logprobs) == len(TEXT) - 1
+
+
+def test_prompt_logprobs_past_an_end_of_text_and_ending_on_one(loaded):
+    """An EOS among the given tokens is text; the first drawn one ends the generation, as alone."""
+    for eos_at in (10, None):
+        plain_gen = SpecExec(TargetEngine(loaded["target"], max_context=256, max_tree=8), None,
+                             loaded["target"].tokenizer, mode="autoregressive")  # fmt: skip
+        first = plain_gen.generate(TEXT, SamplingParams(max_new_tokens=1)).token_ids[0]
+        eos = replace(loaded["target"], eos_token_ids=(TEXT[eos_at] if eos_at is not None else first,))
+        gen = SpecExec(TargetEngine(eos, max_context=256, max_tree=8), None, eos.tokenizer, mode="autoregressive")
+        params = SamplingParams(max_new_tokens=8, logprobs=0)
+        out = gen.generate(TEXT, replace(params, prompt_logprobs=0))
+        assert out.token_ids == gen.generate(TEXT, params).token_ids and len(out.prompt_logprobs) == len(TEXT) - 1
+        if eos_at is None:
+            assert out.token_ids == [first] and out.finish_reason == "stop"
+
+
+def test_prompt_logprobs_under_a_grammar_score_apart(gen):
+    """A grammar's draw cannot ride a scoring pass: the prompt is scored alone, the text unchanged."""
+    from common.decoding.grammar import Grammar
+
+    params = SamplingParams(max_new_tokens=6, logprobs=1, grammar=Grammar.choice(["yes", "no"]))
+    out = gen.generate(TEXT, replace(params, prompt_logprobs=1))
+    assert out.text == gen.generate(TEXT, params).text and len(out.prompt_logprobs) == len(TEXT) - 1
 
 
 def test_an_end_of_text_token_inside_the_text_is_scored_past(loaded, model_dirs):
@@ -150,9 +224,10 @@ def test_a_target_restarting_mid_scoring_is_replayed(loaded, model_dirs):
     target.verify = flaky  # type: ignore[method-assign]
     sequence = Sequence(target, None, TEXT)
     try:
-        got = sequence.score(2, chain=7)
+        got, ahead = sequence.score(2, chain=7)
     finally:
         sequence.close()
+    assert ahead is None
     assert calls["n"] > 5
     check_close(got, reference_logprobs(model_dirs["target"], TEXT[:1], TEXT[1:], 2))
     assert sequence.tokens == TEXT
@@ -334,3 +409,30 @@ def test_echo_with_logprobs_needs_a_target_that_scores(gen):
         assert status == 200 and out["choices"][0]["text"].startswith("Hi")
     finally:
         srv.stop()
+
+
+def test_prompt_logprobs_through_the_grpc_gateway(gen):
+    """GenerateChunk's first carries them; the text is the one without."""
+    import grpc
+
+    from client.gateway import GenerationServicer
+    from common.pb.specexec.v1 import specexec_pb2 as pb
+    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+    from common.rpc.server import Server
+
+    servicer = GenerationServicer(lambda mode, tree: gen, gen)
+    server = Server("127.0.0.1:0", [(pb_grpc.add_GenerationServiceServicer_to_server, servicer, "g")]).start()
+    sampling = pb.SamplingParams(temperature=0.8, seed=4, max_new_tokens=8, ignore_eos=True, prompt_logprobs=2)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            answers = list(pb_grpc.GenerationServiceStub(channel).Generate(
+                pb.GenerateRequest(token_ids=pb.TokenIds(ids=TEXT), sampling=sampling), timeout=60))  # fmt: skip
+    finally:
+        server.stop(0)
+    chunks = [a.chunk for a in answers if a.HasField("chunk")]
+    scored = gen.score(TEXT, logprobs=2)
+    assert [lp.logprob for lp in chunks[0].prompt_logprobs] == pytest.approx([s.logprob for s in scored], abs=1e-5)
+    assert [list(lp.top_ids) for lp in chunks[0].prompt_logprobs] == [[i for i, _ in s.top] for s in scored]
+    assert all(not c.prompt_logprobs for c in chunks[1:])
+    want = gen.generate(TEXT, SamplingParams(temperature=0.8, seed=4, max_new_tokens=8, ignore_eos=True))
+    assert [t for c in chunks for t in c.token_ids] == want.token_ids

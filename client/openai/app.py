@@ -18,6 +18,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import closing
+from dataclasses import replace
 from typing import Annotated, Any
 
 import anyio
@@ -383,32 +384,34 @@ class Service:
             raise
         return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
 
-    def _echo(self, job: Job, prompt: int) -> Echo:
-        """Prompt `prompt` as its choices echo it; with log-probs the target scores it first (its KV
-        stays for the generation, `--prompt-cache`)."""
-        assert job.echoed is not None
-        ids, k = job.prompts[prompt], job.sampling.logprobs
-        return Echo(job.echoed[prompt], ids, None if k is None else self.gen.score(ids, k))
-
     def _choices(self, job: Job, answer: Answer) -> Iterator[Choice]:
         """The request's choices, one after another on the one slot it was admitted to: `n` for each
         prompt, each a generation of its own (the prompt's KV is kept between them, `--prompt-cache`).
-        An echoed prompt is scored before its first choice, which its text opens (`Answer.opening`)."""
+        An echoed prompt opens its choices' text (`Answer.opening`); with log-probs the target scores it
+        first, the first choice's generation drawing its first token in the last scoring pass."""
         for index in range(job.choices):
+            prompt, sampling = job.prompt_of(index), job.choice(index)
             if job.echoed is not None and index % job.n == 0:
-                answer.echo[index // job.n] = self._echo(job, index // job.n)
+                k = job.sampling.logprobs
+                if k is None or not job.generate:
+                    scored = None if k is None else self.gen.score(prompt, k)
+                    answer.echo[index // job.n] = Echo(job.echoed[index // job.n], prompt, scored)
+                else:
+                    sampling = replace(sampling, prompt_logprobs=k)
             if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
                 yield index, Chunk("", [], "length")
                 continue
             chunks = track_generation(
-                self.gen.stream(job.prompt_of(index), job.choice(index)),
+                self.gen.stream(prompt, sampling),
                 request_id=answer.id if job.choices == 1 else f"{answer.id}-{index}",
                 endpoint="chat" if job.chat else "completions",
-                prompt_tokens=len(job.prompt_of(index)),
+                prompt_tokens=len(prompt),
                 prompt=job.prompt_text,
             )
             with closing(chunks):
                 for chunk in chunks:
+                    if chunk.prompt_logprobs is not None and job.echoed is not None:
+                        answer.echo[index // job.n] = Echo(job.echoed[index // job.n], prompt, chunk.prompt_logprobs)
                     yield index, chunk
 
     async def admit(self, http: Request) -> Callable[[], None] | None:

@@ -55,6 +55,9 @@ class SamplingParams:
     # draw that has a child in it is that child, whatever the target would draw; the log-probs are
     # theirs. Its last node's draw is the target's own.
     score: bool = False
+    # vLLM's: the prompt's tokens' log-probs too, each with its k likeliest alternatives, in the first
+    # chunk; the target scores the prompt first (`Sequence.score`). The client's, not the wire's.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -111,6 +114,12 @@ class SamplingParams:
         if self.penalties is not None and self.penalties.min_tokens and self.stop_token_ids:
             # vLLM's: min_tokens holds back the stop tokens too, so the target must know them
             object.__setattr__(self, "penalties", replace(self.penalties, stop_ids=self.stop_token_ids))
+        if self.prompt_logprobs is not None and (
+            isinstance(self.prompt_logprobs, bool) or not isinstance(self.prompt_logprobs, numbers.Integral)
+            or not 0 <= self.prompt_logprobs <= MAX_LOGPROBS
+        ):  # fmt: skip
+            raise ValueError(f"prompt_logprobs must be a whole number in [0, {MAX_LOGPROBS}], got "
+                             f"{self.prompt_logprobs!r}")  # fmt: skip
         if not isinstance(self.score, bool):
             raise ValueError(f"score must be true or false, got {self.score!r}")
         if self.score and self.logprobs is None:
@@ -135,7 +144,7 @@ class SamplingParams:
             needed.append("repetition_window")
         if self.penalties is not None and self.penalties.min_tokens and self.penalties.stop_ids:
             needed.append("min_tokens_stops")
-        if self.score:
+        if self.score or self.prompt_logprobs is not None:
             needed.append("score")
         return tuple(needed)
 

@@ -74,6 +74,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
             repetition_window=p.penalties.repetition_window, stop_token_ids=list(p.penalties.stop_ids)),
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
         score=p.score or None,
+        prompt_logprobs=p.prompt_logprobs,
     )
 
 
@@ -88,7 +89,8 @@ def grammar_from_proto(msg: pb.Grammar) -> Grammar:
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; set ones are validated there."""
     kwargs: dict = {}
-    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p", "score"):
+    for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p", "score",
+                  "prompt_logprobs"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
