@@ -29,11 +29,12 @@ from client.generation import (
     tree_params_for,
 )
 from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
+from client.score_memo import ScoreMemo
 from client.text import TextAssembler
 from common.decoding.grammar import check as check_grammar
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TreeParams, TreeTooLarge
-from common.decoding.types import TokenLogprob
+from common.decoding.types import TokenLogprob, VerifyResult, model_identity
 from common.model.compiled_forward import compile_model
 from common.model.llama_cpp import MAX_TREE_LEAVES, load_gguf, locate_gguf, resolve_backend
 from common.model.loading import load_model
@@ -124,6 +125,7 @@ class SpecExec:
         self.planner_restored = False  # whether it started from what earlier processes learned
         self._planner_lock = threading.Lock()
         self.prompt_cache: PromptCache | None = None
+        self.scores = ScoreMemo()  # the prompts scored last (`score`, `prompt_logprobs`)
         self.current_planner()
 
     def use_prompt_cache(self, size: int, max_idle: float = DEFAULT_MAX_IDLE) -> None:
@@ -357,7 +359,7 @@ class SpecExec:
         sequence = self.sequence(ids) if cache is None else cache.acquire(ids)[0]
         scored = False
         try:
-            out, _ = sequence.score(logprobs, self._chain())
+            out, _ = self._score(sequence, logprobs)
             scored = True
             return out
         finally:
@@ -366,10 +368,17 @@ class SpecExec:
             else:
                 cache.release(sequence, reusable=scored)
 
-    def _chain(self) -> int:
-        """Given tokens a scoring pass takes: as many as a tree the target verifies."""
+    def _score(
+        self, sequence: Sequence, k: int, then: SamplingParams | None = None
+    ) -> tuple[list[TokenLogprob], VerifyResult | None]:
+        """`sequence.score` in chains as long as a tree the target verifies, from where the prompts
+        scored last part from it."""
         info = self.target.info()
-        return max(1, min(info.max_tree_nodes - 1, info.max_tree_depth))
+        model, ids = model_identity(info), list(sequence.tokens)
+        chain = max(1, min(info.max_tree_nodes - 1, info.max_tree_depth))
+        scored, ahead = sequence.score(k, chain, then, known=self.scores.known(ids, k, model))
+        self.scores.keep(ids, k, model, scored)
+        return scored, ahead
 
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
@@ -379,7 +388,7 @@ class SpecExec:
         finish = "length"
         ahead = None
         if sampling.prompt_logprobs is not None:  # the prompt scored first, its last pass drawing the first token
-            scored, ahead = sequence.score(sampling.prompt_logprobs, self._chain(), then=sampling)
+            scored, ahead = self._score(sequence, sampling.prompt_logprobs, then=sampling)
             yield Chunk("", [], prompt_logprobs=scored)
         for result in sequence.steps(sampling, self.tree, stats, self.current_planner, ahead=ahead):
             piece = text.add(result.tokens)

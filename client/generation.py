@@ -712,7 +712,7 @@ class Sequence:
                         return
 
     def score(
-        self, logprobs: int, chain: int, then: SamplingParams | None = None
+        self, logprobs: int, chain: int, then: SamplingParams | None = None, known: list[TokenLogprob] | None = None
     ) -> tuple[list[TokenLogprob], VerifyResult | None]:
         """The target's log-prob of each token of the sequence after the first, given those before it,
         with its `logprobs` most likely alternatives: a text's likelihood (vLLM's prompt_logprobs,
@@ -722,15 +722,18 @@ class Sequence:
 
         `then`: the generation that follows, if any. Where the last pass can draw its first token
         (no grammar or penalties, the same log-probs) it does, and that step comes back too, to be
-        the generation's first (`steps(ahead=...)`): one pass fewer."""
+        the generation's first (`steps(ahead=...)`): one pass fewer. `known`: the scores of the
+        sequence's first tokens after the first, from an earlier prompt (`ScoreMemo`); scoring goes on
+        after them, their KV the node's if it holds it."""
         if chain < 1:
             raise ValueError(f"chain must be >= 1, got {chain}")
         plain = SamplingParams(logprobs=logprobs, ignore_eos=True, score=True)
         merged = None
         if then is not None and then.grammar is None and then.penalties is None and then.logprobs == logprobs:
             merged = replace(then, score=True, prompt_logprobs=None)
-        tokens, out, ahead = self.tokens, [], None
-        self.tokens, self._valid["target"] = tokens[:1], 1  # the next call truncates the target to it
+        tokens, out, ahead = self.tokens, list(known or [])[: len(self.tokens) - 1], None
+        self.tokens = tokens[: len(out) + 1]  # the next call truncates the target to it
+        self._valid["target"] = min(self._valid["target"], len(self.tokens))
         try:
             while len(self.tokens) < len(tokens):
                 given = tokens[len(self.tokens) - 1 : len(self.tokens) + chain]

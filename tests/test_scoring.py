@@ -13,6 +13,7 @@ from client.api import SpecExec, collect
 from client.generation import Sequence
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams
+from common.decoding.types import model_identity
 from common.rpc.wire import sampling_from_proto, sampling_to_proto
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
@@ -436,3 +437,40 @@ def test_prompt_logprobs_through_the_grpc_gateway(gen):
     assert all(not c.prompt_logprobs for c in chunks[1:])
     want = gen.generate(TEXT, SamplingParams(temperature=0.8, seed=4, max_new_tokens=8, ignore_eos=True))
     assert [t for c in chunks for t in c.token_ids] == want.token_ids
+
+
+def test_a_prompt_that_starts_like_one_scored_is_scored_from_where_they_part(loaded, model_dirs):
+    """lm-eval's multiple choice: one context, each answer after it. The second answer's request
+    scores its own tokens only (the context's scores are kept, its KV the node's), with the same
+    numbers as a full pass."""
+    target = Counting(TargetEngine(loaded["target"], max_context=256, max_tree=8))
+    gen = SpecExec(target, None, loaded["target"].tokenizer, mode="autoregressive")
+    gen.use_prompt_cache(2)
+    context, answers = TEXT[:30], ([97, 98, 99], [120, 121])
+    try:
+        for i, answer in enumerate(answers):
+            target.calls = 0
+            prompt = context + answer
+            got = gen.score(prompt, logprobs=2)
+            check_close(got, reference_logprobs(model_dirs["target"], prompt[:1], prompt[1:], 2))
+            assert target.calls == (4 if i == 0 else 1)  # 32 tokens in chains of 8; then 2, one chain
+        assert gen.scores.known([*context, 5], 1, model_identity(target.info()))[-1].top == got[28].top[:1]
+        assert gen.scores.known(context, 3, model_identity(target.info())) == []  # kept with 2 alternatives
+    finally:
+        gen.close()
+
+
+def test_score_memo_finds_the_longest_kept_prefix_of_the_same_model():
+    from client.score_memo import ScoreMemo
+    from common.decoding.types import TokenLogprob
+
+    memo = ScoreMemo(size=2)
+    lp = [TokenLogprob(-float(i), ((i, -0.1), (i + 1, -0.2))) for i in range(5)]
+    memo.keep([1, 2, 3, 4, 5, 6], 2, ("a",), lp)
+    memo.keep([1, 2, 9], 2, ("a",), lp[:2])
+    assert memo.known([1, 2, 3, 4, 7], 1, ("a",)) == [TokenLogprob(-float(i), ((i, -0.1),)) for i in range(3)]
+    assert memo.known([1, 2, 3], 2, ("b",)) == [] and memo.known([8], 2, ("a",)) == []
+    memo.keep([7, 7], 2, ("a",), lp[:1])  # the oldest goes
+    assert memo.known([1, 2, 3, 4], 2, ("a",)) == lp[:1]
+    with pytest.raises(ValueError, match="one per token after the first"):
+        memo.keep([1, 2], 2, ("a",), lp)
