@@ -7,6 +7,7 @@ print(gen.generate("def fib(n):", max_new_tokens=64).text)
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Iterator
@@ -56,6 +57,15 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
     # the first chunk's, with `prompt_logprobs`: one per prompt token after the first (`SpecExec.score`)
     prompt_logprobs: list[TokenLogprob] | None = None
+
+
+@dataclass
+class Lease:
+    """A sequence lent to one generation or scoring (`SpecExec._lease`)."""
+
+    sequence: Sequence
+    cached: int  # prompt tokens the target held in it already
+    ended: bool = False  # the work ended as it should: the prompt cache may keep it
 
 
 @dataclass
@@ -323,25 +333,34 @@ class SpecExec:
         if sampling.grammar is not None:
             check_grammar(sampling.grammar)
 
-    def _stream(self, ids: list[int], sampling: SamplingParams, recovery: Recovery | None) -> Iterator[Chunk]:
+    @contextlib.contextmanager
+    def _lease(self, ids: list[int], recovery: Recovery | None = None) -> Iterator[Lease]:
+        """A sequence holding `ids`: the prompt cache's (given back, kept if the lease `ended` as it
+        should), or a new one closed after."""
         cache = self.prompt_cache
         if cache is None:
-            sequence, cached = self.sequence(ids, recovery), 0
+            lease = Lease(self.sequence(ids, recovery), 0)
         else:
             sequence, cached = cache.acquire(ids)
             sequence.recovery = recovery or self.recovery
-        ended = False
+            lease = Lease(sequence, cached)
         try:
-            for chunk in self._run(sequence, sampling, cached):
-                ended = chunk.finish_reason is not None
-                yield chunk
+            yield lease
         finally:
             if cache is None:
-                sequence.close()
+                lease.sequence.close()
             else:
-                cache.release(sequence, reusable=ended)
-            if self.planner is not None and self.planner_file is not None:
-                planner_state.save(self.planner, self.planner_file)
+                cache.release(lease.sequence, reusable=lease.ended)
+
+    def _stream(self, ids: list[int], sampling: SamplingParams, recovery: Recovery | None) -> Iterator[Chunk]:
+        with self._lease(ids, recovery) as lease:
+            try:
+                for chunk in self._run(lease.sequence, sampling, lease.cached):
+                    lease.ended = chunk.finish_reason is not None
+                    yield chunk
+            finally:
+                if self.planner is not None and self.planner_file is not None:
+                    planner_state.save(self.planner, self.planner_file)
 
     def generate(
         self, prompt: str | list[int], sampling: SamplingParams | None = None, **kwargs: Any
@@ -355,18 +374,10 @@ class SpecExec:
         a prompt cache the scored prompt's KV stays for a generation that follows."""
         ids = self.encode(prompt)
         self.check_sampling(SamplingParams(logprobs=logprobs, score=True))
-        cache = self.prompt_cache
-        sequence = self.sequence(ids) if cache is None else cache.acquire(ids)[0]
-        scored = False
-        try:
-            out, _ = self._score(sequence, logprobs)
-            scored = True
-            return out
-        finally:
-            if cache is None:
-                sequence.close()
-            else:
-                cache.release(sequence, reusable=scored)
+        with self._lease(ids) as lease:
+            out, _ = self._score(lease.sequence, logprobs)
+            lease.ended = True
+        return out
 
     def _score(
         self, sequence: Sequence, k: int, then: SamplingParams | None = None

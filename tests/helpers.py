@@ -132,3 +132,20 @@ def prefix_then_tree(model: Any, prefix: torch.Tensor, tree: TokenTree) -> tuple
     positions, slots = p + torch.from_numpy(structure.depths), torch.arange(p, p + tree.size)
     second = model(torch.from_numpy(tree.tokens), positions, slots, attention_bias(structure.ancestors, p), cache)
     return first, second
+
+
+def gateway_answers(gen: Any, request: Any) -> list[Any]:
+    """The GenerateResponses an in-process gRPC gateway in front of `gen` streams for `request`."""
+    import grpc
+
+    from client.gateway import GenerationServicer
+    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
+    from common.rpc.server import Server
+
+    servicer = GenerationServicer(lambda mode, tree: gen, gen)
+    server = Server("127.0.0.1:0", [(pb_grpc.add_GenerationServiceServicer_to_server, servicer, "g")]).start()
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            return list(pb_grpc.GenerationServiceStub(channel).Generate(request, timeout=60))
+    finally:
+        server.stop(0)

@@ -17,7 +17,7 @@ from common.decoding.tree import TreeParams
 from common.decoding.types import TokenLogprob
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
-from tests.helpers import free_port, start_node
+from tests.helpers import free_port, gateway_answers, start_node
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]
 
@@ -168,22 +168,10 @@ def test_logprobs_through_the_nodes(nodes, model_dirs, mode):
 
 def test_logprobs_through_the_grpc_gateway(gen):
     """GenerateChunk carries one per token id."""
-    import grpc
-
-    from client.gateway import GenerationServicer
     from common.pb.specexec.v1 import specexec_pb2 as pb
-    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-    from common.rpc.server import Server
 
-    servicer = GenerationServicer(lambda mode, tree: gen, gen)
-    server = Server("127.0.0.1:0", [(pb_grpc.add_GenerationServiceServicer_to_server, servicer, "g")]).start()
     sampling = pb.SamplingParams(temperature=0.8, seed=4, max_new_tokens=16, ignore_eos=True, logprobs=1)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            answers = list(pb_grpc.GenerationServiceStub(channel).Generate(
-                pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling), timeout=60))  # fmt: skip
-    finally:
-        server.stop(0)
+    answers = gateway_answers(gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=PROMPT), sampling=sampling))
     chunks = [a.chunk for a in answers if a.HasField("chunk") and a.chunk.token_ids]
     want = gen.generate(PROMPT, SamplingParams(temperature=0.8, seed=4, max_new_tokens=16, ignore_eos=True, logprobs=1))
     assert [t for c in chunks for t in c.token_ids] == want.token_ids

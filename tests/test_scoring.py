@@ -17,7 +17,7 @@ from common.decoding.types import model_identity
 from common.rpc.wire import sampling_from_proto, sampling_to_proto
 from draft_node.engine import DraftEngine
 from target_node.engine import TargetEngine
-from tests.helpers import free_port, start_node
+from tests.helpers import free_port, gateway_answers, start_node
 from tests.test_logprobs import check_close, reference_logprobs
 from tests.tiny_models import gguf_model_dir, make_tiny_model
 
@@ -414,22 +414,10 @@ def test_echo_with_logprobs_needs_a_target_that_scores(gen):
 
 def test_prompt_logprobs_through_the_grpc_gateway(gen):
     """GenerateChunk's first carries them; the text is the one without."""
-    import grpc
-
-    from client.gateway import GenerationServicer
     from common.pb.specexec.v1 import specexec_pb2 as pb
-    from common.pb.specexec.v1 import specexec_pb2_grpc as pb_grpc
-    from common.rpc.server import Server
 
-    servicer = GenerationServicer(lambda mode, tree: gen, gen)
-    server = Server("127.0.0.1:0", [(pb_grpc.add_GenerationServiceServicer_to_server, servicer, "g")]).start()
     sampling = pb.SamplingParams(temperature=0.8, seed=4, max_new_tokens=8, ignore_eos=True, prompt_logprobs=2)
-    try:
-        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-            answers = list(pb_grpc.GenerationServiceStub(channel).Generate(
-                pb.GenerateRequest(token_ids=pb.TokenIds(ids=TEXT), sampling=sampling), timeout=60))  # fmt: skip
-    finally:
-        server.stop(0)
+    answers = gateway_answers(gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=TEXT), sampling=sampling))
     chunks = [a.chunk for a in answers if a.HasField("chunk")]
     scored = gen.score(TEXT, logprobs=2)
     assert [lp.logprob for lp in chunks[0].prompt_logprobs] == pytest.approx([s.logprob for s in scored], abs=1e-5)
