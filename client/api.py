@@ -33,7 +33,7 @@ from client.prompt_cache import DEFAULT_MAX_IDLE, PromptCache
 from client.score_memo import ScoreMemo
 from client.text import TextAssembler
 from common.decoding.grammar import check as check_grammar
-from common.decoding.sampling import SamplingParams
+from common.decoding.sampling import MAX_LOGPROBS, SamplingParams
 from common.decoding.tree import TreeParams, TreeTooLarge
 from common.decoding.types import TokenLogprob, VerifyResult, model_identity
 from common.model.compiled_forward import compile_model
@@ -319,6 +319,9 @@ class SpecExec:
         if sampling is not None and kwargs:
             raise TypeError(f"give sampling or SamplingParams keyword arguments, not both (got {', '.join(kwargs)})")
         sampling = sampling or SamplingParams(**kwargs)
+        if sampling.score:  # the target would take the draft's tokens as given, unchecked
+            raise ValueError("score is for the target's scoring passes, not a generation's sampling: use "
+                             "SpecExec.score or prompt_logprobs")  # fmt: skip
         self.check_sampling(sampling)
         return self._stream(self.encode(prompt), sampling, recovery)
 
@@ -373,6 +376,8 @@ class SpecExec:
         tasks and perplexity read it. The target alone scores it, a chain of given tokens a pass; with
         a prompt cache the scored prompt's KV stays for a generation that follows."""
         ids = self.encode(prompt)
+        if logprobs is None:  # SamplingParams' None means none, but a score is a log-prob
+            raise ValueError(f"logprobs must be a whole number in [0, {MAX_LOGPROBS}], got None")
         self.check_sampling(SamplingParams(logprobs=logprobs, score=True))
         with self._lease(ids) as lease:
             out, _ = self._score(lease.sequence, logprobs)
@@ -399,9 +404,11 @@ class SpecExec:
         finish = "length"
         ahead = None
         if sampling.prompt_logprobs is not None:  # the prompt scored first, its last pass drawing the first token
-            scored, ahead = self._score(sequence, sampling.prompt_logprobs, then=sampling)
+            k, sampling = sampling.prompt_logprobs, replace(sampling, prompt_logprobs=None)  # no node needs it
+            scored, ahead = self._score(sequence, k, then=sampling)
             yield Chunk("", [], prompt_logprobs=scored)
-        for result in sequence.steps(sampling, self.tree, stats, self.current_planner, ahead=ahead):
+        scoring = time.perf_counter() - started
+        for result in sequence.steps(sampling, self.tree, stats, self.current_planner, ahead, scoring):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
             stats.new_tokens -= len(result.tokens) - text.used  # tokens a step accepted past a stop string

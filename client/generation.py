@@ -650,9 +650,11 @@ class Sequence:
         stats: GenerationStats,
         planner: PlannerSource = None,
         ahead: VerifyResult | None = None,
+        ahead_seconds: float = 0.0,
     ) -> Iterator[VerifyResult]:
         """`planner`, if given (or once its callable returns one), picks each step's tree size
-        (`--budget auto`) instead of `tree`. `ahead`: the first step, drawn by `score`'s last pass."""
+        (`--budget auto`) instead of `tree`. `ahead`: the first step, drawn by `score`'s last pass;
+        `ahead_seconds`: the scoring's, counted as the target's."""
         if sampling.grammar is not None:  # it covers what this request generates, from here on
             sampling = replace(sampling, grammar=sampling.grammar.at(len(self.tokens)))
         if sampling.penalties is not None:  # they count this request's output tokens
@@ -660,7 +662,7 @@ class Sequence:
         self.grammar = sampling.grammar  # the draft's search follows it too
         try:
             if ahead is not None:
-                self._account(ahead, None, 0.0, 0.0, stats)
+                self._account(ahead, None, 0.0, ahead_seconds, stats)
                 self.tokens += ahead.tokens
                 self._valid["target"] = len(self.tokens)
                 self._length["target"] = max(self._length["target"], len(self.tokens))

@@ -98,6 +98,21 @@ def test_threads_never_run_more_than_the_slots():
     assert len(done) == 40 and peak[0] <= 3 and admission.running == 0 and admission.waiting == 0
 
 
+def test_a_request_borrows_only_slots_no_one_waits_for():
+    """A request's several prompts run at once on free slots, never ahead of a queued request."""
+    admission = Admission(slots=4, max_waiting=4)
+    first = admission.enter(lambda: None)
+    lent = admission.borrow(8)
+    assert len(lent) == 3 and admission.running == 4 and all(t.admitted for t in lent)
+    queued = admission.enter(lambda: None)
+    assert not queued.admitted and admission.borrow(1) == []
+    admission.leave(lent[0])  # a returned slot goes to the queue first
+    assert queued.admitted and admission.borrow(2) == []
+    for ticket in [*lent[1:], first, queued]:
+        admission.leave(ticket)
+    assert admission.running == 0 and len(admission.borrow(0)) == 0
+
+
 @pytest.mark.parametrize("slots, waiting, field", [(0, 1, "slots"), (1, -1, "--max-queue")])
 def test_bad_limits_are_refused(slots, waiting, field):
     with pytest.raises(ValueError, match=field):

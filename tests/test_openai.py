@@ -354,7 +354,7 @@ def test_seed_reproducibility_and_openai_default_temperature(client, gen):
         (dict(prompt=["one"] * 257), "prompt", "at most 256 prompts"),
         (dict(prompt=["one"] * 20, n=16), "n", "asks for 320 choices: at most 256"),
         (dict(prompt=[[65], [65, 10**6]]), "prompt", "holds token id 1000000: the model's ids are below"),
-        (dict(prompt=[[65], [65] * 600]), "prompt", "maximum context length is 512 tokens, but the prompt has 600"),
+        (dict(prompt=[[65], [65] * 600]), "prompt", "maximum context length is 512 tokens, but the prompt (item 1) has 600"),
     ],
 )
 def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):

@@ -61,6 +61,12 @@ def test_a_text_shorter_than_a_window_or_a_window_over_the_context_is_a_clear_er
     assert "context 4000 is over the target's context limit of 1024 tokens" in capsys.readouterr().err
 
 
+def test_an_empty_file_is_named(model_dirs, tmp_path, capsys):
+    (tmp_path / "empty.txt").write_text("  \n")
+    assert main(["perplexity", "--target-model", str(model_dirs["target"]), "--file", str(tmp_path / "empty.txt")]) == 2
+    assert "--file " in capsys.readouterr().err
+
+
 def test_perplexity_needs_a_target(text_file, capsys):
     with pytest.raises(SystemExit):
         main(["perplexity", "--file", str(text_file)])

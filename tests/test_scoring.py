@@ -374,6 +374,14 @@ def test_bad_echo_requests_name_their_field(server, body, param, message):
     assert status == 400 and out["error"]["param"] == param and message in out["error"]["message"], out
 
 
+def test_score_is_no_generations_sampling(gen):
+    """Set on a generation, the target would take a chain tree's drafted tokens as given."""
+    with pytest.raises(ValueError, match="score is for the target's scoring passes"):
+        gen.generate(TEXT, SamplingParams(max_new_tokens=4, logprobs=0, score=True))
+    with pytest.raises(ValueError, match=r"logprobs must be a whole number in \[0, 20\]"):
+        gen.score(TEXT, logprobs=None)
+
+
 def test_chat_refuses_echo(server):
     import json
     import urllib.error
@@ -386,6 +394,7 @@ def test_chat_refuses_echo(server):
         urllib.request.urlopen(request, timeout=60)
     out = json.loads(err.value.read())
     assert err.value.code == 400 and out["error"]["param"] == "echo"
+    assert out["error"]["message"] == "'echo' applies to /v1/completions only"
 
 
 def test_echo_with_logprobs_needs_a_target_that_scores(gen):
@@ -462,3 +471,51 @@ def test_score_memo_finds_the_longest_kept_prefix_of_the_same_model():
     assert memo.known([1, 2, 3, 4], 2, ("a",)) == lp[:1]
     with pytest.raises(ValueError, match="one per token after the first"):
         memo.keep([1, 2], 2, ("a",), lp)
+
+
+def test_the_gateway_refuses_score_on_a_generation(gen):
+    import grpc
+
+    from common.pb.specexec.v1 import specexec_pb2 as pb
+
+    sampling = pb.SamplingParams(max_new_tokens=4, logprobs=0, score=True)
+    with pytest.raises(grpc.RpcError) as err:
+        gateway_answers(gen, pb.GenerateRequest(token_ids=pb.TokenIds(ids=TEXT), sampling=sampling, mode="chain"))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "score is for" in err.value.details()
+
+
+def test_in_order_runs_sources_at_once_and_yields_them_in_order():
+    """A request's prompts: each source's items in turn, a failing one raised where it stands, and
+    closing stops the others."""
+    import threading
+    import time
+
+    from client.openai.app import in_order
+
+    running, most = [0], [0]
+    lock = threading.Lock()
+
+    def source(i: int, n: int = 3, fail: bool = False):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+        try:
+            for j in range(n):
+                time.sleep(0.02)
+                if fail and j == 1:
+                    raise RuntimeError(f"source {i}")
+                yield (i, j)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    got = list(in_order([lambda i=i: source(i) for i in range(4)], lanes=3))
+    assert got == [(i, j) for i in range(4) for j in range(3)] and most[0] == 3
+    items = in_order([lambda: source(0), lambda: source(1, fail=True), lambda: source(2)], lanes=3)
+    with pytest.raises(RuntimeError, match="source 1"):
+        assert [next(items) for _ in range(4)] == [(0, 0), (0, 1), (0, 2), (1, 0)]
+        next(items)
+    endless = in_order([lambda: source(0, n=10**6), lambda: source(1, n=10**6)], lanes=2)
+    assert next(endless) == (0, 0)
+    endless.close()
+    assert running[0] == 0  # both stopped at their next item

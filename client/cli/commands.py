@@ -220,7 +220,8 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_perplexity(args: argparse.Namespace) -> int:
     """The target alone scores the text (no draft is loaded or asked), as llama.cpp's perplexity runs."""
     text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
-    valid_text(text, "--file")
+    if not valid_text(text, "--file").strip():
+        raise ValueError(f"--file {args.file} holds no text")
     args.draft_model, args.mode = None, "autoregressive"
     gen = generator_from(args)
     try:

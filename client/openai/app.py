@@ -14,12 +14,14 @@ import contextlib
 import functools
 import hmac
 import logging
+import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import closing
 from dataclasses import replace
-from typing import Annotated, Any
+from typing import Annotated, Any, TypeVar
 
 import anyio
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -65,6 +67,8 @@ CLIENT_CLOSED = 499  # nginx's status for a request its client gave up on; only 
 KEEP_ALIVE_SECONDS = 15.0
 KEEP_ALIVE = b": keep-alive\n\n"  # an SSE comment: readers skip it, proxies see the stream alive
 Choice = tuple[int, Chunk]  # a chunk of the request's choice number int (`n`)
+T = TypeVar("T")
+PARALLEL_PROMPTS = 8  # a request's prompts run at once, at most, on slots no other request wants
 
 
 class JSONAnswer(Response):
@@ -372,30 +376,46 @@ class Service:
 
     def start(self, job: Job, release: Callable[[], None]) -> Generation:
         """Opens the sessions and runs the first step, in the calling (worker) thread: errors before
-        any output (a node that is down) stay HTTP errors. `release` is called once it is closed."""
+        any output (a node that is down) stay HTTP errors. `release` is called once it is closed.
+        A request's several prompts run at once on the slots it can borrow (`Admission.borrow`)."""
+        admission = self.admission
+        lent = admission.borrow(min(len(job.prompts), PARALLEL_PROMPTS) - 1) if admission is not None else []
+
+        def return_lent() -> None:
+            for ticket in lent:
+                admission.leave(ticket)  # type: ignore[union-attr]
+
+        def give_back() -> None:
+            return_lent()
+            release()
+
         answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
-        chunks = self._choices(job, answer)
+        prompts = [functools.partial(self._prompt_choices, job, answer, p) for p in range(len(job.prompts))]
+        chunks = in_order(prompts, lanes=1 + len(lent))
         try:
             first = next(chunks)
         except StopIteration:
+            return_lent()
             raise ApiError(500, "generation ended without output", type="server_error") from None
         except BaseException:
             chunks.close()
+            return_lent()
             raise
-        return Generation(answer, chunks, first, self.stopping, self.keep_alive, release)
+        return Generation(answer, chunks, first, self.stopping, self.keep_alive, give_back)
 
-    def _choices(self, job: Job, answer: Answer) -> Iterator[Choice]:
-        """The request's choices, one after another on the one slot it was admitted to: `n` for each
-        prompt, each a generation of its own (the prompt's KV is kept between them, `--prompt-cache`).
-        An echoed prompt opens its choices' text (`Answer.opening`); with log-probs the target scores it
-        first, the first choice's generation drawing its first token in the last scoring pass."""
-        for index in range(job.choices):
-            prompt, sampling = job.prompt_of(index), job.choice(index)
+    def _prompt_choices(self, job: Job, answer: Answer, prompt_index: int) -> Iterator[Choice]:
+        """Prompt `prompt_index`'s `n` choices, one after another: each a generation of its own (the
+        prompt's KV is kept between them, `--prompt-cache`). An echoed prompt opens its choices' text
+        (`Answer.opening`); with log-probs the target scores it first, the first choice's generation
+        drawing its first token in the last scoring pass."""
+        prompt = job.prompts[prompt_index]
+        for index in range(prompt_index * job.n, (prompt_index + 1) * job.n):
+            sampling = job.choice(index)
             if job.echoed is not None and index % job.n == 0:
                 k = job.sampling.logprobs
                 if k is None or not job.generate:
                     scored = None if k is None else self.gen.score(prompt, k)
-                    answer.echo[index // job.n] = Echo(job.echoed[index // job.n], prompt, scored)
+                    answer.echo[prompt_index] = Echo(job.echoed[prompt_index], prompt, scored)
                 else:
                     sampling = replace(sampling, prompt_logprobs=k)
             if not job.generate:  # max_tokens 0 with echo: the prompt is the answer
@@ -411,7 +431,7 @@ class Service:
             with closing(chunks):
                 for chunk in chunks:
                     if chunk.prompt_logprobs is not None and job.echoed is not None:
-                        answer.echo[index // job.n] = Echo(job.echoed[index // job.n], prompt, chunk.prompt_logprobs)
+                        answer.echo[prompt_index] = Echo(job.echoed[prompt_index], prompt, chunk.prompt_logprobs)
                     yield index, chunk
 
     async def admit(self, http: Request) -> Callable[[], None] | None:
@@ -464,6 +484,43 @@ class Service:
                 raise
 
 
+def in_order(sources: list[Callable[[], Iterator[T]]], lanes: int) -> Iterator[T]:
+    """Each source's items, source by source, while up to `lanes` sources run at once in threads of
+    their own (a later source's items wait in memory for the ones before it to end). Closing this
+    stops every source at its next item, and returns once none runs."""
+    if lanes <= 1:
+        for source in sources:
+            yield from source()
+        return
+    stop = threading.Event()
+    outs: list[queue.Queue[tuple[str, Any]]] = [queue.Queue() for _ in sources]
+
+    def run(i: int) -> None:
+        try:
+            with closing(sources[i]()) as items:  # type: ignore[type-var]
+                for item in items:
+                    outs[i].put(("item", item))
+                    if stop.is_set():
+                        break
+        except BaseException as exc:
+            outs[i].put(("error", exc))
+        finally:
+            outs[i].put(("end", None))
+
+    pool = ThreadPoolExecutor(lanes, thread_name_prefix="prompt")
+    try:
+        for i in range(len(sources)):
+            pool.submit(run, i)
+        for out in outs:
+            while (got := out.get())[0] != "end":
+                if got[0] == "error":
+                    raise got[1]
+                yield got[1]
+    finally:
+        stop.set()
+        pool.shutdown(wait=True, cancel_futures=True)
+
+
 @contextlib.contextmanager
 def http_errors(grammar_field: str | None = None) -> Iterator[None]:
     """A failure as the HTTP error its gRPC status maps to. A grammar the target refuses (one that
@@ -487,15 +544,16 @@ def check_context(request: CompletionRequest | ChatCompletionRequest, job: Job, 
     finish_reason "length" where the context ends."""
     prompt = max(map(len, job.prompts))  # the longest, of a completions request's several
     where = "messages" if job.chat else "prompt"
+    named = where if len(job.prompts) == 1 else f"prompt (item {list(map(len, job.prompts)).index(prompt)})"
     if prompt > limit:
-        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {where} "
+        raise ApiError(400, f"This model's maximum context length is {limit} tokens, but the {named} "
                        f"{'have' if job.chat else 'has'} {prompt} tokens", param=where,
                        code="context_length_exceeded")  # fmt: skip
     completion = getattr(request, "max_completion_tokens", None)  # chat's newer name wins, as in max_new_tokens
     asked, name = (completion, "max_completion_tokens") if completion is not None else (request.max_tokens, "max_tokens")
     if asked is not None and prompt + asked > limit:
         raise ApiError(400, f"This model's maximum context length is {limit} tokens, but {prompt} are in the "
-                       f"{where} and '{name}' asks for {asked} more ({prompt + asked} in all); at most "
+                       f"{named} and '{name}' asks for {asked} more ({prompt + asked} in all); at most "
                        f"{limit - prompt} fit", param=name, code="context_length_exceeded")  # fmt: skip
 
 

@@ -171,12 +171,12 @@ def unless(*neutral: Any) -> AfterValidator:
     return refused(lambda v: v is None or any(type(v) is type(n) and v == n for n in neutral))
 
 
-def refused(accepts: Callable[[Any], bool]) -> AfterValidator:
+def refused(accepts: Callable[[Any], bool], why: str = "is not supported by this server") -> AfterValidator:
     """A field this server cannot honour: allowed only with a value that changes nothing."""
 
     def check(value: Any) -> Any:
         if not accepts(value):
-            raise field_error("is not supported by this server")
+            raise field_error(why)
         return value
 
     return AfterValidator(check)
@@ -600,6 +600,7 @@ class ChatCompletionRequest(SamplingRequest):
 
     messages: Annotated[list[ChatMessage], BeforeValidator(_non_empty)]
     max_completion_tokens: MaxTokens = None  # OpenAI's newer name for max_tokens
+    echo: Annotated[Any, refused(lambda v: not v, "applies to /v1/completions only")] = None
     tools: list[ToolDefinition] | None = None
     tool_choice: Annotated[Any, AfterValidator(_tool_choice)] = None
     parallel_tool_calls: Flag = None  # false: at most one call an answer
