@@ -515,7 +515,42 @@ def test_in_order_runs_sources_at_once_and_yields_them_in_order():
     with pytest.raises(RuntimeError, match="source 1"):
         assert [next(items) for _ in range(4)] == [(0, 0), (0, 1), (0, 2), (1, 0)]
         next(items)
+    # another request starts waiting: the lent lanes start nothing more and give their slots back
+    wanted, done = threading.Event(), []
+    items = in_order([lambda i=i: source(i, n=1) for i in range(6)], lanes=3, go_on=lambda: not wanted.is_set(),
+                     lane_done=done.append)  # fmt: skip
+    assert next(items) == (0, 0)
+    wanted.set()
+    assert list(items) == [(i, 0) for i in range(1, 6)] and sorted(done) == [0, 1, 2]
     endless = in_order([lambda: source(0, n=10**6), lambda: source(1, n=10**6)], lanes=2)
     assert next(endless) == (0, 0)
     endless.close()
     assert running[0] == 0  # both stopped at their next item
+
+
+def test_a_request_waiting_behind_a_list_gets_a_slot_when_a_prompt_ends(server):
+    """A list of prompts borrows every free slot; one request that comes to wait then takes the first
+    slot a lent lane frees, not the whole list's end."""
+    import threading
+    import time
+
+    admission = server.service.admission
+    order: list[str] = []
+    prompts = [[72, 101, 108 + i] for i in range(24)]
+
+    def run_list() -> None:
+        status, out = post(server, {"prompt": prompts, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+        assert status == 200 and len(out["choices"]) == 24
+        order.append("list")
+
+    runner = threading.Thread(target=run_list)
+    runner.start()
+    deadline = time.monotonic() + 60
+    while admission.running < admission.slots and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert admission.running == admission.slots  # every slot lent to the list
+    status, _ = post(server, {"prompt": "Hi", "max_tokens": 2, "temperature": 0})
+    order.append("single")
+    runner.join()
+    assert status == 200 and order == ["single", "list"]
+    assert admission.running == 0

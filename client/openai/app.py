@@ -381,9 +381,12 @@ class Service:
         admission = self.admission
         lent = admission.borrow(min(len(job.prompts), PARALLEL_PROMPTS) - 1) if admission is not None else []
 
-        def return_lent() -> None:
-            for ticket in lent:
-                admission.leave(ticket)  # type: ignore[union-attr]
+        def return_lent(lane: int | None = None) -> None:
+            """Lane `lane`'s lent slot, once it starts no more prompts (lane 0 holds the request's
+            own); None: all of them (`leave` twice does nothing)."""
+            for j, ticket in enumerate(lent, 1):
+                if lane is None or lane == j:
+                    admission.leave(ticket)  # type: ignore[union-attr]
 
         def give_back() -> None:
             return_lent()
@@ -391,7 +394,8 @@ class Service:
 
         answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
         prompts = [functools.partial(self._prompt_choices, job, answer, p) for p in range(len(job.prompts))]
-        chunks = in_order(prompts, lanes=1 + len(lent))
+        waiting = (lambda: admission.waiting == 0) if admission is not None else (lambda: True)
+        chunks = in_order(prompts, lanes=1 + len(lent), go_on=waiting, lane_done=return_lent)
         try:
             first = next(chunks)
         except StopIteration:
@@ -484,15 +488,22 @@ class Service:
                 raise
 
 
-def in_order(sources: list[Callable[[], Iterator[T]]], lanes: int) -> Iterator[T]:
+def in_order(
+    sources: list[Callable[[], Iterator[T]]],
+    lanes: int,
+    go_on: Callable[[], bool] = lambda: True,
+    lane_done: Callable[[int], None] = lambda lane: None,
+) -> Iterator[T]:
     """Each source's items, source by source, while up to `lanes` sources run at once in threads of
-    their own (a later source's items wait in memory for the ones before it to end). Closing this
-    stops every source at its next item, and returns once none runs."""
+    their own (a later source's items wait in memory for the ones before it to end). Lane 0 runs
+    sources until none is left; another lane starts its next one only while `go_on()`, and calls
+    `lane_done(lane)` once it starts no more. Closing this stops every source at its next item, and
+    returns once none runs."""
     if lanes <= 1:
         for source in sources:
             yield from source()
         return
-    stop = threading.Event()
+    stop, taken, lock = threading.Event(), [0], threading.Lock()
     outs: list[queue.Queue[tuple[str, Any]]] = [queue.Queue() for _ in sources]
 
     def run(i: int) -> None:
@@ -507,10 +518,21 @@ def in_order(sources: list[Callable[[], Iterator[T]]], lanes: int) -> Iterator[T
         finally:
             outs[i].put(("end", None))
 
+    def lane(j: int) -> None:
+        try:
+            while not stop.is_set() and (j == 0 or go_on()):
+                with lock:
+                    i, taken[0] = taken[0], taken[0] + 1
+                if i >= len(sources):
+                    return
+                run(i)
+        finally:
+            lane_done(j)
+
     pool = ThreadPoolExecutor(lanes, thread_name_prefix="prompt")
     try:
-        for i in range(len(sources)):
-            pool.submit(run, i)
+        for j in range(lanes):
+            pool.submit(lane, j)
         for out in outs:
             while (got := out.get())[0] != "end":
                 if got[0] == "error":
@@ -518,7 +540,7 @@ def in_order(sources: list[Callable[[], Iterator[T]]], lanes: int) -> Iterator[T
                 yield got[1]
     finally:
         stop.set()
-        pool.shutdown(wait=True, cancel_futures=True)
+        pool.shutdown(wait=True)
 
 
 @contextlib.contextmanager
