@@ -739,10 +739,9 @@ class Sequence:
         try:
             while len(self.tokens) < len(tokens):
                 given = tokens[len(self.tokens) - 1 : len(self.tokens) + chain]
-                last = len(self.tokens) + chain >= len(tokens) and merged is not None
+                step = merged if merged is not None and len(self.tokens) + chain >= len(tokens) else plain
                 tree = TokenTree(np.array(given, dtype=np.int64), np.arange(-1, len(given) - 1, dtype=np.int64))
-                most = len(given) - 1 + (merged.max_new_tokens if last and merged is not None else 0)
-                result = self._verify(tree, merged if last and merged is not None else plain, most)
+                result = self._verify(tree, step, len(given) - 1 + (step.max_new_tokens if step is merged else 0))
                 if result.tokens[: len(given) - 1] != given[1:] or result.logprobs is None or len(
                     result.logprobs) != len(result.tokens):  # fmt: skip
                     raise ValueError("the target node did not score the tokens it was given (a node from before "
