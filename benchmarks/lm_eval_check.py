@@ -1,6 +1,7 @@
 """lm-eval's `local-completions` against `specexec serve`, checked against lm-eval's own `hf` backend
 on the same float32 weights: a multiple-choice task (loglikelihood requests: echo, logprobs, a
-batch of prompts a request) run both ways, every loglikelihood and greedy flag compared.
+batch of prompts a request) and a rolling perplexity task (loglikelihood_rolling: windows of a
+long text) run both ways, every loglikelihood and greedy flag compared.
 
 lm-eval is not a dependency of this project: install it in a venv of its own, e.g.
     python -m venv /tmp/lmv && /tmp/lmv/bin/pip install "lm-eval[api]"
@@ -24,18 +25,33 @@ from tests.helpers import free_port
 
 HERE = Path(__file__).resolve().parent / "lm_eval"
 ROOT = HERE.parents[1]
+TASKS = ("pyquiz", "rolltext")
+MAX_LENGTH = 512  # local-completions' windows; its rolling windows are 2 tokens shorter than hf's
 
 
 def run_lm_eval(lm_eval: str, model_args: list[str], tasks: Path, out: Path, batch: int) -> tuple[dict, float]:
     env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    subprocess.run([lm_eval, *model_args, "--tasks", "pyquiz", "--include_path", str(tasks), "--batch_size",
+    subprocess.run([lm_eval, *model_args, "--tasks", ",".join(TASKS), "--include_path", str(tasks), "--batch_size",
                     str(batch), "--log_samples", "--output_path", str(out)], check=True, env=env)  # fmt: skip
     seconds = time.perf_counter() - start
-    samples = next(out.rglob("samples_pyquiz*.jsonl"))
-    results = json.loads(next(out.rglob("results*.json")).read_text())["results"]["pyquiz"]
-    docs = {d["doc_id"]: d for d in map(json.loads, samples.read_text().splitlines())}
-    return {"docs": docs, "acc": results["acc,none"], "acc_norm": results["acc_norm,none"]}, seconds
+    results = json.loads(next(out.rglob("results*.json")).read_text())["results"]
+    runs = {}
+    for task in TASKS:
+        samples = next(out.rglob(f"samples_{task}*.jsonl"))
+        docs = {d["doc_id"]: d for d in map(json.loads, samples.read_text().splitlines())}
+        runs[task] = {"docs": docs, **{k.split(",")[0]: v for k, v in results[task].items() if k.endswith(",none")}}
+    return runs, seconds
+
+
+def answers(run: dict) -> list[tuple[float, bool | None]]:
+    """Every loglikelihood a task's run answered (and its greedy flag, for loglikelihood requests)."""
+    out = []
+    for doc in run["docs"].values():
+        for resp in doc["resps"]:
+            value = resp[0]
+            out.append((float(value[0]), value[1] == "True") if isinstance(value, list) else (float(value), None))
+    return out
 
 
 def main() -> None:
@@ -48,9 +64,10 @@ def main() -> None:
     model = resolve_model(args.model)
     work = Path(tempfile.mkdtemp(prefix="lm-eval-"))
     (work / "tasks").mkdir()
-    (work / "tasks" / "pyquiz.yaml").write_text(
-        (HERE / "pyquiz.yaml").read_text().replace("PYQUIZ_JSONL", str(HERE / "pyquiz.jsonl"))
-    )
+    for task in TASKS:
+        (work / "tasks" / f"{task}.yaml").write_text(
+            (HERE / f"{task}.yaml").read_text().replace(f"{task.upper()}_JSONL", str(HERE / f"{task}.jsonl"))
+        )
     target, openai = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cli = [sys.executable, "-m", "client.cli.main"]
@@ -65,26 +82,32 @@ def main() -> None:
         ours, ours_s = run_lm_eval(args.lm_eval, [
             "--model", "local-completions", "--model_args",
             f"model=m,base_url=http://{openai}/v1/completions,tokenizer={model},tokenizer_backend=huggingface,"
-            "num_concurrent=1,max_retries=1"], work / "tasks", work / "ours", args.batch_size)  # fmt: skip
+            f"num_concurrent=1,max_retries=1,max_length={MAX_LENGTH}"], work / "tasks", work / "ours",
+            args.batch_size)  # fmt: skip
     finally:
         for proc in procs:
             proc.terminate()
             proc.wait()
-    hf, hf_s = run_lm_eval(args.lm_eval, ["--model", "hf", "--model_args", f"pretrained={model},dtype=float32",
+    hf, hf_s = run_lm_eval(args.lm_eval, ["--model", "hf", "--model_args",
+                                          f"pretrained={model},dtype=float32,max_length={MAX_LENGTH - 2}",
                                           "--device", "cpu"], work / "tasks", work / "hf", args.batch_size)  # fmt: skip
-    pairs = [(a[0], b[0]) for d in ours["docs"] for a, b in zip(ours["docs"][d]["resps"], hf["docs"][d]["resps"],
-                                                                strict=True)]  # fmt: skip
-    worst = max(abs(float(a[0]) - float(b[0])) for a, b in pairs)
-    same_greedy = sum(a[1] == b[1] for a, b in pairs)
-    table = "\n".join([
-        f"{args.model}, float32 weights; lm-eval's multiple-choice task benchmarks/lm_eval/pyquiz.yaml "
-        f"({len(ours['docs'])} questions, {len(pairs)} loglikelihood requests), batch size {args.batch_size}.", "",
-        "| lm-eval model | acc | acc_norm | seconds |", "|---|---|---|---|",
-        f"| local-completions on specexec serve (target node, float32) | {ours['acc']:.4f} | {ours['acc_norm']:.4f} | "
-        f"{ours_s:.0f} |",
-        f"| hf (transformers, float32) | {hf['acc']:.4f} | {hf['acc_norm']:.4f} | {hf_s:.0f} |", "",
-        f"Largest loglikelihood difference {worst:.2e}; greedy flags equal in {same_greedy} of {len(pairs)}.",
-    ])  # fmt: skip
+    lines = [
+        f"{args.model}, float32 weights; lm-eval's tasks in benchmarks/lm_eval/, batch size {args.batch_size}; "
+        f"local-completions with max_length {MAX_LENGTH}, hf with {MAX_LENGTH - 2} (the same windows).", "",
+        "| task | lm-eval model | metric | value | answers | largest difference from hf | greedy flags equal |",
+        "|---|---|---|---|---|---|---|",
+    ]  # fmt: skip
+    for task in TASKS:
+        pairs = list(zip(answers(ours[task]), answers(hf[task]), strict=True))
+        worst = max(abs(a[0] - b[0]) for a, b in pairs)
+        flags = [a[1] == b[1] for a, b in pairs if a[1] is not None]
+        equal = f"{sum(flags)} of {len(flags)}" if flags else "-"
+        for metric in [m for m in ours[task] if m != "docs" and not m.endswith("_stderr")]:
+            for label, run in (("local-completions on specexec serve", ours), ("hf (transformers)", hf)):
+                lines.append(f"| {task} | {label} | {metric} | {run[task][metric]:.4f} | {len(pairs)} | "
+                             f"{worst:.2e} | {equal} |")  # fmt: skip
+    lines += ["", f"Wall time, both tasks with lm-eval's start-up: local-completions {ours_s:.0f} s, hf {hf_s:.0f} s."]
+    table = "\n".join(lines)
     print(table)
     if args.out is not None:
         args.out.write_text(table + "\n")
