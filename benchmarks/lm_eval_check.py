@@ -19,9 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
+from client.bench.harness import free_port
 from client.remote import wait_until_serving
 from common.model.store import resolve_model
-from tests.helpers import free_port
 
 HERE = Path(__file__).resolve().parent / "lm_eval"
 ROOT = HERE.parents[1]
