@@ -394,8 +394,8 @@ class Service:
 
         answer = Answer(job, self.model_name, tokenizer=self.gen.tokenizer)
         prompts = [functools.partial(self._prompt_choices, job, answer, p) for p in range(len(job.prompts))]
-        waiting = (lambda: admission.waiting == 0) if admission is not None else (lambda: True)
-        chunks = in_order(prompts, lanes=1 + len(lent), go_on=waiting, lane_done=return_lent)
+        nobody_waits = (lambda: admission.waiting == 0) if admission is not None else (lambda: True)
+        chunks = in_order(prompts, lanes=1 + len(lent), go_on=nobody_waits, lane_done=return_lent)
         try:
             first = next(chunks)
         except StopIteration:

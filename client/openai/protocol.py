@@ -463,9 +463,6 @@ class CompletionRequest(SamplingRequest):
             return 1  # nothing is generated (`Job.generate`)
         return super().max_new_tokens(default)
 
-    def prompt_ids(self, tokenizer: Any) -> list[int]:
-        return self.all_prompt_ids(tokenizer)[0]
-
     def all_prompt_ids(self, tokenizer: Any) -> list[list[int]]:
         return [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in self.prompt]
 
