@@ -359,13 +359,20 @@ def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, lo
     ids = loaded["target"].tokenizer.encode("Hello, ")
     expected = reference(model_dirs["target"], Penalties(presence=1.5, repetition=1.3), params, prompt=ids)
     assert result["token_ids"] == expected
-    windowed = [*common, "--repetition-penalty", "1.8", "--repetition-window", "3", "--temperature", "1.4", "--min-p", "0.3"]
+    windowed = [*common, "--repetition-penalty", "1.8", "--repetition-window", "3", "--temperature", "1.4", "--min-p", "0.3",
+                "--typical-p", "0.9", "--top-n-sigma", "3", "--xtc-probability", "0.5", "--xtc-threshold", "0.05"]  # fmt: skip
     result = json.loads(run("generate", *windowed).stdout)
-    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.4, min_p=0.3)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.4, min_p=0.3, typical_p=0.9, top_n_sigma=3.0,
+                            xtc_probability=0.5, xtc_threshold=0.05)  # fmt: skip
     assert result["token_ids"] == reference(model_dirs["target"], Penalties(repetition=1.8, repetition_window=3),
                                             params, prompt=ids)  # fmt: skip
+    unfiltered = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.4, min_p=0.3)
+    assert result["token_ids"] != reference(model_dirs["target"], Penalties(repetition=1.8, repetition_window=3),
+                                            unfiltered, prompt=ids)  # the llama.cpp filters count  # fmt: skip
     for flags, message in ((["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 10]"),
                            (["--min-p", "2"], "--min-p must be in [0, 1]"),
+                           (["--typical-p", "0"], "--typical-p must be in (0, 1]"),
+                           (["--xtc-threshold", "-1"], "--xtc-threshold must be in [0, 1]"),
                            (["--repetition-window", "-1"], "--repetition-window must be a whole number >= 0"),
                            (["--min-tokens", "-1"], "--min-tokens must be a whole number >= 0")):  # fmt: skip
         bad = run("generate", *common, *flags, check=False)

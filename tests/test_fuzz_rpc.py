@@ -244,6 +244,11 @@ valid_temperature = st.one_of(
 valid_top_p = st.one_of(st.sampled_from([1.0, 5e-324, 1e-9, 0.5]), st.floats(0, 1, exclude_min=True))
 valid_min_p = st.one_of(st.sampled_from([0.0, 1.0, 5e-324, 0.05]), st.floats(0, 1))
 bad_min_p = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -5e-324, 1.0000001]), st.floats(min_value=1, exclude_min=True))
+valid_typical_p = st.one_of(st.sampled_from([1.0, 5e-324, 0.5]), st.floats(0, 1, exclude_min=True))
+valid_sigmas = st.one_of(st.sampled_from([0.0, 5e-324, 1.0, 100.0]), st.floats(0, 100))
+valid_unit = st.one_of(st.sampled_from([0.0, 1.0, 5e-324, 0.5]), st.floats(0, 1))
+bad_unit = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -5e-324, 1.0000001]), st.floats(min_value=1, exclude_min=True))
+bad_sigmas = st.one_of(st.sampled_from([math.nan, math.inf, -math.inf, -5e-324, 100.00001]), st.floats(min_value=100, exclude_min=True))
 bad_temperature = st.one_of(
     st.sampled_from([math.nan, math.inf, -math.inf, -5e-324]), st.floats(max_value=-1e-300)
 )
@@ -275,6 +280,10 @@ def valid_sampling(draw) -> pb.SamplingParams:
         msg.logprobs = draw(st.integers(0, 20))
     if draw(st.booleans()):
         msg.min_p = draw(valid_min_p)
+    for name, values in (("typical_p", valid_typical_p), ("top_n_sigma", valid_sigmas),
+                         ("xtc_probability", valid_unit), ("xtc_threshold", valid_unit)):  # fmt: skip
+        if draw(st.integers(0, 3)) == 0:
+            setattr(msg, name, draw(values))
     return msg
 
 
@@ -290,6 +299,10 @@ def chaos_sampling(draw) -> pb.SamplingParams:
         ("ignore_eos", st.booleans()),
         ("logprobs", absurd_u32),
         ("min_p", any_float),
+        ("typical_p", any_float),
+        ("top_n_sigma", any_float),
+        ("xtc_probability", any_float),
+        ("xtc_threshold", any_float),
     ):
         if draw(st.booleans()):
             setattr(msg, name, draw(values))
@@ -427,7 +440,8 @@ COMMON = [
 ]
 TREE = ["format_version", "ragged bytes", "entry count", "token out of vocab", "bad parent", "wrong root"]
 TREE += ["too large", "empty tree"]
-SAMPLING = ["temperature", "top_p", "min_p", "empty stop", "max_new_tokens 0", "max_tokens 0"]
+SAMPLING = ["temperature", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc", "empty stop", "max_new_tokens 0",
+            "max_tokens 0"]  # fmt: skip
 PARAMS = [
     "budget 0",
     "budget over the node",
@@ -472,6 +486,12 @@ def mutate_sampling(draw, case: Case, name: str) -> None:
         sampling.top_p = draw(bad_top_p)
     elif name == "min_p":
         sampling.min_p = draw(bad_min_p)
+    elif name == "typical_p":
+        sampling.typical_p = draw(st.one_of(bad_unit, st.floats(max_value=0)))
+    elif name == "top_n_sigma":
+        sampling.top_n_sigma = draw(bad_sigmas)
+    elif name == "xtc":
+        setattr(sampling, draw(st.sampled_from(["xtc_probability", "xtc_threshold"])), draw(bad_unit))
     elif name == "empty stop":
         sampling.stop.append("")
     elif name == "max_new_tokens 0":
@@ -876,13 +896,18 @@ def test_generate(nodes, prompt, sampling, mode, tree, request_id):
     top_k=st.one_of(st.just(0), st.integers(1, 500)),
     top_p=valid_top_p,
     min_p=valid_min_p,
+    typical_p=valid_typical_p,
+    top_n_sigma=valid_sigmas,
+    xtc=st.tuples(valid_unit, valid_unit),
 )
-def test_a_vanishing_temperature_draws_the_arg_max(seed, shape, scale, offset, temperature, top_k, top_p, min_p):
+def test_a_vanishing_temperature_draws_the_arg_max(seed, shape, scale, offset, temperature, top_k, top_p, min_p,
+                                                   typical_p, top_n_sigma, xtc):  # fmt: skip
     """Dividing logits by a subnormal temperature overflows; the draw must still be the limit (greedy),
     not whatever a NaN distribution yields."""
     logits = torch.from_numpy(np.random.default_rng(seed).standard_normal(shape).astype(np.float32))
     logits = logits * scale + offset
-    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p)
+    params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                            typical_p=typical_p, top_n_sigma=top_n_sigma, xtc_probability=xtc[0], xtc_threshold=xtc[1])
     drawn = sample_rows(logits, params, list(range(shape[0])))
     assert drawn.tolist() == logits.argmax(-1).tolist()
     tally("sample_rows vanishing temperature", OK)

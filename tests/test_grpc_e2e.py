@@ -584,15 +584,17 @@ def test_a_gateway_takes_a_grammar_and_refuses_a_bad_one(gateway, in_process):
 
 
 @pytest.mark.parametrize("mode", ["specexec", "autoregressive"])
-@pytest.mark.parametrize("setting", ["penalties", "min_p and a window"])
+@pytest.mark.parametrize("setting", ["penalties", "min_p and a window", "llama.cpp's filters"])
 def test_penalties_over_the_wire_equal_in_process(nodes, in_process, mode, setting):
     from common.decoding.penalties import Penalties
 
     if setting == "penalties":
         params = SamplingParams(**SAMPLINGS["seeded"],
                                 penalties=Penalties(presence=0.8, frequency=0.4, repetition=1.4, logit_bias=((70, 1.5),)))  # fmt: skip
-    else:
+    elif setting == "min_p and a window":
         params = SamplingParams(**SAMPLINGS["seeded"], min_p=0.2, penalties=Penalties(repetition=1.6, repetition_window=4))
+    else:
+        params = SamplingParams(**SAMPLINGS["seeded"], typical_p=0.6, top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.05)
     with remote(nodes, mode) as gen:
         assert set(params.features()) <= set(gen.target.info().features)
         got = gen.generate(PROMPT, params)

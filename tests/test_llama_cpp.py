@@ -1156,13 +1156,14 @@ def test_a_shared_pass_that_fails_after_one_walk_walks_that_tree_again_from_its_
     assert ja.result is not None and ja.result.tokens == expected
 
 
-@pytest.mark.parametrize("window, min_p", [(0, 0.0), (5, 0.15)])
-def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs, window, min_p):
+@pytest.mark.parametrize("window, filters", [(0, {}), (5, dict(min_p=0.15)),
+                                             (0, dict(typical_p=0.6, top_n_sigma=1.5, xtc_probability=0.5, xtc_threshold=0.05))])  # fmt: skip
+def test_penalties_on_llama_cpp_equal_its_autoregressive_output(ggufs, window, filters):
     from common.decoding.penalties import Penalties
 
     penalties = Penalties(presence=0.9, frequency=0.3, repetition=1.5, logit_bias=((70, 2.0),), repetition_window=window)
     runs = generate_both(ggufs, "F32", SamplingParams(max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
-                                                      penalties=penalties, min_p=min_p))  # fmt: skip
+                                                      penalties=penalties, **filters))  # fmt: skip
     assert runs["specexec"].token_ids == runs["autoregressive"].token_ids
 
 

@@ -54,10 +54,10 @@ def test_chat_under_ollamas_defaults_is_the_python_apis_text(client, gen):
 
 def test_options_map_to_the_same_sampling(client, gen):
     options = {"seed": 3, "num_predict": 20, "temperature": 1.2, "top_k": 0, "top_p": 1.0, "min_p": 0.1,
-               "repeat_penalty": 1.3, "repeat_last_n": 8, "presence_penalty": 0.5, "num_ctx": 4096}  # fmt: skip
+               "typical_p": 0.8, "repeat_penalty": 1.3, "repeat_last_n": 8, "presence_penalty": 0.5, "num_ctx": 4096}  # fmt: skip
     out = client.chat(f"{MODEL}:latest", messages=ASK, options=options)
     assert out.message.content == expected(gen, seed=3, max_new_tokens=20, temperature=1.2, top_k=0, top_p=1.0,
-                                           min_p=0.1, penalties=Penalties(presence=0.5, repetition=1.3,
+                                           min_p=0.1, typical_p=0.8, penalties=Penalties(presence=0.5, repetition=1.3,
                                                                           repetition_window=8))  # fmt: skip
     greedy = client.chat(MODEL, messages=ASK, options={"temperature": 0, "num_predict": 12, "repeat_penalty": 1.0})
     assert greedy.message.content == expected(gen, temperature=0.0, max_new_tokens=12, penalties=None)

@@ -81,6 +81,19 @@ def test_min_p_output_equals_the_target_alone_with_it(loaded, model_dirs):
         assert pair(loaded, mode).generate(PROMPT, params).token_ids == expected, mode
 
 
+@pytest.mark.parametrize("filters", [dict(typical_p=0.4), dict(top_n_sigma=0.8),
+                                     dict(xtc_probability=0.6, xtc_threshold=0.05)])  # fmt: skip
+def test_llama_cpps_filters_give_the_target_alones_output(loaded, model_dirs, filters):
+    """typical_p, top_n_sigma and XTC are filters in `sample_rows` too, XTC's coin a function of
+    (seed, position): the walk's draws are the target alone's."""
+    plain = SamplingParams(max_new_tokens=32, ignore_eos=True, temperature=1.3, seed=4)
+    params = replace(plain, **filters)
+    expected = reference(model_dirs["target"], Penalties(), params)
+    assert expected != pair(loaded).generate(PROMPT, plain).token_ids  # they change the text
+    for mode in ("specexec", "autoregressive"):
+        assert pair(loaded, mode).generate(PROMPT, params).token_ids == expected, mode
+
+
 def test_a_bias_bans_or_forces_a_token_and_min_tokens_holds_eos_back(loaded, model_dirs):
     eos = loaded["target"].tokenizer.eos_token_id
     gen = pair(loaded)
@@ -154,6 +167,9 @@ def test_bad_penalties_name_the_field(kwargs, message):
     ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
     ("repetition_window", SamplingParams(penalties=Penalties(repetition=1.1, repetition_window=64))),
     ("min_tokens_stops", SamplingParams(stop_token_ids=(5,), penalties=Penalties(min_tokens=3))),
+    ("typical_p", SamplingParams(temperature=1.0, typical_p=0.5)),
+    ("top_n_sigma", SamplingParams(temperature=1.0, top_n_sigma=1.0)),
+    ("xtc", SamplingParams(temperature=1.0, xtc_probability=0.5)),
 ])  # fmt: skip
 def test_a_target_without_a_feature_is_refused(loaded, feature, params):
     """A node from before a setting would ignore its field and draw other text."""

@@ -279,11 +279,27 @@ def test_min_p_and_llama_cpps_repeat_penalty_give_the_python_apis_text(api, gen,
     assert chat(api, stream=True, max_tokens=30, temperature=1.3, extra_body={"min_p": 0.2, **extra})[0] == out.choices[0].message.content
 
 
+def test_llama_cpps_filters_give_the_python_apis_text(api, gen):
+    from client.api import render_chat
+
+    extra = {"typical_p": 0.7, "top_n_sigma": 2.0, "xtc_probability": 0.5, "xtc_threshold": 0.05}
+    out = chat(api, max_tokens=30, temperature=1.3, extra_body=extra)
+    ids = render_chat(gen.tokenizer, [{"role": "user", "content": "Say it."}])
+    params = SamplingParams(temperature=1.3, seed=9, max_new_tokens=30, **extra)
+    assert out.choices[0].message.content == gen.generate(ids, params).text
+    assert out.choices[0].message.content != gen.generate(ids, SamplingParams(temperature=1.3, seed=9, max_new_tokens=30)).text
+    off = {"typical_p": 1.0, "top_n_sigma": -1, "xtc_probability": 0.0}  # llama.cpp's defaults: all off
+    plain = SamplingParams(temperature=1.3, seed=9, max_new_tokens=30)
+    assert chat(api, max_tokens=30, temperature=1.3, extra_body=off).choices[0].message.content == gen.generate(ids, plain).text
+
+
 def test_a_target_without_min_p_or_windows_is_a_400_naming_the_field(gen, api):
     info = gen.target.info()
     try:
         gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar", "penalties")})
-        for extra, param in (({"min_p": 0.1}, "min_p"), ({"repeat_penalty": 1.2}, "repeat_penalty")):
+        for extra, param in (({"min_p": 0.1}, "min_p"), ({"repeat_penalty": 1.2}, "repeat_penalty"),
+                             ({"typical_p": 0.5}, "typical_p"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
+                             ({"xtc_probability": 0.5}, "xtc_probability")):  # fmt: skip
             with pytest.raises(openai.BadRequestError) as err:
                 chat(api, extra_body=extra)
             assert err.value.body["param"] == param and "needs a target node that applies it" in err.value.body["message"]
@@ -296,6 +312,9 @@ def test_a_target_without_min_p_or_windows_is_a_400_naming_the_field(gen, api):
     "body, param, needle",
     [
         ({"extra_body": {"min_p": 1.5}}, "min_p", "must be between 0.0 and 1.0"),
+        ({"extra_body": {"typical_p": 0}}, "typical_p", "typical_p must be in (0, 1]"),
+        ({"extra_body": {"top_n_sigma": 101}}, "top_n_sigma", "must be between -1.0 and 100.0"),
+        ({"extra_body": {"xtc_threshold": 2}}, "xtc_threshold", "must be between 0.0 and 1.0"),
         ({"extra_body": {"repeat_penalty": 0}}, "repeat_penalty", "must be above 0"),
         ({"extra_body": {"repeat_penalty": 1.1, "repetition_penalty": 1.2}}, "repeat_penalty", "not both"),
         ({"extra_body": {"repeat_last_n": -2}}, "repeat_last_n", "must be between -1 and"),

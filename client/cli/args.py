@@ -47,6 +47,14 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0)
     g.add_argument("--min-p", type=float, default=0.0, help="keep tokens at least this times as probable as "
                    "the most probable one (vLLM's and llama.cpp's; 0: off)")
+    g.add_argument("--typical-p", type=float, default=1.0, help="locally typical sampling's mass "
+                   "(llama.cpp's; 1: off)")
+    g.add_argument("--top-n-sigma", type=float, default=0.0, help="keep tokens within this many standard "
+                   "deviations of the largest logit (llama.cpp's; 0: off)")
+    g.add_argument("--xtc-probability", type=float, default=0.0, help="XTC: how often the most probable "
+                   "tokens are taken out (llama.cpp's; 0: off)")
+    g.add_argument("--xtc-threshold", type=float, default=0.1, help="XTC: tokens at least this probable are "
+                   "taken out, all but the least probable of them")
     g.add_argument("--seed", type=int, default=0, help="seeded samples are identical to the target alone's")
     g.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     g.add_argument("--ignore-eos", action="store_true")
@@ -170,6 +178,10 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         top_k=args.top_k,
         top_p=args.top_p,
         min_p=args.min_p,
+        typical_p=args.typical_p,
+        top_n_sigma=args.top_n_sigma,
+        xtc_probability=args.xtc_probability,
+        xtc_threshold=args.xtc_threshold,
         seed=args.seed,
         max_new_tokens=SamplingParams.max_new_tokens if args.max_new_tokens is None else args.max_new_tokens,
         stop=tuple(args.stop),

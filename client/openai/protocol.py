@@ -40,6 +40,7 @@ from common.decoding.penalties import MAX_LOGIT_BIAS, Penalties
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
+    MAX_SIGMAS,
     MAX_STOP_CHARS,
     MAX_STOP_TOKEN_IDS,
     SamplingParams,
@@ -325,10 +326,12 @@ class SamplingRequest(BaseModel):
     repeat_penalty: Annotated[Number, between(0.0, 10.0)] = None  # llama.cpp's: over the last repeat_last_n
     repeat_last_n: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # llama.cpp's: 64; -1 all; 0 off
     length_penalty: Annotated[Any, unless(1, 1.0)] = None
-    typical_p: Annotated[Any, unless(1, 1.0)] = None
+    typical_p: Annotated[Number, between(0.0, 1.0)] = None  # llama.cpp's and HF's; 1: off (0 is refused below)
+    top_n_sigma: Annotated[Number, between(-1.0, MAX_SIGMAS)] = None  # llama.cpp's; -1 or 0: off
+    xtc_probability: Annotated[Number, between(0.0, 1.0)] = None  # llama.cpp's XTC; 0: off
+    xtc_threshold: Annotated[Number, between(0.0, 1.0)] = None  # llama.cpp's: 0.1; above 0.5 XTC does nothing
     mirostat: Annotated[Any, unless(0)] = None
     dry_multiplier: Annotated[Any, unless(0, 0.0)] = None
-    xtc_probability: Annotated[Any, unless(0, 0.0)] = None
     dynatemp_range: Annotated[Any, unless(0, 0.0)] = None
     use_beam_search: Annotated[Any, unless(False)] = None
     min_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # vLLM's
@@ -424,9 +427,14 @@ class SamplingRequest(BaseModel):
                 grammar=None if asked is None else asked[1],
                 penalties=self.asked_penalties(),
                 min_p=self.min_p or 0.0,
+                typical_p=1.0 if self.typical_p is None else self.typical_p,
+                top_n_sigma=max(self.top_n_sigma or 0.0, 0.0),
+                xtc_probability=self.xtc_probability or 0.0,
+                xtc_threshold=0.1 if self.xtc_threshold is None else self.xtc_threshold,
             )
         except ValueError as exc:
-            raise bad(str(exc)) from exc
+            name = str(exc).split(" ")[0]
+            raise bad(str(exc), param=name if name in type(self).model_fields else None) from exc
 
     @property
     def include_usage(self) -> bool:

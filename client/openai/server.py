@@ -19,15 +19,15 @@ Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `te
 `stop` (a string or up to 4), `seed`, `n` (choices one after another, choice i from `seed` + i), `stream`, `stream_options`, `user` (ignored),
 `logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`),
 `presence_penalty`, `frequency_penalty` and `logit_bias` (`common.decoding.penalties`), `min_p`,
-llama.cpp's `repeat_penalty` and `repeat_last_n`, the vLLM extensions `top_k`, `ignore_eos`,
+llama.cpp's `repeat_penalty`, `repeat_last_n`, `typical_p`, `top_n_sigma`, `xtc_probability` and `xtc_threshold`, the vLLM extensions `top_k`, `ignore_eos`,
 `repetition_penalty`, `min_tokens`, `stop_token_ids`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
 Qwen3's `enable_thinking`). Chat takes `tools` (`client.openai.tool_calls` reads the calls) and sends
 a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Structured outputs
 (`response_format`, a forced `tool_choice`, vLLM's `guided_*` and llama.cpp's `json_schema` and
 `grammar`: `client.openai.structured`) constrain the target's draws. Anything else that would change
-the output (`echo`, `best_of`, and vLLM's or llama.cpp's extensions such as `typical_p` or
-`mirostat`) is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
+the output (`echo`, `best_of`, and vLLM's or llama.cpp's extensions such as `mirostat` or
+`dry_multiplier`) is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.
 
 Defaults follow OpenAI, not `specexec generate`: `temperature` 1.0 (sampling, not greedy; send 0 for

@@ -26,11 +26,14 @@ MAX_LOGPROBS = 20  # alternatives a token's log-probs may list, as OpenAI's top_
 LOGPROB_FLOOR = -9999.0  # what a log-prob that is not finite reads as (vLLM's)
 _MASK64 = 2**64 - 1
 _NUCLEUS_PROBE = 256
+MAX_SIGMAS = 100.0  # top_n_sigma's limit: beyond it nothing is taken out of any real row
+_XTC_STREAM = 0x5854_4300  # XTC's coin is its own counter-based stream of (seed, position)
 
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """temperature 0 means greedy; top_k 0, top_p 1 and min_p 0 switch those filters off."""
+    """temperature 0 means greedy (every filter below then does nothing); top_k 0, top_p 1, min_p 0,
+    typical_p 1, top_n_sigma 0 and xtc_probability 0 switch those filters off."""
 
     temperature: float = 0.0
     top_k: int = 0
@@ -51,6 +54,16 @@ class SamplingParams:
     # vLLM's and llama.cpp's: after temperature, only tokens at least min_p times as probable as the
     # most probable one stay (before top_k and top_p, as vLLM orders them)
     min_p: float = 0.0
+    # llama.cpp's and Hugging Face's locally typical sampling: the tokens whose surprise is closest to
+    # the row's entropy, as few as hold more than typical_p of the mass (after top_k, before top_p)
+    typical_p: float = 1.0
+    # llama.cpp's: only tokens whose logit is within top_n_sigma standard deviations (of the row's
+    # finite logits) of the largest stay; the first filter, so temperature does not change its set
+    top_n_sigma: float = 0.0
+    # llama.cpp's XTC, "exclude top choices": at a position's coin (xtc_probability), of the tokens at
+    # least xtc_threshold probable only the least probable stays, when two or more are; the last filter
+    xtc_probability: float = 0.0
+    xtc_threshold: float = 0.1
     # A scoring step (`Sequence.score`): the tree is a chain of given tokens, a text to score, and each
     # draw that has a child in it is that child, whatever the target would draw; the log-probs are
     # theirs. Its last node's draw is the target's own.
@@ -71,7 +84,8 @@ class SamplingParams:
                 raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}") from None
         if not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {list(self.stop)!r}")
-        for names, kind, what, plain in ((("temperature", "top_p", "min_p"), numbers.Real, "a number", float),
+        for names, kind, what, plain in ((("temperature", "top_p", "min_p", "typical_p", "top_n_sigma",
+                                           "xtc_probability", "xtc_threshold"), numbers.Real, "a number", float),
                                          (("top_k", "seed", "max_new_tokens"), numbers.Integral, "a whole number", int)):  # fmt: skip
             for name in names:
                 value = getattr(self, name)
@@ -86,6 +100,13 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not (math.isfinite(self.min_p) and 0 <= self.min_p <= 1):
             raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p}")
+        if not (math.isfinite(self.typical_p) and 0 < self.typical_p <= 1):
+            raise ValueError(f"typical_p must be in (0, 1] (1 disables it), got {self.typical_p}")
+        if not (math.isfinite(self.top_n_sigma) and 0 <= self.top_n_sigma <= MAX_SIGMAS):
+            raise ValueError(f"top_n_sigma must be in [0, {MAX_SIGMAS:g}] (0 disables it), got {self.top_n_sigma}")
+        for name in ("xtc_probability", "xtc_threshold"):
+            if not (math.isfinite(getattr(self, name)) and 0 <= getattr(self, name) <= 1):
+                raise ValueError(f"{name} must be in [0, 1], got {getattr(self, name)}")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, 2**64), got {self.seed}")
         if self.max_new_tokens < 1:
@@ -146,11 +167,19 @@ class SamplingParams:
             needed.append("min_tokens_stops")
         if self.score or self.prompt_logprobs is not None:
             needed.append("score")
+        needed += [name for name in ("typical_p", "top_n_sigma", "xtc") if self.filters(name)]
         return tuple(needed)
+
+    def filters(self, name: str) -> bool:
+        """Whether llama.cpp's filter `name` is on, so can change a draw ("xtc": xtc_probability and threshold)."""
+        if name == "xtc":
+            return self.xtc_probability > 0 and self.xtc_threshold <= 0.5  # above 0.5 no two tokens reach it
+        return getattr(self, name) != {"typical_p": 1.0, "top_n_sigma": 0.0}[name]
 
 
 # What this version's target nodes apply (NodeInfo.features), beyond temperature, top_k and top_p.
-TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops", "score")
+TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops", "score", "typical_p",
+                   "top_n_sigma", "xtc")  # fmt: skip
 
 
 def _splitmix64(x: int) -> int:
@@ -176,6 +205,8 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
     # A temperature so small that the division overflows would leave NaN probabilities (and draw
     # garbage); in that limit the distribution is a point mass on the arg-max, which greedy picks.
     overflowed = ~np.isfinite(scores.max(-1))  # [r]
+    if params.top_n_sigma > 0:
+        scores = _within_sigmas(scores, params.top_n_sigma)
     if params.min_p > 0:  # p_i >= min_p * p_max, in logits: s_i >= s_max + log(min_p)
         with np.errstate(invalid="ignore"):
             floor = scores.max(-1, keepdims=True) + np.float32(math.log(params.min_p))  # [r, 1]
@@ -184,9 +215,15 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
     if params.top_k:
         scores, candidates = _top(scores, params.top_k)
     probs = _softmax(scores)  # [r, k or V]
+    if params.typical_p < 1:
+        probs = _typical(probs, params.typical_p)
+        probs /= probs.sum(-1, keepdims=True)
     if params.top_p < 1:
         probs, order = _nucleus(probs, params.top_p)
         candidates = order if candidates is None else np.take_along_axis(candidates, order, -1)
+    if params.filters("xtc"):
+        coins = np.array([position_uniform(_splitmix64(params.seed ^ _XTC_STREAM), p) for p in positions])  # [r]
+        probs = _exclude_top_choices(probs, params.xtc_threshold, coins < params.xtc_probability)
     cdf = probs.astype(np.float64).cumsum(-1)  # [r, k or V]
     u = np.array([position_uniform(params.seed, p) for p in positions], dtype=np.float64)  # [r]
     picked = np.array([np.searchsorted(row, x * row[-1]) for row, x in zip(cdf, u, strict=True)], dtype=np.int64)
@@ -234,6 +271,61 @@ def _top(values: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
     # descending by value, ties by id: lexsort's last key is the primary one
     order = np.stack([np.lexsort((i, -v)) for i, v in zip(ids, part, strict=True)])
     return np.take_along_axis(part, order, -1), np.take_along_axis(ids, order, -1)
+
+
+def _within_sigmas(scores: np.ndarray, n: float) -> np.ndarray:
+    """llama.cpp's top-n-sigma: a token stays if its score is at least the row's largest less n
+    standard deviations of the row's finite scores. Scores [r, V] in, the others -inf."""
+    finite = np.isfinite(scores)  # [r, V]
+    with np.errstate(invalid="ignore", over="ignore"):
+        values = np.where(finite, scores, 0.0).astype(np.float64)  # [r, V]
+        count = np.maximum(finite.sum(-1, keepdims=True), 1)  # [r, 1]
+        mean = values.sum(-1, keepdims=True) / count
+        std = np.sqrt((np.where(finite, values - mean, 0.0) ** 2).sum(-1, keepdims=True) / count)  # [r, 1]
+        floor = np.where(finite, values, -np.inf).max(-1, keepdims=True) - n * std  # [r, 1]
+        return np.where(values >= floor, scores, np.float32(-np.inf))
+
+
+def _typical(probs: np.ndarray, mass: float) -> np.ndarray:
+    """Locally typical sampling (Meister et al.; llama.cpp's and Hugging Face's typical_p): order a
+    row's tokens by how far their surprise -log p lies from the row's entropy, and keep the fewest
+    in that order whose mass exceeds `mass`. Probabilities [r, n] in (zeros are out), the others
+    zeroed out. Ties in distance go to the lower column. A probe of the closest 256 settles most
+    rows without sorting the whole vocabulary; a row it cannot settle is sorted whole."""
+    out = probs.copy()
+    for row, kept in zip(probs.astype(np.float64), out, strict=True):
+        live = row > 0
+        with np.errstate(divide="ignore"):
+            surprise = -np.log(row)  # [n], inf where out
+        entropy = float((row[live] * surprise[live]).sum())
+        distance = np.where(live, np.abs(surprise - entropy), np.inf)  # [n]
+        columns = np.arange(row.size)
+        if row.size > 2 * _NUCLEUS_PROBE:
+            columns = np.argpartition(distance, _NUCLEUS_PROBE - 1)[:_NUCLEUS_PROBE]
+        order = columns[np.lexsort((columns, distance[columns]))]  # closest first, ties by column
+        mass_so_far = row[order].cumsum()
+        last = min(int(np.searchsorted(mass_so_far, mass, side="right")), order.size - 1)
+        if order.size < row.size and not distance[order[last]] < distance[order[-1]]:
+            order = np.lexsort((np.arange(row.size), distance))  # the probe did not settle it
+            mass_so_far = row[order].cumsum()
+            last = min(int(np.searchsorted(mass_so_far, mass, side="right")), order.size - 1)
+        keep = np.zeros(row.size, dtype=bool)
+        keep[order[: last + 1]] = True
+        kept[~keep] = 0.0
+    return out
+
+
+def _exclude_top_choices(probs: np.ndarray, threshold: float, rows: np.ndarray) -> np.ndarray:
+    """llama.cpp's XTC in the chosen `rows` [r]: where two or more tokens are at least `threshold`
+    probable, all of them but the least probable (ties: the last column) are out. Probabilities
+    [r, n] in, not necessarily normalized."""
+    out = probs.copy()
+    for kept, chosen in zip(out, rows, strict=True):
+        above = np.flatnonzero((kept >= threshold * kept.sum()) & (kept > 0))
+        if chosen and above.size >= 2:
+            least = above[::-1][np.argmin(kept[above][::-1])]
+            kept[above[above != least]] = 0.0
+    return out
 
 
 def _nucleus(probs: np.ndarray, top_p: float) -> tuple[np.ndarray, np.ndarray]:

@@ -75,6 +75,10 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
         score=p.score or None,
         prompt_logprobs=p.prompt_logprobs,
+        typical_p=p.typical_p if p.filters("typical_p") else None,
+        top_n_sigma=p.top_n_sigma or None,
+        xtc_probability=p.xtc_probability or None,
+        xtc_threshold=p.xtc_threshold if p.xtc_probability else None,
     )
 
 
@@ -90,7 +94,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     """Unset fields take SamplingParams' defaults; set ones are validated there."""
     kwargs: dict = {}
     for field in ("temperature", "top_k", "top_p", "seed", "max_new_tokens", "ignore_eos", "logprobs", "min_p", "score",
-                  "prompt_logprobs"):
+                  "prompt_logprobs", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold"):
         if msg.HasField(field):
             kwargs[field] = getattr(msg, field)
     if msg.HasField("grammar"):
