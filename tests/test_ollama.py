@@ -106,9 +106,9 @@ def test_a_conversation_with_calls_reads_as_the_openai_one(client, server):
     (lambda c: c.chat("other", messages=ASK), 404, "does not exist"),
     (lambda c: c.chat(MODEL, messages=ASK, options={"temperature": 3}), 400, "'options.temperature' must be between"),
     (lambda c: c.chat(MODEL, messages=ASK, options={"num_predict": 0}), 400, "'options.num_predict' must be -1"),
-    (lambda c: c.chat(MODEL, messages=ASK, options={"typical_p": 0.5}), 400, "'options.typical_p' is not supported"),
+    (lambda c: c.chat(MODEL, messages=ASK, options={"mirostat": 2}), 400, "'options.mirostat' is not supported"),
     (lambda c: c.chat(MODEL, messages=[{"role": "user", "content": "x", "images": ["aGk="]}]), 400, "only text"),
-    (lambda c: c.generate(MODEL, "x", suffix="y"), 400, "'suffix' is not supported"),
+    (lambda c: c.generate(MODEL, "x", suffix="y"), 400, "this model's vocabulary has no fill-in-the-middle tokens"),
     (lambda c: c.generate(MODEL, "x", raw=True, system="s"), 400, "'system' needs the chat template"),
 ])  # fmt: skip
 def test_bad_requests_get_ollamas_errors(client, call, status, needle):
@@ -123,6 +123,7 @@ def test_listing_routes(client, gen):
     assert [m.model for m in client.ps().models] == [f"{MODEL}:latest"]
     shown = client.show(MODEL)
     assert shown.modelinfo["specexec.context_length"] == info.max_context and "completion" in shown.capabilities
+    assert "insert" not in shown.capabilities  # no fill-in-the-middle tokens
     assert "tools" in shown.capabilities  # the Hermes template offers them
     with pytest.raises(ollama.ResponseError) as err:
         client.show("other")

@@ -367,11 +367,12 @@ def test_bad_requests_are_400_in_openai_format(client, kwargs, param, needle):
 
 
 def test_an_empty_suffix_is_no_suffix(client, gen):
-    """Some clients send `suffix: ""` with every completion; only a real suffix is refused."""
+    """Some clients send `suffix: ""` with every completion; only a real suffix fills in a middle,
+    which this model (no fill-in-the-middle tokens) cannot (tests/test_infill.py)."""
     out = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, temperature=0, suffix="",
                                     extra_body={"ignore_eos": True})  # fmt: skip
     assert out.choices[0].text == expected(gen, 4, temperature=0).text
-    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
+    with pytest.raises(openai.BadRequestError, match="no fill-in-the-middle tokens"):
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4, suffix="x")
 
 
@@ -401,14 +402,14 @@ def test_errors_before_output_are_http_errors(client, server):
 
 
 @pytest.mark.parametrize("field, value", [("mirostat", 2), ("dry_multiplier", 0.8), ("allowed_token_ids", [1]),
-                                          ("bad_words", ["x"]), ("typical_p", 0.5),
+                                          ("bad_words", ["x"]), ("dynatemp_range", 0.5),
                                           ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
     """vLLM's and llama.cpp's extensions: ignored, they would give text the client did not ask for."""
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "allowed_token_ids": None, "bad_words": [], "typical_p": 1.0,
+    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "allowed_token_ids": None, "bad_words": [], "dynatemp_range": 0.0,
                "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200

@@ -14,7 +14,7 @@ import torch
 EOS = "<|endoftext|>"
 
 
-def make_tokenizer():
+def make_tokenizer(special: tuple[str, ...] = ()):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -23,6 +23,8 @@ def make_tokenizer():
     backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     backend.decoder = decoders.ByteLevel()
     tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token=EOS)
+    if special:  # a code model's fill-in-the-middle tokens, say: ids after EOS
+        tok.add_special_tokens({"additional_special_tokens": list(special)})
     tok.chat_template = (
         "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
         "{% if add_generation_prompt %}<assistant>{% endif %}"
@@ -41,13 +43,14 @@ def make_tiny_model(
     kv_heads: int = 2,
     init_std: float = 0.5,
     vocab_size: int = 260,
+    special: tuple[str, ...] = (),
 ) -> Path:
     """Write a random model directory. A larger `init_std` than HF's default gives peaked distributions,
     so trees are accepted often enough for tests to exercise deep paths."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config, Qwen3Config
 
     path = Path(path)
-    tok = make_tokenizer()
+    tok = make_tokenizer(special)
     common = dict(
         vocab_size=vocab_size,
         hidden_size=hidden,

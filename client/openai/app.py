@@ -815,7 +815,7 @@ def add_ollama_routes(router: APIRouter, service: Service) -> None:
     async def run(body: ollama.OllamaChatRequest | ollama.OllamaGenerateRequest, http: Request) -> Response:
         chat = isinstance(body, ollama.OllamaChatRequest)
         try:
-            if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt):
+            if not (body.messages if isinstance(body, ollama.OllamaChatRequest) else body.prompt or body.suffix):
                 service.check_model(ollama.model_name(body.model))
                 return JSONAnswer(ollama.loaded(body, chat))  # nothing to say: Ollama's "the model is loaded"
             info = await run_in_threadpool(service.gen.target.info)

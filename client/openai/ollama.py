@@ -23,6 +23,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
+from client.infill import FimFormat
 from client.openai.protocol import (
     Answer,
     ApiError,
@@ -78,7 +79,7 @@ class OllamaGenerateRequest(OllamaRequest):
     prompt: Annotated[str, Field(strict=True)] = ""
     system: Annotated[str | None, Field(strict=True)] = None
     raw: Annotated[bool, Field(strict=True)] = False
-    suffix: Any = None
+    suffix: Annotated[str | None, Field(strict=True)] = None  # fill in the middle (`client.infill`)
     template: Any = None
     context: Any = None
     images: Any = None
@@ -116,10 +117,17 @@ def openai_request(
             fields["tools"] = request.tools
         kind: type[ChatCompletionRequest | CompletionRequest] = ChatCompletionRequest
     else:
-        for name in ("suffix", "template", "context", "images"):
+        for name in ("template", "context", "images"):
             if getattr(request, name):
                 raise ApiError(400, f"'{name}' is not supported by this server", param=name)
-        if request.raw:
+        if request.suffix:  # the model's fill-in-the-middle prompt, as Ollama's templates build it
+            for name in ("raw", "system"):
+                if getattr(request, name):
+                    raise ApiError(400, f"'{name}' does not go with 'suffix': the middle is filled in from the "
+                                   "model's own fill-in-the-middle prompt", param=name)  # fmt: skip
+            fields.pop("chat_template_kwargs", None)
+            kind, fields["prompt"], fields["suffix"] = CompletionRequest, request.prompt, request.suffix
+        elif request.raw:
             if request.system:
                 raise ApiError(400, "'system' needs the chat template, which 'raw' leaves out", param="system")
             fields.pop("chat_template_kwargs", None)
@@ -309,6 +317,7 @@ def show(name: str, info: Any, created: int, tokenizer: Any) -> dict[str, Any]:
     """What clients read from `/api/show`: the context length and what the model can do."""
     template = chat_template(tokenizer) or ""
     capabilities = ["completion"] + (["tools"] if "tools" in template else []) + (["thinking"] if thinks(template) else [])
+    capabilities += ["insert"] if FimFormat.of(tokenizer) is not None else []  # a `suffix` fills in the middle
     entry = model_entry(name, info, created)
     return {"modelfile": "", "parameters": "", "template": template, "details": entry["details"],
             "model_info": {"general.architecture": "specexec", "general.basename": name,

@@ -32,6 +32,7 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
+from client.infill import InfillError, fim_format
 from client.openai import structured
 from client.openai.reasoning import CLOSE, START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
@@ -229,9 +230,7 @@ def _prompts(value: Any) -> list[str | list[int]]:
 
 
 def _one_prompt(prompt: Any) -> str | list[int]:
-    if isinstance(prompt, str):
-        if not prompt:
-            raise field_error("is empty")
+    if isinstance(prompt, str):  # empty only before a `suffix`: `CompletionRequest.all_prompt_ids`
         return _unicode(prompt)
     if isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt):
         if min(prompt) < 0:
@@ -459,6 +458,9 @@ class CompletionRequest(SamplingRequest):
     # The prompt before the text, and with `logprobs` its tokens' own first (the first token's null):
     # a text's likelihood, as lm-eval's loglikelihood tasks ask for it.
     echo: Flag = None
+    # The text after the insertion (OpenAI's legacy field, Ollama's): the model writes the middle
+    # between the prompt and it, from its fill-in-the-middle prompt (`client.infill`).
+    suffix: Annotated[str | None, Field(strict=True)] = None
 
     def logprob_count(self) -> int | None:
         return self.logprobs
@@ -472,7 +474,24 @@ class CompletionRequest(SamplingRequest):
         return super().max_new_tokens(default)
 
     def all_prompt_ids(self, tokenizer: Any) -> list[list[int]]:
+        if self.suffix:
+            return [self.fill_in(tokenizer)]
+        for i, prompt in enumerate(self.prompt):
+            if prompt == "":
+                raise bad("'prompt' is empty" if len(self.prompt) == 1 else f"'prompt' item {i}: is empty", param="prompt")
         return [list(tokenizer.encode(p)) if isinstance(p, str) else list(p) for p in self.prompt]
+
+    def fill_in(self, tokenizer: Any) -> list[int]:
+        """The model's fill-in-the-middle prompt of the prompt (the text before the insertion) and
+        the suffix. Its end tokens stop the text as EOS does (`sampling`)."""
+        if len(self.prompt) != 1 or not isinstance(self.prompt[0], str):
+            raise bad("'suffix' takes one prompt, as text: the text before the insertion", param="suffix")
+        if self.echo:
+            raise bad("'suffix' and 'echo' do not go together: the prompt is not before the text", param="echo")
+        try:
+            return fim_format(tokenizer, "suffix").prompt(tokenizer, self.prompt[0], self.suffix or "")
+        except InfillError as exc:
+            raise bad(str(exc), param="suffix") from None
 
 
 # apply_chat_template's own parameters: not the template's variables, so not the client's to set.
@@ -819,6 +838,12 @@ class Job:
             if request.echo:
                 echoed = [p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompt]
         sampling = request.sampling(default_max_tokens)
+        if not chat and request.suffix:  # the model's own end of a middle ends the text as EOS does
+            stops = tuple(dict.fromkeys(sampling.stop_token_ids + fim_format(tokenizer, "suffix").ends))
+            if len(stops) > MAX_STOP_TOKEN_IDS:
+                raise bad(f"'stop_token_ids' and the tokens that end this model's middles make {len(stops)} ids: "
+                          f"at most {MAX_STOP_TOKEN_IDS}", param="stop_token_ids")  # fmt: skip
+            sampling = replace(sampling, stop_token_ids=stops)
         ids = prompts[0]
         reasoning = None
         opened = chat and thinks(chat_template(tokenizer)) and opens_thought(tokenizer.decode(ids[-16:]))
