@@ -68,3 +68,33 @@ def padded(monkeypatch: pytest.MonkeyPatch) -> Pads:
 
     monkeypatch.setattr(LlamaContext, "_scratch", scratch)
     return made
+
+
+FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
+CODER = "tiny-coder"
+
+
+@pytest.fixture(scope="session")
+def coder(tmp_path_factory: pytest.TempPathFactory):
+    """The tiny pair, its vocabulary with Qwen2.5-Coder's fill-in-the-middle tokens (ids 257-262),
+    in one process (tests/test_infill.py, tests/test_llama_server_api.py)."""
+    from client.api import SpecExec
+    from common.decoding.tree import TreeParams
+    from draft_node.engine import DraftEngine
+    from target_node.engine import TargetEngine
+
+    root = tmp_path_factory.mktemp("coder")
+    target = load_model(make_tiny_model(root / "target", arch="qwen2", layers=2, seed=4, vocab_size=264, special=FIM))
+    draft = load_model(truncate_layers(target.path, root / "draft", keep=1))
+    return SpecExec(TargetEngine(target, max_context=512, max_tree=8), DraftEngine(draft, max_context=512, max_tree=8),
+                    target.tokenizer, tree=TreeParams(budget=8))  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def coder_server(coder):
+    """The OpenAI server (with Ollama's and llama.cpp's routes) on the code pair."""
+    from client.openai.server import OpenAIServer
+
+    server = OpenAIServer("127.0.0.1:0", coder, model_name=CODER).start()
+    yield server
+    server.stop()

@@ -8,44 +8,21 @@ import ollama
 import openai
 import pytest
 
-from client.api import SpecExec
 from client.infill import FimFormat, fim_format
 from client.openai.server import OpenAIServer
 from common.decoding.sampling import SamplingParams
-from common.decoding.tree import TreeParams
-from common.model.loading import load_model
-from draft_node.engine import DraftEngine
-from target_node.engine import TargetEngine
-from tests.tiny_models import make_tiny_model, truncate_layers
+from tests.conftest import CODER, FIM
 
-FIM = ("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
-MODEL = "tiny-coder"
+MODEL = CODER
 BEFORE, AFTER = "def add(a, b):\n    ", "\n\nprint(add(1, 2))\n"
 
 
 @pytest.fixture(scope="module")
-def coder(tmp_path_factory) -> SpecExec:
-    """The tiny pair, its vocabulary with Qwen2.5-Coder's fill-in-the-middle tokens (ids 257-262)."""
-    root = tmp_path_factory.mktemp("coder")
-    target = load_model(make_tiny_model(root / "target", arch="qwen2", layers=2, seed=4, vocab_size=264, special=FIM))
-    draft = load_model(truncate_layers(target.path, root / "draft", keep=1))
-    return SpecExec(TargetEngine(target, max_context=512, max_tree=8), DraftEngine(draft, max_context=512, max_tree=8),
-                    target.tokenizer, tree=TreeParams(budget=8))  # fmt: skip
+def api(coder_server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=coder_server.url, api_key="unused", max_retries=0, timeout=60)
 
 
-@pytest.fixture(scope="module")
-def server(coder):
-    server = OpenAIServer("127.0.0.1:0", coder, model_name=MODEL).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(scope="module")
-def api(server) -> openai.OpenAI:
-    return openai.OpenAI(base_url=server.url, api_key="unused", max_retries=0, timeout=60)
-
-
-def middle(coder: SpecExec, before: str = BEFORE, after: str = AFTER, **sampling) -> str:
+def middle(coder, before: str = BEFORE, after: str = AFTER, **sampling) -> str:
     fim = FimFormat.of(coder.tokenizer)
     ids = fim.prompt(coder.tokenizer, before, after)
     return coder.generate(ids, SamplingParams(stop_token_ids=fim.ends, **sampling)).text
@@ -139,8 +116,8 @@ def test_a_model_without_fim_tokens_is_a_400_and_an_empty_prompt_still_one(loade
         server.stop()
 
 
-def test_ollama_generate_with_a_suffix_fills_in_the_middle(server, coder):
-    client = ollama.Client(host=server.url.removesuffix("/v1"), timeout=60)
+def test_ollama_generate_with_a_suffix_fills_in_the_middle(coder_server, coder):
+    client = ollama.Client(host=coder_server.url.removesuffix("/v1"), timeout=60)
     options = {"seed": 5, "num_predict": 16}
     out = client.generate(MODEL, BEFORE, suffix=AFTER, options=options)
     ollama_defaults = dict(temperature=0.8, top_k=40, top_p=0.9)

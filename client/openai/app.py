@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import functools
 import hmac
+import json
 import logging
 import queue
 import threading
@@ -38,7 +39,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from client.admission import Admission, QueueFull
 from client.api import Chunk, SpecExec
-from client.openai import ollama
+from client.openai import llama_server, ollama
 from client.openai.protocol import (
     PENALTY_FIELDS,
     Answer,
@@ -804,9 +805,58 @@ def create_app(service: Service, *, token: str | None = None, allowed_origins: t
         return Response(generate_latest(registry), media_type=CONTENT_TYPE_LATEST)
 
     add_ollama_routes(api, service)
+    add_llama_routes(api, service)
     app.include_router(v1)
     app.include_router(api)
     return app
+
+
+def add_llama_routes(router: APIRouter, service: Service) -> None:
+    """llama.cpp's own API (`client.openai.llama_server`): its requests run as the OpenAI ones they mean."""
+
+    async def run(http: Request, infill: bool) -> Response:
+        try:
+            body = json.loads(await http.body() or b"{}")
+        except ValueError as exc:
+            raise ApiError(400, f"the body is not JSON: {exc}") from None
+        tokenizer = service.gen.tokenizer
+        info = await run_in_threadpool(service.gen.target.info)
+        try:
+            request, asked = await run_in_threadpool(llama_server.openai_request, body, tokenizer, info.max_context,
+                                                     infill)  # fmt: skip
+            if asked.n_predict == 0:
+                job = await run_in_threadpool(service.prepare, request)
+                return JSONAnswer(llama_server.empty(job, asked, service.model_name, tokenizer))
+            adjust = functools.partial(llama_server.limited, asked=asked, max_context=info.max_context)
+            generation = await service.begin(request, http, adjust)
+        except ApiError as error:
+            raise llama_server.renamed(error) from None
+        if generation is None:
+            return Response(status_code=CLIENT_CLOSED)
+        reply = llama_server.LlamaAnswer(generation.answer.job, asked, service.model_name, tokenizer)
+        if request.stream:
+            return EventStream(generation, llama_server.events(generation, reply))
+        with http_errors():
+            whole = await llama_server.whole(generation, reply, http)
+        return Response(status_code=CLIENT_CLOSED) if whole is None else JSONAnswer(whole)
+
+    @router.post("/completion")
+    async def completion(request: Request) -> Response:
+        return await run(request, infill=False)
+
+    @router.post("/completions")
+    async def completions(request: Request) -> Response:
+        return await run(request, infill=False)
+
+    @router.post("/infill")
+    async def infill(request: Request) -> Response:
+        return await run(request, infill=True)
+
+    @router.get("/props")
+    async def props() -> Response:
+        info = await run_in_threadpool(service.gen.target.info)
+        template = chat_template(service.gen.tokenizer)
+        return JSONAnswer(llama_server.props(service.model_name, info, template, info.max_sessions or 1))
 
 
 def add_ollama_routes(router: APIRouter, service: Service) -> None:
