@@ -107,13 +107,14 @@ def encode(tokenizer: Any, text: str) -> list[int]:
 
 
 @functools.lru_cache(maxsize=8)
-def _format_of(tokenizer: Any) -> FimFormat | None:
-    return FimFormat.of(tokenizer)  # a vocabulary of 150k entries is read once per tokenizer
+def find_format(tokenizer: Any) -> FimFormat | None:
+    """`FimFormat.of`, read once per tokenizer (a vocabulary of 150k entries)."""
+    return FimFormat.of(tokenizer)
 
 
 def fim_format(tokenizer: Any, field: str) -> FimFormat:
     """The model's format, or an error naming the request's `field` for a model without one."""
-    found = _format_of(tokenizer)
+    found = find_format(tokenizer)
     if found is None:
         raise InfillError(f"'{field}' asks to fill in the middle, and this model's vocabulary has no "
                           "fill-in-the-middle tokens (a code model's, such as Qwen2.5-Coder's)")  # fmt: skip

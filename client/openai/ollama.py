@@ -23,7 +23,7 @@ from typing import Annotated, Any, TypeVar
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError
 
-from client.infill import FimFormat
+from client.infill import find_format
 from client.openai.protocol import (
     Answer,
     ApiError,
@@ -317,7 +317,7 @@ def show(name: str, info: Any, created: int, tokenizer: Any) -> dict[str, Any]:
     """What clients read from `/api/show`: the context length and what the model can do."""
     template = chat_template(tokenizer) or ""
     capabilities = ["completion"] + (["tools"] if "tools" in template else []) + (["thinking"] if thinks(template) else [])
-    capabilities += ["insert"] if FimFormat.of(tokenizer) is not None else []  # a `suffix` fills in the middle
+    capabilities += ["insert"] if find_format(tokenizer) is not None else []  # a `suffix` fills in the middle
     entry = model_entry(name, info, created)
     return {"modelfile": "", "parameters": "", "template": template, "details": entry["details"],
             "model_info": {"general.architecture": "specexec", "general.basename": name,

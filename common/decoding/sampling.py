@@ -167,10 +167,10 @@ class SamplingParams:
             needed.append("min_tokens_stops")
         if self.score or self.prompt_logprobs is not None:
             needed.append("score")
-        needed += [name for name in ("typical_p", "top_n_sigma", "xtc") if self.filters(name)]
+        needed += [name for name in ("typical_p", "top_n_sigma", "xtc") if self.uses(name)]
         return tuple(needed)
 
-    def filters(self, name: str) -> bool:
+    def uses(self, name: str) -> bool:
         """Whether llama.cpp's filter `name` is on, so can change a draw ("xtc": xtc_probability and threshold)."""
         if name == "xtc":
             return self.xtc_probability > 0 and self.xtc_threshold <= 0.5  # above 0.5 no two tokens reach it
@@ -221,7 +221,7 @@ def sample_rows(logits: np.ndarray, params: SamplingParams, positions: list[int]
     if params.top_p < 1:
         probs, order = _nucleus(probs, params.top_p)
         candidates = order if candidates is None else np.take_along_axis(candidates, order, -1)
-    if params.filters("xtc"):
+    if params.uses("xtc"):
         coins = np.array([position_uniform(_splitmix64(params.seed ^ _XTC_STREAM), p) for p in positions])  # [r]
         probs = _exclude_top_choices(probs, params.xtc_threshold, coins < params.xtc_probability)
     cdf = probs.astype(np.float64).cumsum(-1)  # [r, k or V]
@@ -320,9 +320,9 @@ def _exclude_top_choices(probs: np.ndarray, threshold: float, rows: np.ndarray) 
     probable, all of them but the least probable (ties: the last column) are out. Probabilities
     [r, n] in, not necessarily normalized."""
     out = probs.copy()
-    for kept, chosen in zip(out, rows, strict=True):
+    for kept in (out[i] for i in np.flatnonzero(rows)):  # views: a boolean index would copy
         above = np.flatnonzero((kept >= threshold * kept.sum()) & (kept > 0))
-        if chosen and above.size >= 2:
+        if above.size >= 2:
             least = above[::-1][np.argmin(kept[above][::-1])]
             kept[above[above != least]] = 0.0
     return out

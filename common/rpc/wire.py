@@ -75,7 +75,7 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
         score=p.score or None,
         prompt_logprobs=p.prompt_logprobs,
-        typical_p=p.typical_p if p.filters("typical_p") else None,
+        typical_p=p.typical_p if p.uses("typical_p") else None,
         top_n_sigma=p.top_n_sigma or None,
         xtc_probability=p.xtc_probability or None,
         xtc_threshold=p.xtc_threshold if p.xtc_probability else None,
