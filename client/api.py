@@ -399,7 +399,7 @@ class SpecExec:
     def _run(self, sequence: Sequence, sampling: SamplingParams, cached: int = 0) -> Iterator[Chunk]:
         stats = GenerationStats(cached_prompt_tokens=cached)
         min_tokens = sampling.penalties.min_tokens if sampling.penalties is not None else 0
-        text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids, min_tokens)
+        text = TextAssembler(self.tokenizer, sampling.stop, sampling.stop_token_ids, min_tokens, sampling.include_stop)
         started = time.perf_counter()
         finish = "length"
         ahead = None

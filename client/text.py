@@ -12,10 +12,12 @@ from typing import Any
 
 class TextAssembler:
     def __init__(self, tokenizer: Any, stop: tuple[str, ...] = (), stop_ids: tuple[int, ...] = (),
-                 min_tokens: int = 0) -> None:  # fmt: skip
+                 min_tokens: int = 0, keep_stop: bool = False) -> None:  # fmt: skip
         """`min_tokens`: as vLLM, no stop string ends the text before that many tokens are out (one
-        that ends inside a later token counts); the target holds back stop tokens until then."""
+        that ends inside a later token counts); the target holds back stop tokens until then.
+        `keep_stop` (vLLM's include_stop_str_in_output): the text ends after the stop string, not before."""
         self.tokenizer = tokenizer
+        self.keep_stop = keep_stop
         self.stop = stop
         self.stop_ids = frozenset(stop_ids)
         self.min_tokens = min_tokens
@@ -46,7 +48,8 @@ class TextAssembler:
             if self.used < len(tokens):
                 text = self.tokenizer.decode(self.token_ids[: before + self.used], skip_special_tokens=True)
                 found = self._stops(text)
-            text = text[: min(at for at in found if at >= 0)]  # the earliest, whatever the list order
+            end, first = min((at, i) for i, at in enumerate(found) if at >= 0)  # the earliest, whatever the list order
+            text = text[: end + (len(self.stop[first]) if self.keep_stop else 0)]
             self.stopped = True
         if at is not None and not self.stopped:
             self.stopped, self.used = True, at + 1

@@ -1024,3 +1024,32 @@ def wait_until(condition, within: float = 30.0) -> None:
         if time.monotonic() > deadline:
             pytest.fail("the condition did not hold in time")
         time.sleep(0.02)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client, gen):
+    """vLLM's include_stop_str_in_output: the text ends after the stop string that ended it."""
+    full = expected(gen, 24, temperature=0).text
+    stop = next(full[i : i + 2] for i in range(3, len(full) - 2) if full[i : i + 2].isprintable() and full[i : i + 2].strip())
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop], extra_body={"ignore_eos": True})
+    cut = full[: full.index(stop)]
+    assert client.completions.create(**body).choices[0].text == cut
+    kept = {**body, "extra_body": {"ignore_eos": True, "include_stop_str_in_output": True}}
+    out = client.completions.create(**kept)
+    assert out.choices[0].text == cut + stop and out.choices[0].finish_reason == "stop"
+    assert "".join(e.choices[0].text for e in client.completions.create(stream=True, **kept)) == cut + stop
+    assert gen.generate(PROMPT, SamplingParams(max_new_tokens=24, ignore_eos=True, stop=(stop,), include_stop=True)).text == cut + stop
+
+
+def test_truncate_prompt_tokens_keeps_the_prompts_end(client, gen):
+    ids = list(range(65, 105))  # 40 tokens
+    body = dict(model=MODEL, prompt=ids, max_tokens=8, temperature=0, extra_body={"ignore_eos": True, "truncate_prompt_tokens": 10})
+    out = client.completions.create(**body)
+    assert out.usage.prompt_tokens == 10
+    assert out.choices[0].text == gen.generate(ids[-10:], SamplingParams(max_new_tokens=8, ignore_eos=True)).text
+    whole = client.completions.create(**{**body, "extra_body": {"ignore_eos": True, "truncate_prompt_tokens": -1}})
+    assert whole.usage.prompt_tokens == 40  # -1: the context's worth, all of this one
+    for extra, needle in (({"truncate_prompt_tokens": 0}, "must be -1 (the context) or at least 1"),
+                          ({"truncate_prompt_tokens": 5, "echo": True}, "does not go with 'echo'")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**{**body, "extra_body": extra})
+        assert err.value.body["param"] == "truncate_prompt_tokens" and needle in err.value.body["message"]

@@ -354,7 +354,7 @@ class Service:
         if given and max(map(max, given)) >= info.vocab_size:
             raise ApiError(400, f"'prompt' holds token id {max(map(max, given))}: the model's ids are below "
                            f"{info.vocab_size}", param="prompt")  # fmt: skip
-        job = Job.of(request, self.gen.tokenizer, self.default_max_tokens)
+        job = request.truncated(Job.of(request, self.gen.tokenizer, self.default_max_tokens), info.max_context)
         check_context(request, job, info.max_context)
         bias = job.sampling.penalties.logit_bias if job.sampling.penalties is not None else ()
         if any(token >= info.vocab_size for token, _ in bias):

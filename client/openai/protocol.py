@@ -335,10 +335,10 @@ class SamplingRequest(BaseModel):
     use_beam_search: Annotated[Any, unless(False)] = None
     min_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # vLLM's
     n_predict: Annotated[Any, unless()] = None  # llama.cpp's own API; here: max_tokens
-    include_stop_str_in_output: Annotated[Any, unless(False)] = None
+    include_stop_str_in_output: Flag = None  # vLLM's: the stop string that ended the text stays in it
     bad_words: Annotated[Any, unless([])] = None
     allowed_token_ids: Annotated[Any, unless()] = None
-    truncate_prompt_tokens: Annotated[Any, unless()] = None
+    truncate_prompt_tokens: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # vLLM's: the prompt's last k; -1: the context
     prompt_logprobs: Annotated[Any, unless(0)] = None
     n_probs: Annotated[Any, unless(0)] = None
     skip_special_tokens: Annotated[Any, unless(True)] = None
@@ -359,6 +359,21 @@ class SamplingRequest(BaseModel):
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else default
+
+    def truncated(self, job: Job, max_context: int) -> Job:
+        """vLLM's truncate_prompt_tokens: each prompt's last k tokens (-1: the context's worth)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return job
+        if k == 0:
+            raise bad("'truncate_prompt_tokens' must be -1 (the context) or at least 1, got 0", param="truncate_prompt_tokens")
+        for name in ("echo", "suffix"):
+            if getattr(self, name, None):
+                raise bad(f"'truncate_prompt_tokens' does not go with '{name}', which needs the whole prompt",
+                          param="truncate_prompt_tokens")  # fmt: skip
+        keep = max_context if k == -1 else k
+        prompts = [p[-keep:] for p in job.prompts]
+        return replace(job, prompt_ids=prompts[0], prompts=prompts)
 
     def logprob_count(self) -> int | None:
         """None: no log-probs; k: each token's, with its k most likely alternatives."""
@@ -430,6 +445,7 @@ class SamplingRequest(BaseModel):
                 top_n_sigma=max(self.top_n_sigma or 0.0, 0.0),
                 xtc_probability=self.xtc_probability or 0.0,
                 xtc_threshold=0.1 if self.xtc_threshold is None else self.xtc_threshold,
+                include_stop=bool(self.include_stop_str_in_output),
             )
         except ValueError as exc:
             name = str(exc).split(" ")[0]

@@ -71,6 +71,9 @@ class SamplingParams:
     # vLLM's: the prompt's tokens' log-probs too, each with its k likeliest alternatives, in the first
     # chunk; the target scores the prompt first (`Sequence.score`). The client's, not the wire's.
     prompt_logprobs: int | None = None
+    # vLLM's include_stop_str_in_output: a text ended by a stop string ends after it, not before.
+    # The client's (`client.text.TextAssembler`), not the target's.
+    include_stop: bool = False
 
     def __post_init__(self) -> None:
         if self.stop is None:  # as OpenAI takes it: no stop strings
@@ -141,8 +144,9 @@ class SamplingParams:
         ):  # fmt: skip
             raise ValueError(f"prompt_logprobs must be a whole number in [0, {MAX_LOGPROBS}], got "
                              f"{self.prompt_logprobs!r}")  # fmt: skip
-        if not isinstance(self.score, bool):
-            raise ValueError(f"score must be true or false, got {self.score!r}")
+        for name in ("score", "include_stop"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be true or false, got {getattr(self, name)!r}")
         if self.score and self.logprobs is None:
             raise ValueError("score needs logprobs: scoring reports each given token's log-probability")
         if self.score and (self.grammar is not None or self.penalties is not None):
