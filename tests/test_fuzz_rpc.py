@@ -318,7 +318,10 @@ def chaos_sampling(draw) -> pb.SamplingParams:
                                             repetition=draw(any_float), logit_bias=bias, min_tokens=draw(absurd_u32),
                                             start=draw(st.one_of(st.integers(0, 40), absurd_u32)),
                                             repetition_window=draw(st.one_of(st.integers(0, 8), absurd_u32)),
-                                            stop_token_ids=draw(st.lists(absurd_u32, max_size=3))))  # fmt: skip
+                                            stop_token_ids=draw(st.lists(absurd_u32, max_size=3)),
+                                            allowed_token_ids=draw(st.lists(absurd_u32, max_size=3)),
+                                            bad_words=[pb.TokenSequence(ids=ids) for ids in
+                                                       draw(st.lists(st.lists(absurd_u32, max_size=40), max_size=3))]))  # fmt: skip
     return msg
 
 

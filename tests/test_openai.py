@@ -401,15 +401,15 @@ def test_errors_before_output_are_http_errors(client, server):
     assert raw(base + "/health") == (200, {"status": "ok", "target": "up", "draft": "up"})
 
 
-@pytest.mark.parametrize("field, value", [("mirostat", 2), ("dry_multiplier", 0.8), ("allowed_token_ids", [1]),
-                                          ("bad_words", ["x"]), ("dynatemp_range", 0.5),
+@pytest.mark.parametrize("field, value", [("mirostat", 2), ("dry_multiplier", 0.8), ("length_penalty", 2.0),
+                                          ("use_beam_search", True), ("dynatemp_range", 0.5),
                                           ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
     """vLLM's and llama.cpp's extensions: ignored, they would give text the client did not ask for."""
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "allowed_token_ids": None, "bad_words": [], "dynatemp_range": 0.0,
+    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "length_penalty": 1.0, "use_beam_search": False, "dynatemp_range": 0.0,
                "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200
@@ -1053,3 +1053,29 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(client, gen):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(**{**body, "extra_body": extra})
         assert err.value.body["param"] == "truncate_prompt_tokens" and needle in err.value.body["message"]
+
+
+def test_allowed_token_ids_and_bad_words_as_vllm_reads_them(client, gen):
+    from client.openai.protocol import bad_word_ids
+    from common.decoding.penalties import Penalties
+
+    allowed = gen.tokenizer.convert_tokens_to_ids(list("abcdefghijklmnopqrstuvwxyz"))
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=3, extra_body={"ignore_eos": True})
+    out = client.completions.create(**{**body, "extra_body": {"ignore_eos": True, "allowed_token_ids": allowed}})
+    assert out.choices[0].text.isalpha() and out.choices[0].text.islower()
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=3,
+                            penalties=Penalties(allowed_token_ids=tuple(allowed)))  # fmt: skip
+    assert out.choices[0].text == gen.generate(PROMPT, params).text
+    plain = client.completions.create(**body).choices[0].text
+    word = next(plain[i : i + 2] for i in range(len(plain) - 1) if plain[i : i + 2].isascii() and plain[i : i + 2].isprintable())
+    barred = client.completions.create(**{**body, "extra_body": {"ignore_eos": True, "bad_words": [word]}})
+    words = bad_word_ids(gen.tokenizer, [word])
+    expected = gen.generate(PROMPT, SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=3,
+                                                   penalties=Penalties(bad_words=words)))  # fmt: skip
+    assert barred.choices[0].text == expected.text != plain and word not in expected.text
+    for extra, param, needle in (({"allowed_token_ids": [99999]}, "allowed_token_ids", "the model's ids are below"),
+                                 ({"bad_words": [""]}, "bad_words", "at least 1 character"),
+                                 ({"bad_words": ["x" * 40]}, "bad_words", "each word must be 1 to 32")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**{**body, "extra_body": extra})
+        assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body

@@ -22,6 +22,8 @@ SETTINGS = {
     "repetition": Penalties(repetition=1.6),
     "all": Penalties(presence=0.4, frequency=0.6, repetition=1.3, logit_bias=((65, 2.0), (66, -5.0))),
     "repeat_last_n": Penalties(repetition=1.8, repetition_window=3),  # llama.cpp's window
+    "allowed_token_ids": Penalties(allowed_token_ids=(*range(60, 75), 3, 200)),  # vLLM's
+    "bad_words": Penalties(bad_words=((200, 241), (203, 98, 39), (237,))),  # vLLM's, as token sequences
 }
 
 
@@ -47,6 +49,13 @@ def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int 
             if len(out) < penalties.min_tokens:  # EOS and the stop tokens held back, as vLLM holds them
                 for barred in ([eos] if eos is not None else []) + list(stops):
                     logits[barred] = -torch.inf
+            if penalties.allowed_token_ids:
+                keep = torch.full_like(logits, -torch.inf)
+                keep[list(penalties.allowed_token_ids)] = 0
+                logits = logits + keep
+            for word in penalties.bad_words:  # its last token, where the output ends with the rest of it
+                if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1 :] == list(word[:-1])):
+                    logits[word[-1]] = -torch.inf
             token = int(sample_rows(logits[None].numpy(), params, [len(seq)])[0])
             seq.append(token)
             out.append(token)
@@ -156,6 +165,9 @@ def test_wire_and_defaults():
     (dict(min_tokens=-1), "min_tokens must be a whole number >= 0"),
     (dict(presence=float("nan")), "presence_penalty must be a number"),
     (dict(repetition_window=-1), "repetition_window must be a whole number >= 0"),
+    (dict(allowed_token_ids=(1, -2)), "allowed_token_ids must be token ids"),
+    (dict(bad_words=((),)), "bad_words holds token sequences of 1 to 32 ids"),
+    (dict(bad_words=((1,),) * 257), "bad_words takes at most 256 token sequences"),
 ])  # fmt: skip
 def test_bad_penalties_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message):
@@ -167,6 +179,8 @@ def test_bad_penalties_name_the_field(kwargs, message):
     ("min_p", SamplingParams(temperature=1.0, min_p=0.1)),
     ("repetition_window", SamplingParams(penalties=Penalties(repetition=1.1, repetition_window=64))),
     ("min_tokens_stops", SamplingParams(stop_token_ids=(5,), penalties=Penalties(min_tokens=3))),
+    ("allowed_token_ids", SamplingParams(penalties=Penalties(allowed_token_ids=(5, 6)))),
+    ("bad_words", SamplingParams(penalties=Penalties(bad_words=((5, 6),)))),
     ("typical_p", SamplingParams(temperature=1.0, typical_p=0.5)),
     ("top_n_sigma", SamplingParams(temperature=1.0, top_n_sigma=1.0)),
     ("xtc", SamplingParams(temperature=1.0, xtc_probability=0.5)),

@@ -360,6 +360,10 @@ class Service:
         if any(token >= info.vocab_size for token, _ in bias):
             raise ApiError(400, f"'logit_bias' holds token id {max(t for t, _ in bias)}: the model's ids are below "
                            f"{info.vocab_size}", param="logit_bias")  # fmt: skip
+        allowed = job.sampling.penalties.allowed_token_ids if job.sampling.penalties is not None else ()
+        if allowed and allowed[-1] >= info.vocab_size:
+            raise ApiError(400, f"'allowed_token_ids' holds token id {allowed[-1]}: the model's ids are below "
+                           f"{info.vocab_size}", param="allowed_token_ids")  # fmt: skip
         if job.echoed is not None and job.sampling.logprobs is not None and "score" not in info.features:
             raise ApiError(400, "'echo' with 'logprobs' needs a target node that scores prompts (this one is from "
                            "before it): update it, or ask without them", param="echo")  # fmt: skip

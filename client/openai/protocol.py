@@ -37,7 +37,7 @@ from client.openai import structured
 from client.openai.reasoning import CLOSE, START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.grammar import Grammar, GrammarError, check
-from common.decoding.penalties import MAX_LOGIT_BIAS, Penalties
+from common.decoding.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, Penalties
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -50,6 +50,7 @@ from common.decoding.types import TokenLogprob
 from common.rpc.server import status_for
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_ALLOWED = 262144  # allowed_token_ids: more than any vocabulary here
 MAX_STOP_STRINGS = 4
 MAX_TOKENS = (1 << 31) - 1  # int32, as vLLM and OpenAI take it
 GRPC_TO_HTTP = {
@@ -336,8 +337,10 @@ class SamplingRequest(BaseModel):
     min_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # vLLM's
     n_predict: Annotated[Any, unless()] = None  # llama.cpp's own API; here: max_tokens
     include_stop_str_in_output: Flag = None  # vLLM's: the stop string that ended the text stays in it
-    bad_words: Annotated[Any, unless([])] = None
-    allowed_token_ids: Annotated[Any, unless()] = None
+    bad_words: Annotated[list[Annotated[str, Field(strict=True, min_length=1)]] | None,
+                         Field(max_length=MAX_BAD_WORDS // 2)] = None  # vLLM's: each word's last token barred
+    allowed_token_ids: Annotated[list[Annotated[int, Field(strict=True, ge=0)]] | None,
+                                 Field(max_length=MAX_ALLOWED)] = None  # vLLM's: only these tokens
     truncate_prompt_tokens: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # vLLM's: the prompt's last k; -1: the context
     prompt_logprobs: Annotated[Any, unless(0)] = None
     n_probs: Annotated[Any, unless(0)] = None
@@ -412,6 +415,7 @@ class SamplingRequest(BaseModel):
                 logit_bias=tuple((int(k), float(v)) for k, v in (self.logit_bias or {}).items()),
                 min_tokens=self.min_tokens or 0,
                 repetition_window=window,
+                allowed_token_ids=tuple(self.allowed_token_ids or ()),
             )
         except ValueError as exc:
             raise bad(str(exc), param=str(exc).split(" ")[0]) from None
@@ -854,6 +858,10 @@ class Job:
             if request.echo:
                 echoed = [p if isinstance(p, str) else tokenizer.decode(p) for p in request.prompt]
         sampling = request.sampling(default_max_tokens)
+        if request.bad_words:
+            words = bad_word_ids(tokenizer, request.bad_words)
+            penalties = sampling.penalties or Penalties()
+            sampling = replace(sampling, penalties=replace(penalties, bad_words=penalties.bad_words + words))
         if not chat and request.suffix:  # the model's own end of a middle ends the text as EOS does
             stops = tuple(dict.fromkeys(sampling.stop_token_ids + fim_format(tokenizer, "suffix").ends))
             if len(stops) > MAX_STOP_TOKEN_IDS:
@@ -876,6 +884,22 @@ class Job:
                    tool_names=tools, max_calls=max_calls, reasoning=reasoning,
                    continuous_usage=request.continuous_usage, echoed=echoed, generate=generate, prompts=prompts,
                    named_call=chat and isinstance(getattr(request, "tool_choice", None), dict))  # fmt: skip
+
+
+def bad_word_ids(tokenizer: Any, words: list[str]) -> tuple[tuple[int, ...], ...]:
+    """vLLM's reading of bad_words: each word's tokens, and those of it after a space where that
+    makes other tokens of the same number (the word inside a text rather than at its start)."""
+    out: list[tuple[int, ...]] = []
+    for word in words:
+        plain = tuple(tokenizer.encode(word.lstrip(), add_special_tokens=False))
+        spaced = tuple(tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+        if not plain or len(plain) > MAX_BAD_WORD_TOKENS:
+            raise bad(f"'bad_words' holds {word[:40]!r}, which is {len(plain)} tokens: each word must be 1 to "
+                      f"{MAX_BAD_WORD_TOKENS}", param="bad_words")  # fmt: skip
+        out.append(plain)
+        if spaced[0] != plain[0] and len(spaced) == len(plain):
+            out.append(spaced)
+    return tuple(out)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -20,7 +20,8 @@ Supported fields: `model`, `max_tokens` (chat also `max_completion_tokens`), `te
 `logprobs` (the target's own, before temperature and filters; chat with `top_logprobs`),
 `presence_penalty`, `frequency_penalty` and `logit_bias` (`common.decoding.penalties`), `min_p`,
 llama.cpp's `repeat_penalty`, `repeat_last_n`, `typical_p`, `top_n_sigma`, `xtc_probability` and `xtc_threshold`, the vLLM extensions `top_k`, `ignore_eos`,
-`repetition_penalty`, `min_tokens`, `stop_token_ids`, `include_stop_str_in_output`, `truncate_prompt_tokens`, and for chat `continue_final_message` (go on with a
+`repetition_penalty`, `min_tokens`, `stop_token_ids`, `allowed_token_ids`, `bad_words`,
+`include_stop_str_in_output`, `truncate_prompt_tokens`, and for chat `continue_final_message` (go on with a
 prefilled last assistant message) and `chat_template_kwargs` (the template's own variables, such as
 Qwen3's `enable_thinking`). Chat takes `tools` (`client.openai.tool_calls` reads the calls) and sends
 a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). Structured outputs

@@ -9,7 +9,8 @@ tokens: a positive logit divided by it, a negative one multiplied), then frequen
 (output tokens only), then the biases; EOS is barred until `min_tokens` are out. llama.cpp's
 `repeat_penalty` is the same repetition penalty over the last `repeat_last_n` tokens of the context
 (prompt and output) only: `repetition_window`. As vLLM's, `min_tokens` holds back the request's
-stop_token_ids with EOS (`stop_ids`).
+stop_token_ids with EOS (`stop_ids`), `allowed_token_ids` leaves only those tokens, and `bad_words`
+(token sequences) bars a word's last token where the output ends with the rest of it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ import numpy as np
 MAX_LOGIT_BIAS = 300  # entries, as OpenAI's API takes them
 MAX_BIAS = 100.0
 MIN_REPETITION = 1e-6
+MAX_BAD_WORDS = 256  # token sequences
+MAX_BAD_WORD_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -39,6 +42,8 @@ class Penalties:
     start: int | None = None
     repetition_window: int = 0  # 0: the whole prompt and output (vLLM's); n: the context's last n tokens
     stop_ids: tuple[int, ...] = field(default_factory=tuple)  # held back with EOS until min_tokens (vLLM's)
+    allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)  # vLLM's: () all; else only these
+    bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)  # vLLM's, as token sequences
 
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency),
@@ -68,12 +73,26 @@ class Penalties:
         if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in stops):
             raise ValueError(f"stop_token_ids must be token ids (whole numbers >= 0), got {list(stops)!r}")
         object.__setattr__(self, "stop_ids", tuple(int(t) for t in stops))
+        allowed = tuple(self.allowed_token_ids or ())
+        if any(isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in allowed):
+            raise ValueError(f"allowed_token_ids must be token ids (whole numbers >= 0), got {list(allowed)[:20]!r}")
+        object.__setattr__(self, "allowed_token_ids", tuple(sorted({int(t) for t in allowed})))
+        words = tuple(tuple(w) for w in self.bad_words or ())
+        if len(words) > MAX_BAD_WORDS:
+            raise ValueError(f"bad_words takes at most {MAX_BAD_WORDS} token sequences, got {len(words)}")
+        for word in words:
+            if not 1 <= len(word) <= MAX_BAD_WORD_TOKENS or any(
+                    isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in word):  # fmt: skip
+                raise ValueError(f"bad_words holds token sequences of 1 to {MAX_BAD_WORD_TOKENS} ids >= 0, got "
+                                 f"{list(word)[:40]!r}")  # fmt: skip
+        object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in words))
         if self.start is not None and self.start < 0:
             raise ValueError(f"penalties start must be a position >= 0, got {self.start}")
 
     @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens)
+        return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens
+                    or self.allowed_token_ids or self.bad_words)  # fmt: skip
 
     def at(self, start: int) -> Penalties:
         return replace(self, start=start)
@@ -85,9 +104,11 @@ class PenaltyState:
     tokens. Counted afresh each step: nothing to roll back when a step fails or a sequence rewinds."""
 
     def __init__(self, penalties: Penalties, vocab_size: int, eos: frozenset[int]) -> None:
-        outside = [t for t, _ in penalties.logit_bias if t >= vocab_size]
-        if outside:
-            raise ValueError(f"logit_bias holds token id {max(outside)}: the model's ids are below {vocab_size}")
+        for name, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]),
+                          ("allowed_token_ids", penalties.allowed_token_ids),
+                          ("bad_words", [t for word in penalties.bad_words for t in word])):  # fmt: skip
+            if ids and max(ids) >= vocab_size:
+                raise ValueError(f"{name} holds token id {max(ids)}: the model's ids are below {vocab_size}")
         self.penalties = penalties
         self.vocab_size = vocab_size
         barred = set(eos) | set(penalties.stop_ids)  # until min_tokens are out
@@ -99,6 +120,12 @@ class PenaltyState:
         self.generated = 0
         self.window: deque[int] = deque()  # the context's last repetition_window tokens, oldest first
         self.in_window = np.zeros(vocab_size, dtype=np.int32)  # [V]: their counts
+        self.barred = np.ones(vocab_size, dtype=bool)  # [V]: outside allowed_token_ids
+        self.barred[list(penalties.allowed_token_ids)] = False
+        self.banned = np.array([w[0] for w in penalties.bad_words if len(w) == 1], dtype=np.int64)  # one-token words
+        self.words = [w for w in penalties.bad_words if len(w) > 1]
+        longest = max(map(len, self.words), default=1) - 1
+        self.tail: deque[int] = deque(maxlen=longest)  # the output's last tokens, for the longer words
 
     def follow(self, committed: list[int]) -> None:
         """At the tree's root: the counts of the committed output (the tokens from the start)."""
@@ -106,6 +133,8 @@ class PenaltyState:
         if start > len(committed):
             raise ValueError(f"penalties start must be a position in [0, {len(committed)}], got {start}")
         output = np.asarray(committed[start:], dtype=np.int64)
+        self.tail.clear()
+        self.tail.extend(committed[start:][-self.tail.maxlen:] if self.words else ())
         self.counts = np.bincount(output, minlength=self.vocab_size)[: self.vocab_size].astype(np.int32)
         self.generated = output.size
         if self.penalties.repetition != 1.0 and self.penalties.repetition_window:
@@ -133,9 +162,19 @@ class PenaltyState:
             row[self.bias_ids] += self.bias
         if self.generated < p.min_tokens and self.eos.size:
             row[self.eos] = -np.inf
+        if p.allowed_token_ids:
+            row[self.barred] = -np.inf
+        if self.banned.size:
+            row[self.banned] = -np.inf
+        tail = list(self.tail)
+        for word in self.words:  # vLLM's: its last token, where the output ends with the rest
+            if len(tail) >= len(word) - 1 and tail[len(tail) - len(word) + 1 :] == list(word[:-1]):
+                row[word[-1]] = -np.inf
         return out
 
     def take(self, token: int) -> None:
+        if self.words:
+            self.tail.append(token)
         if token < self.vocab_size:
             self.counts[token] += 1
             if self.penalties.repetition != 1.0 and self.penalties.repetition_window:

@@ -71,7 +71,9 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
             presence=p.penalties.presence, frequency=p.penalties.frequency, repetition=p.penalties.repetition,
             logit_bias=[pb.LogitBias(token=t, bias=b) for t, b in p.penalties.logit_bias],
             min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0,
-            repetition_window=p.penalties.repetition_window, stop_token_ids=list(p.penalties.stop_ids)),
+            repetition_window=p.penalties.repetition_window, stop_token_ids=list(p.penalties.stop_ids),
+            allowed_token_ids=list(p.penalties.allowed_token_ids),
+            bad_words=[pb.TokenSequence(ids=list(w)) for w in p.penalties.bad_words]),
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
         score=p.score or None,
         prompt_logprobs=p.prompt_logprobs,
@@ -103,7 +105,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         q = msg.penalties
         kwargs["penalties"] = Penalties(q.presence, q.frequency, q.repetition or 1.0,
                                         tuple((b.token, b.bias) for b in q.logit_bias), q.min_tokens, q.start,
-                                        q.repetition_window, tuple(q.stop_token_ids))  # fmt: skip
+                                        q.repetition_window, tuple(q.stop_token_ids), tuple(q.allowed_token_ids),
+                                        tuple(tuple(w.ids) for w in q.bad_words))  # fmt: skip
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
 
 

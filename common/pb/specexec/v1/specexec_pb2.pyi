@@ -119,7 +119,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., penalties: _Optional[_Union[Penalties, _Mapping]] = ..., min_p: _Optional[float] = ..., score: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., typical_p: _Optional[float] = ..., top_n_sigma: _Optional[float] = ..., xtc_probability: _Optional[float] = ..., xtc_threshold: _Optional[float] = ...) -> None: ...
 
 class Penalties(_message.Message):
-    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window", "stop_token_ids")
+    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window", "stop_token_ids", "allowed_token_ids", "bad_words")
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +128,8 @@ class Penalties(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     REPETITION_WINDOW_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
     presence: float
     frequency: float
     repetition: float
@@ -136,7 +138,15 @@ class Penalties(_message.Message):
     start: int
     repetition_window: int
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
+    allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+
+class TokenSequence(_message.Message):
+    __slots__ = ("ids",)
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class LogitBias(_message.Message):
     __slots__ = ("token", "bias")
