@@ -125,23 +125,31 @@ def _answer(coder, **asked) -> LlamaAnswer:
     return LlamaAnswer(job, Asked(n_predict=None, **asked), "m", coder.tokenizer)
 
 
+def read(reply: LlamaAnswer, text: str) -> str:
+    """Feed `text` as its own tokens; the piece to send."""
+    piece, kept = reply.read(text, reply.tokenizer.encode(text), None)
+    assert reply.tokenizer.decode(reply.tokens).startswith(reply.text)  # the tokens kept cover the text
+    return piece
+
+
 def test_n_indent_ends_the_text_at_a_line_indented_less(coder):
     reply = _answer(coder, n_indent=2)
-    assert [reply.read(t, [], None) for t in ("a\n", "  b\n", "    c\n  ")] == ["a\n", "  b\n", "    c\n  "]
+    assert [read(reply, t) for t in ("a\n", "  b\n", "    c\n  ")] == ["a\n", "  b\n", "    c\n  "]
     assert reply.stopped is None
-    assert reply.read("  d\ne", [], None) == "  d\n" and reply.stopped == "limit"  # "e" has no indentation
+    assert read(reply, "  d\nef") == "  d\n" and reply.stopped == "limit"  # "e" has no indentation
     assert reply.text == "a\n  b\n    c\n    d\n"
+    assert reply.tokenizer.decode(reply.tokens) == reply.text + "e"  # through the token that reached the cut, not "f"
     one = _answer(coder, n_indent=4)
-    assert one.read("first line\n\n  x", [], None) == "first line\n\n  " and one.stopped == "limit"
+    assert read(one, "first line\n\n  x") == "first line\n\n  " and one.stopped == "limit"
 
 
 def test_t_max_predict_ms_ends_the_text_after_a_line(coder):
     reply = _answer(coder, t_max_predict_ms=5)
-    reply.read("a", [], None)
+    read(reply, "a")
     time.sleep(0.02)
-    reply.read("b", [], None)
+    read(reply, "b")
     assert reply.stopped is None  # past the time, but no line yet
-    reply.read("\nc", [], None)
+    read(reply, "\nc")
     assert reply.stopped == "limit" and reply.stop_type("length") == ("limit", "")
 
 
@@ -159,11 +167,26 @@ def test_props_and_errors(coder_server, coder, loaded):
         ({"prompt": "x", "n_probs": 30}, "n_probs", "'n_probs' must be between 0 and 20"),
         ({"prompt": "x", "samplers": "kq"}, "samplers", "unknown letters ['q']"),
         ({"prompt": ""}, "prompt", "'prompt' is empty"),
+        ({"prompt": [1, -5]}, "prompt", "holds token id -5: ids are >= 0"),
+        ({"prompt": "x", "return_tokens": "false"}, "return_tokens", "must be true or false"),
+        ({"prompt": "x", "logit_bias": [[True, 1]]}, "logit_bias", "pairs are [token id or text, bias or false]"),
     ):
         status, out = post(coder_server, "/completion", body)
         assert status == 400 and out["error"]["param"] == param and needle in out["error"]["message"], out
     status, out = post(coder_server, "/infill", {"input_prefix": "x", "input_extra": "no"})
     assert status == 400 and out["error"]["param"] == "input_extra"
+    for n in (509, 5000):  # more than the 512-token context leaves room for
+        status, out = post(coder_server, "/infill", {"input_prefix": "x", "n_predict": n})
+        assert status == 400 and out["error"]["param"] == "n_predict" and "leaves no room" in out["error"]["message"], out
+
+
+def test_a_whole_answer_is_logged_finished_not_cancelled(coder_server, caplog):
+    with caplog.at_level("INFO"):
+        for stream in (False, True):
+            post(coder_server, "/completion", {"prompt": "def f(x):", "n_predict": 4, "stream": stream}, raw=True)
+    outcomes = [r.event_fields["outcome"] for r in caplog.records if getattr(r, "event_fields", None)
+                and r.getMessage() == "request_finished"]  # fmt: skip
+    assert outcomes == ["finished", "finished"]
 
 
 def test_infill_on_a_model_without_fim_tokens_is_a_501(loaded):

@@ -86,7 +86,10 @@ def openai_request(body: dict[str, Any], tokenizer: Any, max_context: int, infil
         elif name == "t_max_predict_ms":
             asked.t_max_predict_ms = float(_whole(value, name))
         elif name == "return_tokens":
-            asked.return_tokens = bool(value)
+            if not isinstance(value, bool):
+                raise ApiError(400, f"'return_tokens' must be true or false, got {json.dumps(value)[:40]}",
+                               param="return_tokens")  # fmt: skip
+            asked.return_tokens = value
         elif name == "response_fields":
             if not isinstance(value, list) or not all(isinstance(f, str) for f in value):
                 raise ApiError(400, "'response_fields' must be a list of field names", param="response_fields")
@@ -149,6 +152,9 @@ def _prompt_ids(prompt: Any, tokenizer: Any) -> str | list[int]:
         return prompt
     if (isinstance(prompt, list) and any(isinstance(p, int) for p in prompt)
             and all(isinstance(p, str | int) and not isinstance(p, bool) for p in prompt)):  # fmt: skip
+        if min((p for p in prompt if isinstance(p, int)), default=0) < 0:
+            raise ApiError(400, f"'prompt' holds token id {min(p for p in prompt if isinstance(p, int))}: ids are >= 0",
+                           param="prompt")  # fmt: skip
         ids: list[int] = []
         for i, piece in enumerate(prompt):
             ids += [piece] if isinstance(piece, int) else list(tokenizer.encode(piece, add_special_tokens=i == 0))
@@ -169,15 +175,19 @@ def _infill_ids(body: dict[str, Any], tokenizer: Any, max_context: int, asked: A
     if not isinstance(extra, list) or not all(isinstance(c, dict) and isinstance(c.get("text", ""), str)
                                               and isinstance(c.get("filename", "tmp"), str) for c in extra):  # fmt: skip
         raise ApiError(400, "'input_extra' must be a list of {\"filename\": string, \"text\": string}", param="input_extra")
-    room = asked.n_predict if asked.n_predict else max_context // 4  # for the middle
     try:
         fim = fim_format(tokenizer, "input_suffix")
-        return fim.prompt(tokenizer, texts["input_prefix"], texts["input_suffix"],
-                          [(c.get("filename", "tmp"), c.get("text", "")) for c in extra], middle=texts["prompt"],
-                          limit=max(max_context - room, 1))  # fmt: skip
     except InfillError as exc:
         raise ApiError(501, f"infill is not supported by this model: {exc}", type="not_supported_error",
                        param="input_suffix") from None  # fmt: skip
+    room = asked.n_predict if asked.n_predict else max_context // 4  # for the middle
+    try:
+        return fim.prompt(tokenizer, texts["input_prefix"], texts["input_suffix"],
+                          [(c.get("filename", "tmp"), c.get("text", "")) for c in extra], middle=texts["prompt"],
+                          limit=max_context - room)  # fmt: skip
+    except InfillError:
+        raise ApiError(400, f"'n_predict' ({room}) leaves no room for a fill-in-the-middle prompt in the context of "
+                       f"{max_context} tokens", param="n_predict") from None  # fmt: skip
 
 
 def _logit_bias(value: Any, tokenizer: Any) -> dict[str, float]:
@@ -190,6 +200,7 @@ def _logit_bias(value: Any, tokenizer: Any) -> dict[str, float]:
     out: dict[str, float] = {}
     for pair in value:
         if not (isinstance(pair, list) and len(pair) == 2 and isinstance(pair[0], int | str)
+                and not isinstance(pair[0], bool) and (not isinstance(pair[0], int) or pair[0] >= 0)
                 and isinstance(pair[1], int | float | bool) and pair[1] is not True):  # fmt: skip
             raise ApiError(400, f"'logit_bias' pairs are [token id or text, bias or false], got {json.dumps(pair)[:60]}",
                            param="logit_bias")  # fmt: skip
@@ -241,10 +252,11 @@ class LlamaAnswer:
     stopped: str | None = None  # "limit" once an early stop cut the text
     line_start: int | None = None  # where the current line began, once a line has ended
 
-    def read(self, text: str, token_ids: list[int], logprobs: Any) -> str:
-        """The piece of text to send: all of it, or up to an early stop."""
+    def read(self, text: str, token_ids: list[int], logprobs: Any) -> tuple[str, list[int]]:
+        """The piece of text to send and its tokens: all of them, or up to an early stop."""
         now = time.monotonic()
         self.first = self.first or now
+        before = len(self.tokens)
         self.tokens += token_ids
         if self.job.sampling.logprobs is not None and logprobs:
             self.probs += [self._probs(t, lp) for t, lp in zip(token_ids, logprobs, strict=True)]
@@ -252,12 +264,17 @@ class LlamaAnswer:
         self.text += text
         cut = self._indent_cut() if self.asked.n_indent else None
         if cut is not None:
-            self.stopped, piece, self.text = "limit", self.text[start:max(cut, start)], self.text[:max(cut, start)]
-            return piece
+            cut = max(cut, start)
+            self.stopped, piece, self.text = "limit", self.text[start:cut], self.text[:cut]
+            # the tokens through the one that reached the cut, as llama.cpp counts them
+            keep = next((k for k in range(before + 1, len(self.tokens) + 1)
+                         if len(self.tokenizer.decode(self.tokens[:k], skip_special_tokens=True)) > cut), len(self.tokens))  # fmt: skip
+            self.tokens, self.probs = self.tokens[:keep], self.probs[:keep]
+            return piece, self.tokens[before:]
         timeout = self.asked.t_max_predict_ms and (now - self.first) * 1000 > self.asked.t_max_predict_ms
         if timeout and "\n" in self.text:
             self.stopped = "limit"
-        return text
+        return text, token_ids
 
     def _indent_cut(self) -> int | None:
         """llama.cpp's n_indent: past the first line, a line whose first character comes after less
@@ -289,11 +306,11 @@ class LlamaAnswer:
 
         return {**one(token, lp.logprob), "top_logprobs": [one(i, v) for i, v in lp.top]}
 
-    def piece(self, text: str, token_ids: list[int], probs: int) -> dict[str, Any]:
+    def piece(self, text: str, token_ids: list[int]) -> dict[str, Any]:
         body: dict[str, Any] = {"index": 0, "content": text, "tokens": token_ids, "stop": False, "id_slot": -1,
                                 "tokens_predicted": len(self.tokens), "tokens_evaluated": len(self.job.prompt_ids)}  # fmt: skip
         if self.job.sampling.logprobs is not None:
-            body["completion_probabilities"] = self.probs[len(self.probs) - probs:] if probs else []
+            body["completion_probabilities"] = self.probs[len(self.probs) - len(token_ids):] if token_ids else []
         return body
 
     def last(self, finish: str | None, stream: bool) -> dict[str, Any]:
@@ -354,15 +371,17 @@ def empty(job: Job, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
 async def events(generation: Any, reply: LlamaAnswer) -> AsyncIterator[bytes]:
     """`data:` events, a piece of text each, then the last with the counts; a failure after the
     first is reported in-band, as llama.cpp does: an event with `error`."""
+    finish = None
     try:
-        while (step := await generation.next()) is not None:
+        while (step := await generation.next()) is not None:  # to its end: the generation logs it finished
             _, chunk = step
-            text = reply.read(chunk.text, chunk.token_ids, chunk.logprobs)
-            if text or chunk.token_ids:
-                yield sse(reply.piece(text, chunk.token_ids, len(chunk.token_ids)))
-            if chunk.finish_reason is not None or reply.stopped:
-                yield sse(reply.last(chunk.finish_reason, stream=True))
-                return
+            text, kept = reply.read(chunk.text, chunk.token_ids, chunk.logprobs)
+            if text or kept:
+                yield sse(reply.piece(text, kept))
+            finish = chunk.finish_reason or finish
+            if reply.stopped:  # an early stop: the rest is cancelled
+                break
+        yield sse(reply.last(finish, stream=True))
     except Exception as exc:
         error = ApiError.from_exception(exc)
         log.warning("generation failed mid-stream: %s", error.message)
@@ -371,17 +390,19 @@ async def events(generation: Any, reply: LlamaAnswer) -> AsyncIterator[bytes]:
 
 async def whole(generation: Any, reply: LlamaAnswer, http: Any) -> dict[str, Any] | None:
     """The one object, or None if the client leaves first."""
+    finish = None
     try:
         while (step := await generation.next()) is not None:
             if await http.is_disconnected():
                 return None
             _, chunk = step
             reply.read(chunk.text, chunk.token_ids, chunk.logprobs)
-            if chunk.finish_reason is not None or reply.stopped:
-                return reply.last(chunk.finish_reason, stream=False)
+            finish = chunk.finish_reason or finish
+            if reply.stopped:
+                break
     finally:
         await generation.close()
-    return reply.last(None, stream=False)
+    return reply.last(finish, stream=False)
 
 
 def sse(payload: dict[str, Any]) -> bytes:
