@@ -129,6 +129,7 @@ def read(reply: LlamaAnswer, text: str) -> str:
     """Feed `text` as its own tokens; the piece to send."""
     piece, kept = reply.read(text, reply.tokenizer.encode(text), None)
     assert reply.tokenizer.decode(reply.tokens).startswith(reply.text)  # the tokens kept cover the text
+    assert kept == reply.tokens[len(reply.tokens) - len(kept) :]  # and the piece's are the last of them
     return piece
 
 
