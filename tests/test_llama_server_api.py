@@ -170,6 +170,7 @@ def test_props_and_errors(coder_server, coder, loaded):
         ({"prompt": ""}, "prompt", "'prompt' is empty"),
         ({"prompt": [1, -5]}, "prompt", "holds token id -5: ids are >= 0"),
         ({"prompt": "x", "return_tokens": "false"}, "return_tokens", "must be true or false"),
+        ({"prompt": "x", "top_n_sigma": "2"}, "top_n_sigma", "should be a valid number"),
         ({"prompt": "x", "logit_bias": [[True, 1]]}, "logit_bias", "pairs are [token id or text, bias or false]"),
     ):
         status, out = post(coder_server, "/completion", body)

@@ -102,7 +102,8 @@ def openai_request(body: dict[str, Any], tokenizer: Any, max_context: int, infil
             log.info("ignored a llama.cpp field this server does not know: %s", name)  # as llama.cpp does
     if "n_probs" in fields:
         fields["logprobs"] = fields.pop("n_probs") or None
-    if fields.get("top_n_sigma") is not None and fields["top_n_sigma"] < 0:
+    sigmas = fields.get("top_n_sigma")
+    if isinstance(sigmas, int | float) and not isinstance(sigmas, bool) and sigmas < 0:
         fields["top_n_sigma"] = None  # llama.cpp's -1: off
     if asked.n_predict:
         fields["max_tokens"] = asked.n_predict
