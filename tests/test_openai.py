@@ -401,7 +401,7 @@ def test_errors_before_output_are_http_errors(client, server):
     assert raw(base + "/health") == (200, {"status": "ok", "target": "up", "draft": "up"})
 
 
-@pytest.mark.parametrize("field, value", [("mirostat", 2), ("dry_multiplier", 0.8), ("length_penalty", 2.0),
+@pytest.mark.parametrize("field, value", [("mirostat", 2), ("skip_special_tokens", False), ("length_penalty", 2.0),
                                           ("use_beam_search", True), ("dynatemp_range", 0.5),
                                           ("top_logprobs", 2)])  # fmt: skip  (chat's: completions take logprobs=k)
 def test_other_servers_output_changing_fields_are_refused_not_ignored(server, field, value):
@@ -409,7 +409,7 @@ def test_other_servers_output_changing_fields_are_refused_not_ignored(server, fi
     base = server.url.removesuffix("/v1")
     status, body = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: value}).encode())
     assert status == 400 and body["error"]["param"] == field and "not supported" in body["error"]["message"]
-    neutral = {"mirostat": 0, "dry_multiplier": 0.0, "length_penalty": 1.0, "use_beam_search": False, "dynatemp_range": 0.0,
+    neutral = {"mirostat": 0, "skip_special_tokens": True, "length_penalty": 1.0, "use_beam_search": False, "dynatemp_range": 0.0,
                "top_logprobs": 0}[field]  # fmt: skip
     status, _ = raw(base + "/v1/completions", json.dumps({"prompt": PROMPT, "max_tokens": 2, field: neutral}).encode())
     assert status == 200
@@ -1079,3 +1079,36 @@ def test_allowed_token_ids_and_bad_words_as_vllm_reads_them(client, gen):
         with pytest.raises(openai.BadRequestError) as err:
             client.completions.create(**{**body, "extra_body": extra})
         assert err.value.body["param"] == param and needle in err.value.body["message"], err.value.body
+
+
+def test_dry_as_llama_cpps_server_takes_it(client, gen, coder_server, coder):
+    """DRY's fields on /v1 (llama.cpp's server takes them there too) and on llama.cpp's /completion:
+    the Python API's text with the breakers read from the tokenizer."""
+    from client.dry import DEFAULT_BREAKERS, breaker_sequences
+    from common.decoding.penalties import Dry, Penalties
+
+    dry = {"dry_multiplier": 2.0, "dry_base": 1.5, "dry_allowed_length": 0}
+    body = dict(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0.9, seed=3)
+    out = client.completions.create(**body, extra_body={"ignore_eos": True, **dry})
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True, temperature=0.9, seed=3, penalties=Penalties(
+        dry=Dry(2.0, 1.5, 0, 0, breaker_sequences(gen.tokenizer, DEFAULT_BREAKERS))))  # fmt: skip
+    assert out.choices[0].text == gen.generate(PROMPT, params).text
+    assert out.choices[0].text != client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0].text
+    off = client.completions.create(**body, extra_body={"ignore_eos": True, **dry, "dry_penalty_last_n": 0})
+    assert off.choices[0].text == client.completions.create(**body, extra_body={"ignore_eos": True}).choices[0].text
+    for extra, param in (({"dry_multiplier": -1}, "dry_multiplier"), ({"dry_base": 0.5}, "dry_base"),
+                         ({"dry_sequence_breakers": [""]}, "dry_sequence_breakers")):  # fmt: skip
+        with pytest.raises(openai.BadRequestError) as err:
+            client.completions.create(**body, extra_body=extra)
+        assert err.value.body["param"] == param, err.value.body
+    import json as _json
+    import urllib.request
+
+    request = urllib.request.Request(coder_server.url.removesuffix("/v1") + "/completion", _json.dumps(
+        {"prompt": "def f(x):", "n_predict": 12, "seed": 4, **dry, "dry_sequence_breakers": ["\\n"]}).encode())  # fmt: skip
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        llama = _json.loads(answer.read())
+    expected = coder.generate("def f(x):", SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, seed=4,
+                                                          max_new_tokens=12, penalties=Penalties(dry=Dry(
+                                                              2.0, 1.5, 0, 0, breaker_sequences(coder.tokenizer, ("\n",))))))  # fmt: skip
+    assert llama["content"] == expected.text

@@ -5,13 +5,15 @@ greedy and seeded."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from common.decoding.penalties import Penalties
+from common.decoding.penalties import Dry, DryState, Penalties
 from common.decoding.sampling import SamplingParams, sample_rows
 from common.rpc.wire import sampling_from_proto, sampling_to_proto
 from tests.test_grammar import PROMPT, pair
@@ -24,7 +26,38 @@ SETTINGS = {
     "repeat_last_n": Penalties(repetition=1.8, repetition_window=3),  # llama.cpp's window
     "allowed_token_ids": Penalties(allowed_token_ids=(*range(60, 75), 3, 200)),  # vLLM's
     "bad_words": Penalties(bad_words=((200, 241), (203, 98, 39), (237,))),  # vLLM's, as token sequences
+    "dry": Penalties(dry=Dry(3.0, 1.75, 0, 0, breakers=((10,), (20, 21)))),  # llama.cpp's; 0: every follower
 }
+
+
+def dry_reference(context: list[int], dry: Dry) -> dict[int, float]:
+    """DRY written apart, from its definition: the nearest breaker (a sequence wholly in the window;
+    of those starting at one place, the longest) bounds how far back a repetition may reach; for
+    each earlier place j, the longest run before j equal to the window's end, within that reach;
+    token c[j] is penalized for the longest run, unless it is a breaker by itself."""
+    c = context[-dry.last_n :] if dry.last_n else list(context)
+    n = len(c)
+    if n <= dry.allowed_length:
+        return {}
+    starts = {}  # head position: the longest breaker there
+    for seq in dry.breakers:
+        for a in range(n - len(seq) + 1):
+            if tuple(c[a : a + len(seq)]) == seq:
+                starts[a] = max(starts.get(a, 0), len(seq))
+    reach = n - 1 - (max(starts) + starts[max(starts)] - 1) if starts else n
+    if reach < dry.allowed_length:
+        return {}
+    singles = {s[0] for s in dry.breakers if len(s) == 1}
+    longest: dict[int, int] = {}
+    for j in range(1, n):
+        run = 0
+        while run < min(reach, j) and c[j - 1 - run] == c[n - 1 - run]:
+            run += 1
+        if run >= dry.allowed_length and c[j] not in singles:
+            longest[c[j]] = max(longest.get(c[j], 0), run)
+    cap = int(88.7228391 / math.log(dry.base)) if dry.base > 1.000001 else None
+    return {t: dry.multiplier * dry.base ** (min(r - dry.allowed_length, cap) if cap else r - dry.allowed_length)
+            for t, r in longest.items()}  # fmt: skip
 
 
 def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int | None = None,
@@ -53,6 +86,9 @@ def reference(model_dir, penalties: Penalties, params: SamplingParams, eos: int 
                 keep = torch.full_like(logits, -torch.inf)
                 keep[list(penalties.allowed_token_ids)] = 0
                 logits = logits + keep
+            if penalties.dry is not None:
+                for token, amount in dry_reference(seq, penalties.dry).items():
+                    logits[token] -= amount
             for word in penalties.bad_words:  # its last token, where the output ends with the rest of it
                 if len(word) == 1 or (len(out) >= len(word) - 1 and out[len(out) - len(word) + 1 :] == list(word[:-1])):
                     logits[word[-1]] = -torch.inf
@@ -181,6 +217,7 @@ def test_bad_penalties_name_the_field(kwargs, message):
     ("min_tokens_stops", SamplingParams(stop_token_ids=(5,), penalties=Penalties(min_tokens=3))),
     ("allowed_token_ids", SamplingParams(penalties=Penalties(allowed_token_ids=(5, 6)))),
     ("bad_words", SamplingParams(penalties=Penalties(bad_words=((5, 6),)))),
+    ("dry", SamplingParams(penalties=Penalties(dry=Dry(0.8)))),
     ("typical_p", SamplingParams(temperature=1.0, typical_p=0.5)),
     ("top_n_sigma", SamplingParams(temperature=1.0, top_n_sigma=1.0)),
     ("xtc", SamplingParams(temperature=1.0, xtc_probability=0.5)),
@@ -193,3 +230,37 @@ def test_a_target_without_a_feature_is_refused(loaded, feature, params):
     gen.target.info = lambda: type(info)(**{**info.__dict__, "features": tuple(set(info.features) - {feature})})
     with pytest.raises(ValueError, match=f"{feature}: the target node does not apply {feature}"):
         gen.stream(PROMPT, params)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_dry_penalizes_as_its_definition_says(seed):
+    """`DryState` (vectorized, from the end) against DRY written from its definition, on random
+    contexts over a small alphabet, so that repetitions and breakers both occur."""
+    rng = np.random.default_rng(seed)
+    for _ in range(60):
+        context = rng.integers(0, 6, size=int(rng.integers(1, 60))).tolist()
+        breakers = {(int(rng.integers(0, 8)),) for _ in range(int(rng.integers(0, 2)))}
+        breakers |= {tuple(rng.integers(0, 6, size=int(rng.integers(2, 4))).tolist()) for _ in range(int(rng.integers(0, 3)))}
+        dry = Dry(float(rng.uniform(0.1, 2)), float(rng.uniform(1, 3)), int(rng.integers(0, 4)),
+                  int(rng.choice([0, 0, 10, 25])), tuple(breakers))  # fmt: skip
+        state = DryState(dry, 8)
+        state.follow(context[:-3])
+        for token in context[-3:]:  # the walk's takes, as the target's
+            state.take(token)
+        tokens, amounts = state.penalties()
+        got = dict(zip(tokens.tolist(), amounts.tolist(), strict=True))
+        expected = dry_reference(context, dry)
+        assert got.keys() == expected.keys(), (context, dry)
+        assert [got[t] for t in expected] == pytest.approx([expected[t] for t in expected], rel=1e-6)
+
+
+def test_dry_breakers_are_read_as_llama_cpp_reads_them(loaded):
+    from client.dry import breaker_sequences
+
+    tok = loaded["target"].tokenizer
+    ids = {c: tok.convert_tokens_to_ids(tok.tokenize(c))[0] for c in ("\n", "a", "b", ":")}
+    got = breaker_sequences(tok, ("\n", "ab"))
+    assert (ids["\n"],) in got and (ids["a"], ids["b"]) in got  # a byte-level vocabulary: "ab" is two tokens
+    assert (ids[":"],) not in got and (ids[":"],) in breaker_sequences(tok, (":",))
+    with pytest.raises(ValueError, match="at most 16 strings of 1 to 40 characters"):
+        breaker_sequences(tok, ("",))

@@ -35,18 +35,18 @@ DEFAULTS: dict[str, Any] = {"temperature": 0.8, "top_k": 40, "top_p": 0.95, "min
 # change nothing, as on /v1)
 SAME = ("temperature", "top_k", "top_p", "min_p", "typical_p", "top_n_sigma", "xtc_probability", "xtc_threshold",
         "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty", "stop", "ignore_eos", "grammar",
-        "json_schema", "stream", "dynatemp_range", "mirostat", "dry_multiplier", "n_probs")  # fmt: skip
+        "json_schema", "stream", "dynatemp_range", "mirostat", "dry_multiplier", "dry_base", "dry_allowed_length",
+        "dry_penalty_last_n", "dry_sequence_breakers", "n_probs")  # fmt: skip
 # How a slot runs, not what it says: prompt caching, slots and timing details are this server's own.
 IGNORED = frozenset({"model", "cache_prompt", "id_slot", "n_keep", "n_discard", "timings_per_token", "t_max_prompt_ms",
-                     "min_keep", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "dry_base", "dry_allowed_length",
-                     "dry_penalty_last_n", "dry_sequence_breakers", "return_progress"})  # fmt: skip
+                     "min_keep", "dynatemp_exponent", "mirostat_tau", "mirostat_eta", "return_progress"})  # fmt: skip
 # What each of llama.cpp's sampler names turns on, and the fields that turn it off when `samplers` leaves it out.
 SAMPLERS: dict[str, dict[str, Any]] = {
     "top_k": {"top_k": 0}, "top_p": {"top_p": 1.0}, "min_p": {"min_p": 0.0}, "typ_p": {"typical_p": 1.0},
     "typical_p": {"typical_p": 1.0}, "top_n_sigma": {"top_n_sigma": -1}, "xtc": {"xtc_probability": 0.0},
     "temperature": {"temperature": 1.0}, "penalties": {"repeat_penalty": 1.0, "presence_penalty": 0.0,
                                                        "frequency_penalty": 0.0},
-    "dry": {}, "infill": {},  # DRY is off unless asked (and then refused); infill's candidate merging is not applied
+    "dry": {"dry_multiplier": 0.0}, "infill": {},  # infill's candidate merging is not applied
 }  # fmt: skip
 DEFAULT_SAMPLERS = ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]
 SAMPLER_LETTERS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",

@@ -32,12 +32,13 @@ from pydantic import (
 from pydantic_core import PydanticCustomError
 
 from client.api import render_chat, valid_text
+from client.dry import DEFAULT_BREAKERS, MAX_BREAKER_CHARS, MAX_BREAKERS, breaker_sequences
 from client.infill import InfillError, fim_format
 from client.openai import structured
 from client.openai.reasoning import CLOSE, START, THINKING, ReasoningReader, opens_thought, thinks
 from client.openai.tool_calls import ToolCall, ToolCallReader, renders_tools
 from common.decoding.grammar import Grammar, GrammarError, check
-from common.decoding.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, Penalties
+from common.decoding.penalties import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS, MAX_LOGIT_BIAS, Dry, Penalties
 from common.decoding.sampling import (
     MAX_LOGPROBS,
     MAX_SEED,
@@ -331,7 +332,13 @@ class SamplingRequest(BaseModel):
     xtc_probability: Annotated[Number, between(0.0, 1.0)] = None  # llama.cpp's XTC; 0: off
     xtc_threshold: Annotated[Number, between(0.0, 1.0)] = None  # llama.cpp's: 0.1; above 0.5 XTC does nothing
     mirostat: Annotated[Any, unless(0)] = None
-    dry_multiplier: Annotated[Any, unless(0, 0.0)] = None
+    # llama.cpp's DRY (`common.decoding.penalties.Dry`); its breakers are read with the tokenizer (`Job.of`)
+    dry_multiplier: Annotated[Number, between(0.0, 100.0)] = None  # 0: off
+    dry_base: Annotated[Number, between(1.0, 100.0)] = None  # 1.75
+    dry_allowed_length: Annotated[Integer, between(0, MAX_TOKENS)] = None  # 2
+    dry_penalty_last_n: Annotated[Integer, between(-1, MAX_TOKENS)] = None  # -1 (the default): all; 0: off
+    dry_sequence_breakers: Annotated[list[Annotated[str, Field(strict=True, min_length=1, max_length=MAX_BREAKER_CHARS)]]
+                                     | None, Field(max_length=MAX_BREAKERS)] = None  # ["\n", ":", "\"", "*"]
     dynatemp_range: Annotated[Any, unless(0, 0.0)] = None
     use_beam_search: Annotated[Any, unless(False)] = None
     min_tokens: Annotated[Integer, between(0, MAX_TOKENS)] = None  # vLLM's
@@ -362,6 +369,14 @@ class SamplingRequest(BaseModel):
 
     def max_new_tokens(self, default: int) -> int:
         return self.max_tokens if self.max_tokens is not None else default
+
+    def dry(self, tokenizer: Any) -> Dry:
+        """llama.cpp's DRY as asked, its breakers as tokens (`client.dry`); llama.cpp's defaults."""
+        breakers = DEFAULT_BREAKERS if self.dry_sequence_breakers is None else tuple(self.dry_sequence_breakers)
+        last_n = self.dry_penalty_last_n if self.dry_penalty_last_n is not None else -1
+        return Dry(self.dry_multiplier or 0.0, 1.75 if self.dry_base is None else self.dry_base,
+                   2 if self.dry_allowed_length is None else self.dry_allowed_length, max(last_n, 0),
+                   breaker_sequences(tokenizer, breakers))  # fmt: skip
 
     def truncated(self, job: Job, max_context: int) -> Job:
         """vLLM's truncate_prompt_tokens: each prompt's last k tokens (-1: the context's worth)."""
@@ -862,6 +877,8 @@ class Job:
             words = bad_word_ids(tokenizer, request.bad_words)
             penalties = sampling.penalties or Penalties()
             sampling = replace(sampling, penalties=replace(penalties, bad_words=penalties.bad_words + words))
+        if request.dry_multiplier and request.dry_penalty_last_n != 0:
+            sampling = replace(sampling, penalties=replace(sampling.penalties or Penalties(), dry=request.dry(tokenizer)))
         if not chat and request.suffix:  # the model's own end of a middle ends the text as EOS does
             stops = tuple(dict.fromkeys(sampling.stop_token_ids + fim_format(tokenizer, "suffix").ends))
             if len(stops) > MAX_STOP_TOKEN_IDS:

@@ -28,7 +28,7 @@ a thinking model's thoughts as `reasoning_content` (`client.openai.reasoning`). 
 (`response_format`, a forced `tool_choice`, vLLM's `guided_*` and llama.cpp's `json_schema` and
 `grammar`: `client.openai.structured`) constrain the target's draws. Anything else that would change
 the output (`echo`, `best_of`, and vLLM's or llama.cpp's extensions such as `mirostat` or
-`dry_multiplier`) is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
+`dynatemp_range`) is refused with 400 rather than silently ignored. Errors use OpenAI's JSON shape: {"error": {"message", "type", "param",
 "code"}}.
 
 Defaults follow OpenAI, not `specexec generate`: `temperature` 1.0 (sampling, not greedy; send 0 for

@@ -10,7 +10,9 @@ tokens: a positive logit divided by it, a negative one multiplied), then frequen
 `repeat_penalty` is the same repetition penalty over the last `repeat_last_n` tokens of the context
 (prompt and output) only: `repetition_window`. As vLLM's, `min_tokens` holds back the request's
 stop_token_ids with EOS (`stop_ids`), `allowed_token_ids` leaves only those tokens, and `bad_words`
-(token sequences) bars a word's last token where the output ends with the rest of it.
+(token sequences) bars a word's last token where the output ends with the rest of it. llama.cpp's DRY
+(`Dry`) lowers each token that would extend a repetition of the context's own end, more the longer the
+repetition runs.
 """
 
 from __future__ import annotations
@@ -27,6 +29,39 @@ MAX_BIAS = 100.0
 MIN_REPETITION = 1e-6
 MAX_BAD_WORDS = 256  # token sequences
 MAX_BAD_WORD_TOKENS = 32
+MAX_BREAKER_TOKENS = 16
+_FLOAT_MAX_LOG = 88.7228391  # llama.cpp's cap on DRY's exponent: base ** exponent stays a float32
+
+
+@dataclass(frozen=True)
+class Dry:
+    """llama.cpp's DRY, "don't repeat yourself" (p-e-w's): where the context ends with tokens that
+    occurred before, followed there by token t, t's logit is lowered by multiplier * base ** (n -
+    allowed_length), n the longest such repetition, once n reaches allowed_length. A repetition does
+    not reach back past a sequence breaker (`breakers`: token sequences; one token alone, a token
+    whose text holds a breaker string, is never penalized), nor past the context's last `last_n`
+    tokens (0: all of them, prompt included, as llama.cpp's sampler takes the prompt)."""
+
+    multiplier: float
+    base: float = 1.75
+    allowed_length: int = 2
+    last_n: int = 0
+    breakers: tuple[tuple[int, ...], ...] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        for name, value, low, high in (("dry_multiplier", self.multiplier, 0.0, 100.0),
+                                       ("dry_base", self.base, 1.0, 100.0)):  # fmt: skip
+            if isinstance(value, bool) or not isinstance(value, numbers.Real) or not low <= value <= high:
+                raise ValueError(f"{name} must be a number in [{low:g}, {high:g}], got {value!r}")
+        for name, value in (("dry_allowed_length", self.allowed_length), ("dry_penalty_last_n", self.last_n)):
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+                raise ValueError(f"{name} must be a whole number >= 0, got {value!r}")
+        for seq in self.breakers:
+            if not 1 <= len(seq) <= MAX_BREAKER_TOKENS or any(
+                    isinstance(t, bool) or not isinstance(t, numbers.Integral) or t < 0 for t in seq):  # fmt: skip
+                raise ValueError(f"dry_sequence_breakers holds token sequences of 1 to {MAX_BREAKER_TOKENS} ids >= 0, "
+                                 f"got {list(seq)[:20]!r}")  # fmt: skip
+        object.__setattr__(self, "breakers", tuple(sorted({tuple(int(t) for t in s) for s in self.breakers})))
 
 
 @dataclass(frozen=True)
@@ -44,6 +79,7 @@ class Penalties:
     stop_ids: tuple[int, ...] = field(default_factory=tuple)  # held back with EOS until min_tokens (vLLM's)
     allowed_token_ids: tuple[int, ...] = field(default_factory=tuple)  # vLLM's: () all; else only these
     bad_words: tuple[tuple[int, ...], ...] = field(default_factory=tuple)  # vLLM's, as token sequences
+    dry: Dry | None = None  # llama.cpp's DRY
 
     def __post_init__(self) -> None:
         for name, value in (("presence_penalty", self.presence), ("frequency_penalty", self.frequency),
@@ -86,13 +122,17 @@ class Penalties:
                 raise ValueError(f"bad_words holds token sequences of 1 to {MAX_BAD_WORD_TOKENS} ids >= 0, got "
                                  f"{list(word)[:40]!r}")  # fmt: skip
         object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in words))
+        if self.dry is not None and not isinstance(self.dry, Dry):
+            raise ValueError(f"dry must be Dry or None, got {type(self.dry).__name__}")
+        if self.dry is not None and not self.dry.multiplier:
+            object.__setattr__(self, "dry", None)  # a multiplier of 0: off
         if self.start is not None and self.start < 0:
             raise ValueError(f"penalties start must be a position >= 0, got {self.start}")
 
     @property
     def active(self) -> bool:
         return bool(self.presence or self.frequency or self.repetition != 1.0 or self.logit_bias or self.min_tokens
-                    or self.allowed_token_ids or self.bad_words)  # fmt: skip
+                    or self.allowed_token_ids or self.bad_words or self.dry)  # fmt: skip
 
     def at(self, start: int) -> Penalties:
         return replace(self, start=start)
@@ -106,7 +146,8 @@ class PenaltyState:
     def __init__(self, penalties: Penalties, vocab_size: int, eos: frozenset[int]) -> None:
         for name, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]),
                           ("allowed_token_ids", penalties.allowed_token_ids),
-                          ("bad_words", [t for word in penalties.bad_words for t in word])):  # fmt: skip
+                          ("bad_words", [t for word in penalties.bad_words for t in word]),
+                          ("dry_sequence_breakers", [t for s in penalties.dry.breakers for t in s] if penalties.dry else [])):  # fmt: skip
             if ids and max(ids) >= vocab_size:
                 raise ValueError(f"{name} holds token id {max(ids)}: the model's ids are below {vocab_size}")
         self.penalties = penalties
@@ -126,6 +167,7 @@ class PenaltyState:
         self.words = [w for w in penalties.bad_words if len(w) > 1]
         longest = max(map(len, self.words), default=1) - 1
         self.tail: deque[int] = deque(maxlen=longest)  # the output's last tokens, for the longer words
+        self.dry = DryState(penalties.dry, vocab_size) if penalties.dry is not None else None
 
     def follow(self, committed: list[int]) -> None:
         """At the tree's root: the counts of the committed output (the tokens from the start)."""
@@ -135,6 +177,8 @@ class PenaltyState:
         output = np.asarray(committed[start:], dtype=np.int64)
         self.tail.clear()
         self.tail.extend(committed[start:][-self.tail.maxlen:] if self.words else ())
+        if self.dry is not None:
+            self.dry.follow(committed)
         self.counts = np.bincount(output, minlength=self.vocab_size)[: self.vocab_size].astype(np.int32)
         self.generated = output.size
         if self.penalties.repetition != 1.0 and self.penalties.repetition_window:
@@ -170,11 +214,16 @@ class PenaltyState:
         for word in self.words:  # vLLM's: its last token, where the output ends with the rest
             if len(tail) >= len(word) - 1 and tail[len(tail) - len(word) + 1 :] == list(word[:-1]):
                 row[word[-1]] = -np.inf
+        if self.dry is not None:
+            tokens, amounts = self.dry.penalties()
+            row[tokens] -= amounts
         return out
 
     def take(self, token: int) -> None:
         if self.words:
             self.tail.append(token)
+        if self.dry is not None:
+            self.dry.take(token)
         if token < self.vocab_size:
             self.counts[token] += 1
             if self.penalties.repetition != 1.0 and self.penalties.repetition_window:
@@ -183,3 +232,71 @@ class PenaltyState:
                 if len(self.window) > self.penalties.repetition_window:
                     self.in_window[self.window.popleft()] -= 1
         self.generated += 1
+
+
+class DryState:
+    """DRY's view of the context at one point of the walk: its last `last_n` tokens."""
+
+    def __init__(self, dry: Dry, vocab_size: int) -> None:
+        self.dry = dry
+        self.vocab_size = vocab_size
+        self.single = np.zeros(vocab_size, dtype=bool)  # [V]: one-token breakers, never penalized
+        self.tails: dict[int, list[tuple[int, ...]]] = {}  # a longer breaker's first token: the rest of each
+        for seq in dry.breakers:
+            if len(seq) == 1:
+                self.single[seq[0]] = True
+            else:
+                self.tails.setdefault(seq[0], []).append(seq[1:])
+        self.heads = np.array(sorted(self.tails), dtype=np.int64)
+        self.context: list[int] = []
+        self.max_exponent = int(_FLOAT_MAX_LOG / math.log(dry.base)) if dry.base > 1.000001 else 0
+
+    def follow(self, committed: list[int]) -> None:
+        self.context = list(committed[-self.dry.last_n :] if self.dry.last_n else committed)
+
+    def take(self, token: int) -> None:
+        self.context.append(token)
+        if self.dry.last_n and len(self.context) > self.dry.last_n:
+            del self.context[0]
+
+    def penalties(self) -> tuple[np.ndarray, np.ndarray]:
+        """The penalized tokens [k] and how much each logit drops [k] (float32)."""
+        dry, c = self.dry, np.asarray(self.context, dtype=np.int64)  # [n]
+        n = c.size
+        none = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.float32))
+        if n <= dry.allowed_length:
+            return none
+        limit = self._reach(c)
+        if limit < dry.allowed_length:
+            return none
+        longest: dict[int, int] = {}
+        if dry.allowed_length == 0:  # every token that followed another extends a repetition of length 0
+            longest = dict.fromkeys(c[1:].tolist(), 0)
+        for p in np.flatnonzero(c[:-1] == c[-1]).tolist():  # the earlier places the last token stood
+            length = 0
+            while length < limit and p - length >= 0 and c[p - length] == c[n - 1 - length]:
+                length += 1
+            if length >= dry.allowed_length:
+                token = int(c[p + 1])
+                longest[token] = max(longest.get(token, 0), length)
+        tokens = np.array([t for t in longest if t < self.vocab_size and not self.single[t]], dtype=np.int64)
+        exponents = np.array([longest[t] - dry.allowed_length for t in tokens.tolist()], dtype=np.float64)
+        if self.max_exponent:
+            exponents = np.minimum(exponents, self.max_exponent)
+        return tokens, (dry.multiplier * dry.base**exponents).astype(np.float32)
+
+    def _reach(self, c: np.ndarray) -> int:
+        """How far back from the end a repetition may run: to the last sequence breaker."""
+        n = c.size
+        inside = c < self.vocab_size
+        singles = np.flatnonzero(self.single[np.where(inside, c, 0)] & inside)
+        reach = n - 1 - int(singles[-1]) if singles.size else n  # tokens after the last one-token breaker
+        if self.heads.size:
+            for at in np.flatnonzero(np.isin(c, self.heads))[::-1].tolist():
+                i = n - 1 - at  # from the end
+                if i > reach:
+                    break
+                fits = [len(t) for t in self.tails[int(c[at])] if len(t) <= i and c[at + 1 : at + 1 + len(t)].tolist() == list(t)]
+                if fits:
+                    return i - max(fits)
+        return reach

@@ -169,7 +169,7 @@ class SamplingParams:
             needed.append("repetition_window")
         if self.penalties is not None and self.penalties.min_tokens and self.penalties.stop_ids:
             needed.append("min_tokens_stops")
-        needed += [name for name in ("allowed_token_ids", "bad_words") if getattr(self.penalties, name, None)]
+        needed += [name for name in ("allowed_token_ids", "bad_words", "dry") if getattr(self.penalties, name, None)]
         if self.score or self.prompt_logprobs is not None:
             needed.append("score")
         needed += [name for name in ("typical_p", "top_n_sigma", "xtc") if self.uses(name)]
@@ -184,7 +184,7 @@ class SamplingParams:
 
 # What this version's target nodes apply (NodeInfo.features), beyond temperature, top_k and top_p.
 TARGET_FEATURES = ("grammar", "penalties", "min_p", "repetition_window", "min_tokens_stops", "score", "typical_p",
-                   "top_n_sigma", "xtc", "allowed_token_ids", "bad_words")  # fmt: skip
+                   "top_n_sigma", "xtc", "allowed_token_ids", "bad_words", "dry")  # fmt: skip
 
 
 def _splitmix64(x: int) -> int:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from common.decoding.grammar import Grammar
-from common.decoding.penalties import Penalties
+from common.decoding.penalties import Dry, Penalties
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import TokenTree, TreeError, TreeParams, TreeTooLarge
 from common.decoding.types import NodeInfo, TokenLogprob
@@ -73,7 +73,11 @@ def sampling_to_proto(p: SamplingParams) -> pb.SamplingParams:
             min_tokens=p.penalties.min_tokens, start=p.penalties.start or 0,
             repetition_window=p.penalties.repetition_window, stop_token_ids=list(p.penalties.stop_ids),
             allowed_token_ids=list(p.penalties.allowed_token_ids),
-            bad_words=[pb.TokenSequence(ids=list(w)) for w in p.penalties.bad_words]),
+            bad_words=[pb.TokenSequence(ids=list(w)) for w in p.penalties.bad_words],
+            dry=None if p.penalties.dry is None else pb.Dry(
+                multiplier=p.penalties.dry.multiplier, base=p.penalties.dry.base,
+                allowed_length=p.penalties.dry.allowed_length, last_n=p.penalties.dry.last_n,
+                breakers=[pb.TokenSequence(ids=list(s)) for s in p.penalties.dry.breakers])),
         min_p=p.min_p or None,  # unset when off: an older node reads nothing it would ignore
         score=p.score or None,
         prompt_logprobs=p.prompt_logprobs,
@@ -106,8 +110,13 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         kwargs["penalties"] = Penalties(q.presence, q.frequency, q.repetition or 1.0,
                                         tuple((b.token, b.bias) for b in q.logit_bias), q.min_tokens, q.start,
                                         q.repetition_window, tuple(q.stop_token_ids), tuple(q.allowed_token_ids),
-                                        tuple(tuple(w.ids) for w in q.bad_words))  # fmt: skip
+                                        tuple(tuple(w.ids) for w in q.bad_words),
+                                        dry_from_proto(q.dry) if q.HasField("dry") else None)  # fmt: skip
     return SamplingParams(stop=tuple(msg.stop), **kwargs)
+
+
+def dry_from_proto(msg: pb.Dry) -> Dry:
+    return Dry(msg.multiplier, msg.base, msg.allowed_length, msg.last_n, tuple(tuple(s.ids) for s in msg.breakers))
 
 
 def logprobs_to_proto(logprobs: list[TokenLogprob] | None) -> list[pb.TokenLogprob]:

@@ -119,7 +119,7 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., max_new_tokens: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., ignore_eos: _Optional[bool] = ..., logprobs: _Optional[int] = ..., grammar: _Optional[_Union[Grammar, _Mapping]] = ..., penalties: _Optional[_Union[Penalties, _Mapping]] = ..., min_p: _Optional[float] = ..., score: _Optional[bool] = ..., prompt_logprobs: _Optional[int] = ..., typical_p: _Optional[float] = ..., top_n_sigma: _Optional[float] = ..., xtc_probability: _Optional[float] = ..., xtc_threshold: _Optional[float] = ...) -> None: ...
 
 class Penalties(_message.Message):
-    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window", "stop_token_ids", "allowed_token_ids", "bad_words")
+    __slots__ = ("presence", "frequency", "repetition", "logit_bias", "min_tokens", "start", "repetition_window", "stop_token_ids", "allowed_token_ids", "bad_words", "dry")
     PRESENCE_FIELD_NUMBER: _ClassVar[int]
     FREQUENCY_FIELD_NUMBER: _ClassVar[int]
     REPETITION_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,7 @@ class Penalties(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ALLOWED_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     BAD_WORDS_FIELD_NUMBER: _ClassVar[int]
+    DRY_FIELD_NUMBER: _ClassVar[int]
     presence: float
     frequency: float
     repetition: float
@@ -140,7 +141,22 @@ class Penalties(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     allowed_token_ids: _containers.RepeatedScalarFieldContainer[int]
     bad_words: _containers.RepeatedCompositeFieldContainer[TokenSequence]
-    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
+    dry: Dry
+    def __init__(self, presence: _Optional[float] = ..., frequency: _Optional[float] = ..., repetition: _Optional[float] = ..., logit_bias: _Optional[_Iterable[_Union[LogitBias, _Mapping]]] = ..., min_tokens: _Optional[int] = ..., start: _Optional[int] = ..., repetition_window: _Optional[int] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., allowed_token_ids: _Optional[_Iterable[int]] = ..., bad_words: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ..., dry: _Optional[_Union[Dry, _Mapping]] = ...) -> None: ...
+
+class Dry(_message.Message):
+    __slots__ = ("multiplier", "base", "allowed_length", "last_n", "breakers")
+    MULTIPLIER_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ALLOWED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    LAST_N_FIELD_NUMBER: _ClassVar[int]
+    BREAKERS_FIELD_NUMBER: _ClassVar[int]
+    multiplier: float
+    base: float
+    allowed_length: int
+    last_n: int
+    breakers: _containers.RepeatedCompositeFieldContainer[TokenSequence]
+    def __init__(self, multiplier: _Optional[float] = ..., base: _Optional[float] = ..., allowed_length: _Optional[int] = ..., last_n: _Optional[int] = ..., breakers: _Optional[_Iterable[_Union[TokenSequence, _Mapping]]] = ...) -> None: ...
 
 class TokenSequence(_message.Message):
     __slots__ = ("ids",)
