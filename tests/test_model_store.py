@@ -445,3 +445,19 @@ def test_convert_gguf_is_keyed_by_content(tiny_gguf: Path, tmp_path: Path, home:
     assert ms.resolve_model(str(copy)) == out
     assert (out / ms.MARKER_NAME).stat().st_mtime_ns == mtime  # not converted again
     assert any(row["name"] == out.name and row["installed"] for row in ms.list_models())
+
+
+def test_the_end_of_generation_tokens_llama_cpp_counts_end_a_text(tmp_path: Path) -> None:
+    """An instruct model declares its turn's end; a raw completion ends with <|endoftext|> (the
+    default pair's did, and ran on past it). The special ones llama.cpp counts join the declared."""
+    from types import SimpleNamespace
+
+    from common.model.loaded import eos_token_ids
+    from tests.tiny_models import make_tokenizer
+
+    tok = make_tokenizer(special=("<|im_end|>", "<|eot_id|>"))
+    tok.add_tokens(["<end_of_turn>"])  # text here, not a special token: not an end
+    tok.eos_token = "<|im_end|>"
+    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"])
+    declared = SimpleNamespace(eos_token_id=ids[1])
+    assert eos_token_ids(tmp_path, declared, tok) == tuple(sorted(ids[:3]))

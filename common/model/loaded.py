@@ -49,8 +49,16 @@ class LoadedModel:
             return self._grammar_tokenizer
 
 
+# Special tokens that end a generation wherever the checkpoint's files leave them out, as llama.cpp
+# counts them (its end-of-generation set): Qwen's instruct models declare only <|im_end|>, yet a raw
+# completion ends its text with <|endoftext|>; Llama 3's end a turn with <|eot_id|>.
+END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
+                     "<end_of_turn>", "<EOT>", "▁<EOT>", "<end_of_utterance>")  # fmt: skip
+
+
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
-    """Union of every place a checkpoint declares end-of-sequence: chat models often list several."""
+    """Union of every place a checkpoint declares end-of-sequence (chat models often list several),
+    and the special tokens llama.cpp counts as ending a generation (`END_OF_GENERATION`)."""
     ids: set[int] = set()
 
     def add(value: Any) -> None:
@@ -64,6 +72,10 @@ def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]
     gen = path / "generation_config.json"
     if gen.is_file():
         add(json.loads(gen.read_text()).get("eos_token_id"))
+    special = set(getattr(tokenizer, "all_special_tokens", ())) | {
+        str(t) for t in getattr(tokenizer, "added_tokens_decoder", {}).values() if getattr(t, "special", False)}  # fmt: skip
+    vocab = tokenizer.get_vocab()
+    add([vocab[text] for text in END_OF_GENERATION if text in special and text in vocab])
     return tuple(sorted(ids))
 
 
