@@ -73,14 +73,14 @@ class FimFormat:
         before = encode(tokenizer, prefix) + encode(tokenizer, middle)
         after = encode(tokenizer, suffix)
         context = self._extra(tokenizer, extra)
+        opening = list(tokenizer.encode("", add_special_tokens=True))  # a BOS, for models that open with one
         if limit is not None:
-            room = limit - 3 - len(tokenizer.encode("", add_special_tokens=True))
+            room = limit - 3 - len(opening)
             if room < 1:
                 raise InfillError(f"a fill-in-the-middle prompt needs more than {limit} tokens")
             before = before[len(before) - min(len(before), max(room * 3 // 4, room - len(after))):]
             after = after[: room - len(before)]
             context = context[len(context) - min(len(context), room - len(before) - len(after)):]
-        opening = list(tokenizer.encode("", add_special_tokens=True))  # a BOS, for models that open with one
         return [*opening, *context, self.prefix, *before, self.suffix, *after, self.middle]
 
     def _extra(self, tokenizer: Any, chunks: Sequence[tuple[str, str]]) -> list[int]:

@@ -299,7 +299,7 @@ def test_a_target_without_min_p_or_windows_is_a_400_naming_the_field(gen, api):
         gen.target.info = lambda: type(info)(**{**info.__dict__, "features": ("grammar", "penalties")})
         for extra, param in (({"min_p": 0.1}, "min_p"), ({"repeat_penalty": 1.2}, "repeat_penalty"),
                              ({"typical_p": 0.5}, "typical_p"), ({"top_n_sigma": 1.0}, "top_n_sigma"),
-                             ({"xtc_probability": 0.5}, "xtc_probability")):  # fmt: skip
+                             ({"xtc_probability": 0.5}, "xtc_probability"), ({"dry_multiplier": 0.5}, "dry_multiplier")):  # fmt: skip
             with pytest.raises(openai.BadRequestError) as err:
                 chat(api, extra_body=extra)
             assert err.value.body["param"] == param and "needs a target node that applies it" in err.value.body["message"]

@@ -374,7 +374,8 @@ class Service:
         if missing:
             asked = [f for f in PENALTY_FIELDS if f in request.model_fields_set]
             param = {"penalties": asked[0] if asked else "presence_penalty", "repetition_window": "repeat_penalty",
-                     "min_tokens_stops": "min_tokens", "xtc": "xtc_probability"}.get(missing[0], missing[0])  # fmt: skip
+                     "min_tokens_stops": "min_tokens", "xtc": "xtc_probability",
+                     "dry": "dry_multiplier"}.get(missing[0], missing[0])  # fmt: skip
             raise ApiError(400, f"'{param}' needs a target node that applies it (this one is from before it): "
                            "update it", param=param)  # fmt: skip
         return job

@@ -63,7 +63,6 @@ class Asked:
     t_max_predict_ms: float = 0.0
     return_tokens: bool = False
     response_fields: list[str] | None = None
-    prompt_text: str = ""
 
 
 def openai_request(body: dict[str, Any], tokenizer: Any, max_context: int, infill: bool) -> tuple[CompletionRequest, Asked]:
@@ -111,7 +110,6 @@ def openai_request(body: dict[str, Any], tokenizer: Any, max_context: int, infil
     fields["prompt"] = ids
     if infill:
         fields["stop_token_ids"] = list(fim_format(tokenizer, "input_suffix").ends)
-    asked.prompt_text = ids if isinstance(ids, str) else tokenizer.decode(ids)
     try:
         return CompletionRequest.model_validate(fields), asked
     except ValidationError as exc:
@@ -323,7 +321,7 @@ class LlamaAnswer:
         body = {
             "index": 0, "content": "" if stream else self.text, "tokens": [] if stream or not self.asked.return_tokens
             else self.tokens, "id_slot": 0, "stop": True, "model": self.model, "tokens_predicted": predicted_n,
-            "tokens_evaluated": prompt_n, "generation_settings": self.settings(), "prompt": self.asked.prompt_text,
+            "tokens_evaluated": prompt_n, "generation_settings": self.settings(), "prompt": self.tokenizer.decode(self.job.prompt_ids),
             "has_new_line": "\n" in self.text, "truncated": False, "stop_type": stop_type, "stopping_word": word,
             "tokens_cached": prompt_n + predicted_n,
             "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,

@@ -17,6 +17,7 @@ repetition runs.
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from collections import deque
@@ -161,8 +162,7 @@ class PenaltyState:
         self.generated = 0
         self.window: deque[int] = deque()  # the context's last repetition_window tokens, oldest first
         self.in_window = np.zeros(vocab_size, dtype=np.int32)  # [V]: their counts
-        self.barred = np.ones(vocab_size, dtype=bool)  # [V]: outside allowed_token_ids
-        self.barred[list(penalties.allowed_token_ids)] = False
+        self.allowed = np.array(penalties.allowed_token_ids, dtype=np.int64)  # [k]: () all
         self.banned = np.array([w[0] for w in penalties.bad_words if len(w) == 1], dtype=np.int64)  # one-token words
         self.words = [w for w in penalties.bad_words if len(w) > 1]
         longest = max(map(len, self.words), default=1) - 1
@@ -206,8 +206,10 @@ class PenaltyState:
             row[self.bias_ids] += self.bias
         if self.generated < p.min_tokens and self.eos.size:
             row[self.eos] = -np.inf
-        if p.allowed_token_ids:
-            row[self.barred] = -np.inf
+        if self.allowed.size:
+            kept = row[self.allowed]
+            row[:] = -np.inf
+            row[self.allowed] = kept
         if self.banned.size:
             row[self.banned] = -np.inf
         tail = list(self.tail)
@@ -234,20 +236,29 @@ class PenaltyState:
         self.generated += 1
 
 
+@functools.lru_cache(maxsize=16)
+def _breaker_tables(breakers: tuple[tuple[int, ...], ...], vocab_size: int
+                    ) -> tuple[np.ndarray, dict[int, list[tuple[int, ...]]], np.ndarray]:  # fmt: skip
+    """DRY's breakers as lookups, made once per request's breakers rather than at every step: one-token
+    breakers [V] (read-only), a longer breaker's first token to the rest of each, those first tokens."""
+    single = np.zeros(vocab_size, dtype=bool)
+    tails: dict[int, list[tuple[int, ...]]] = {}
+    for seq in breakers:
+        if len(seq) == 1:
+            single[seq[0]] = True
+        else:
+            tails.setdefault(seq[0], []).append(seq[1:])
+    single.flags.writeable = False
+    return single, tails, np.array(sorted(tails), dtype=np.int64)
+
+
 class DryState:
     """DRY's view of the context at one point of the walk: its last `last_n` tokens."""
 
     def __init__(self, dry: Dry, vocab_size: int) -> None:
         self.dry = dry
         self.vocab_size = vocab_size
-        self.single = np.zeros(vocab_size, dtype=bool)  # [V]: one-token breakers, never penalized
-        self.tails: dict[int, list[tuple[int, ...]]] = {}  # a longer breaker's first token: the rest of each
-        for seq in dry.breakers:
-            if len(seq) == 1:
-                self.single[seq[0]] = True
-            else:
-                self.tails.setdefault(seq[0], []).append(seq[1:])
-        self.heads = np.array(sorted(self.tails), dtype=np.int64)
+        self.single, self.tails, self.heads = _breaker_tables(dry.breakers, vocab_size)
         self.context: list[int] = []
         self.max_exponent = int(_FLOAT_MAX_LOG / math.log(dry.base)) if dry.base > 1.000001 else 0
 
