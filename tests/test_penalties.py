@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from common.decoding.penalties import Dry, DryState, Penalties
 from common.decoding.sampling import SamplingParams, sample_rows
+from common.pb.specexec.v1 import specexec_pb2 as pb
 from common.rpc.wire import sampling_from_proto, sampling_to_proto
 from tests.test_grammar import PROMPT, pair
 
@@ -190,6 +191,25 @@ def test_wire_and_defaults():
         assert sampling_from_proto(sampling_to_proto(params)) == params
     assert not sampling_to_proto(SamplingParams()).HasField("min_p")  # an older node reads nothing new
     assert SamplingParams(penalties=Penalties()).penalties is None  # nothing to apply: any target serves it
+
+
+def test_dry_breakers_are_converted_once_per_set():
+    """Qwen's default breakers are about 3,800 token sequences riding every step: each side builds
+    or validates them once per distinct set, not at every step (7 ms a step on each side)."""
+    breakers = (*((t,) for t in range(0, 4000, 2)), (5, 7), (9, 11, 13))
+    params = SamplingParams(penalties=Penalties(dry=Dry(0.8, breakers=breakers)).at(3))
+    first, second = sampling_to_proto(params), sampling_to_proto(replace(params, stop=()))
+    assert first == second and len(first.penalties.dry.breakers) == len(breakers)
+    got = [sampling_from_proto(pb.SamplingParams.FromString(m.SerializeToString())) for m in (first, second)]
+    assert got[0] == got[1] == replace(params, stop=())
+    assert got[0].penalties.dry is got[1].penalties.dry  # one parse for the set
+    other = sampling_to_proto(SamplingParams(penalties=Penalties(dry=Dry(0.8, breakers=((4,),)))))
+    assert sampling_from_proto(other).penalties.dry.breakers == ((4,),)
+    bad = pb.SamplingParams.FromString(other.SerializeToString())
+    bad.penalties.dry.breakers[0].ids[:] = list(range(17))
+    for _ in range(2):  # a refused set stays refused
+        with pytest.raises(ValueError, match="dry_sequence_breakers"):
+            sampling_from_proto(bad)
 
 
 @pytest.mark.parametrize("kwargs, message", [

@@ -64,6 +64,11 @@ class Dry:
                                  f"got {list(seq)[:20]!r}")  # fmt: skip
         object.__setattr__(self, "breakers", tuple(sorted({tuple(int(t) for t in s) for s in self.breakers})))
 
+    @functools.cached_property
+    def max_id(self) -> int:
+        """The breakers' largest token id, checked against the vocabulary at every step."""
+        return max((t for s in self.breakers for t in s), default=-1)
+
 
 @dataclass(frozen=True)
 class Penalties:
@@ -148,7 +153,7 @@ class PenaltyState:
         for name, ids in (("logit_bias", [t for t, _ in penalties.logit_bias]),
                           ("allowed_token_ids", penalties.allowed_token_ids),
                           ("bad_words", [t for word in penalties.bad_words for t in word]),
-                          ("dry_sequence_breakers", [t for s in penalties.dry.breakers for t in s] if penalties.dry else [])):  # fmt: skip
+                          ("dry_sequence_breakers", [penalties.dry.max_id] if penalties.dry else [])):  # fmt: skip
             if ids and max(ids) >= vocab_size:
                 raise ValueError(f"{name} holds token id {max(ids)}: the model's ids are below {vocab_size}")
         self.penalties = penalties
