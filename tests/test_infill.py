@@ -84,7 +84,9 @@ def test_a_middle_ends_at_the_models_end_tokens(api, coder):
                                  logit_bias={str(pad): 100})  # fmt: skip
     assert out.choices[0].text == "" and out.choices[0].finish_reason == "stop"
     plain = api.completions.create(model=MODEL, prompt=BEFORE, max_tokens=5, temperature=0, logit_bias={str(pad): 100})
-    assert plain.choices[0].finish_reason == "length"  # without a suffix it is a token like any other
+    assert plain.choices[0].text == "" and plain.choices[0].finish_reason == "stop"  # any text, as llama.cpp's
+    sep = coder.tokenizer.convert_tokens_to_ids("<|file_sep|>")  # a new file: the end of this one's text
+    assert {sep, pad} <= set(coder.target.info().eos_token_ids)
 
 
 @pytest.mark.parametrize("body, param, needle", [

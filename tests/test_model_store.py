@@ -455,9 +455,11 @@ def test_the_end_of_generation_tokens_llama_cpp_counts_end_a_text(tmp_path: Path
     from common.model.loaded import eos_token_ids
     from tests.tiny_models import make_tokenizer
 
-    tok = make_tokenizer(special=("<|im_end|>", "<|eot_id|>"))
+    tok = make_tokenizer(special=("<|im_end|>", "<|eot_id|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
+                                  "<|fim_middle|>"))  # fmt: skip
     tok.add_tokens(["<end_of_turn>"])  # text here, not a special token: not an end
     tok.eos_token = "<|im_end|>"
-    ids = tok.convert_tokens_to_ids(["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<end_of_turn>"])
+    ends = ["<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"]
+    ids = tok.convert_tokens_to_ids(ends)
     declared = SimpleNamespace(eos_token_id=ids[1])
-    assert eos_token_ids(tmp_path, declared, tok) == tuple(sorted(ids[:3]))
+    assert eos_token_ids(tmp_path, declared, tok) == tuple(sorted(ids))  # not <|fim_middle|>, not <end_of_turn>

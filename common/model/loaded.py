@@ -51,9 +51,12 @@ class LoadedModel:
 
 # Special tokens that end a generation wherever the checkpoint's files leave them out, as llama.cpp
 # counts them (its end-of-generation set): Qwen's instruct models declare only <|im_end|>, yet a raw
-# completion ends its text with <|endoftext|>; Llama 3's end a turn with <|eot_id|>.
+# completion ends its text with <|endoftext|>; Llama 3's end a turn with <|eot_id|>. A code model's
+# fill-in-the-middle padding and repository and file separators end one too (a new file starts).
 END_OF_GENERATION = ("<|endoftext|>", "<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<|end_of_text|>", "<|end|>",
-                     "<end_of_turn>", "<EOT>", "▁<EOT>", "<end_of_utterance>")  # fmt: skip
+                     "<end_of_turn>", "<EOT>", "▁<EOT>", "<end_of_utterance>",
+                     "<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<|fim_repo|>", "<|repo_name|>", "<fim-repo>", "<REPO>",
+                     "<reponame>", "<|file_sep|>")  # fmt: skip
 
 
 def eos_token_ids(path: Path, hf_config: Any, tokenizer: Any) -> tuple[int, ...]:
