@@ -21,10 +21,16 @@ MAX_BREAKER_CHARS = 40
 
 def breaker_sequences(tokenizer: Any, breakers: tuple[str, ...]) -> tuple[tuple[int, ...], ...]:
     """The token sequences of `breakers` (each 1 to 40 characters, at most 16 of them)."""
+    check_breakers(breakers)
+    return _sequences(tokenizer, tuple(sorted(set(breakers))))
+
+
+def check_breakers(breakers: tuple[str, ...]) -> tuple[()]:
+    """Refuses breakers over the limits before any vocabulary is at hand; none are tokens yet."""
     if len(breakers) > MAX_BREAKERS or not all(isinstance(b, str) and 1 <= len(b) <= MAX_BREAKER_CHARS for b in breakers):
         raise ValueError(f"dry_sequence_breakers takes at most {MAX_BREAKERS} strings of 1 to {MAX_BREAKER_CHARS} "
                          "characters")  # fmt: skip
-    return _sequences(tokenizer, tuple(sorted(set(breakers))))
+    return ()
 
 
 @functools.lru_cache(maxsize=16)

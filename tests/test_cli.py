@@ -369,7 +369,23 @@ def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, lo
     unfiltered = SamplingParams(max_new_tokens=12, ignore_eos=True, temperature=1.4, min_p=0.3)
     assert result["token_ids"] != reference(model_dirs["target"], Penalties(repetition=1.8, repetition_window=3),
                                             unfiltered, prompt=ids)  # the llama.cpp filters count  # fmt: skip
+    from client.dry import breaker_sequences
+    from common.decoding.penalties import Dry
+
+    tok = loaded["target"].tokenizer
+    dry = [*common, "--dry-multiplier", "3", "--dry-allowed-length", "0", "--dry-sequence-breaker", "\\n",
+           "--dry-sequence-breaker", "o"]  # fmt: skip
+    result = json.loads(run("generate", *dry).stdout)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    expected = reference(model_dirs["target"], Penalties(dry=Dry(3.0, 1.75, 0, 0, breaker_sequences(tok, ("\n", "o")))),
+                         params, prompt=ids)  # fmt: skip
+    assert result["token_ids"] == expected
+    assert expected != reference(model_dirs["target"], Penalties(), params, prompt=ids)  # DRY moved the text
     for flags, message in ((["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 10]"),
+                           (["--dry-multiplier", "1", "--dry-base", "0.5"], "--dry-base must be a number in [1, 100]"),
+                           (["--dry-multiplier", "1", "--dry-penalty-last-n", "-2"], "--dry-penalty-last-n must be -1"),
+                           (["--dry-multiplier", "1", "--dry-sequence-breaker", "x" * 41],
+                            "--dry-sequence-breaker takes at most 16 strings of 1 to 40 characters"),
                            (["--min-p", "2"], "--min-p must be in [0, 1]"),
                            (["--typical-p", "0"], "--typical-p must be in (0, 1]"),
                            (["--xtc-threshold", "-1"], "--xtc-threshold must be in [0, 1]"),

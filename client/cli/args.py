@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -10,12 +11,13 @@ from typing import Any, TypeVar
 
 from client import planner_state
 from client.api import SpecExec, check_fits, render_chat
+from client.dry import DEFAULT_BREAKERS, breaker_sequences, check_breakers
 from client.generation import Recovery
 from client.openai.server import TlsFiles
 from client.remote import connect, wait_until_serving
 from common.decoding.grammar import Grammar
 from common.decoding.grammar import check as check_grammar
-from common.decoding.penalties import Penalties
+from common.decoding.penalties import Dry, Penalties
 from common.decoding.sampling import SamplingParams
 from common.decoding.tree import DEFAULT_CHAIN_LENGTH, TreeParams
 from common.model.llama_cpp import BACKENDS
@@ -65,6 +67,16 @@ def add_sampling_args(p: argparse.ArgumentParser) -> None:
                    "string ends the text before N tokens")
     g.add_argument("--repetition-window", type=int, default=0, metavar="N", help="the repetition penalty over "
                    "the context's last N tokens only (llama.cpp's --repeat-last-n); 0: all of them")
+    g.add_argument("--dry-multiplier", type=float, default=0.0, help="DRY (llama.cpp's): how hard the token "
+                   "that would extend a repeated sequence is pushed down; 0 (default): off")
+    g.add_argument("--dry-base", type=float, default=1.75, help="DRY: the penalty grows by this factor a token")
+    g.add_argument("--dry-allowed-length", type=int, default=2, metavar="N", help="DRY: repetitions up to N "
+                   "tokens go free")
+    g.add_argument("--dry-penalty-last-n", type=int, default=-1, metavar="N", help="DRY: over the context's "
+                   "last N tokens; -1 (default): all of them; 0: off")
+    g.add_argument("--dry-sequence-breaker", action="append", metavar="STRING", help="DRY: a repetition does "
+                   "not reach back past this string (repeatable; replaces the defaults '\\n' ':' '\"' '*'; "
+                   "'none': no breakers; \\n, \\t and \\\\ are read as llama.cpp reads them)")
     shape = g.add_mutually_exclusive_group()
     shape.add_argument("--json-schema", metavar="SCHEMA", help="the text follows this JSON schema (JSON, or "
                        "@FILE); '{\"type\": \"object\"}': any JSON object")
@@ -171,7 +183,9 @@ def unused_model_flags(args: argparse.Namespace, sub: argparse.ArgumentParser) -
 T = TypeVar("T")
 
 
-def sampling_from(args: argparse.Namespace) -> SamplingParams:
+def sampling_from(args: argparse.Namespace, tokenizer: Any = None) -> SamplingParams:
+    """The sampling flags as parameters. DRY's breakers are tokens of the model's vocabulary: without
+    `tokenizer` (flags checked before any model is reached) it has none yet."""
     return by_flag(
         SamplingParams,
         temperature=args.temperature,
@@ -187,20 +201,45 @@ def sampling_from(args: argparse.Namespace) -> SamplingParams:
         stop=tuple(args.stop),
         ignore_eos=args.ignore_eos,
         grammar=grammar_from(args),
-        penalties=penalties_from(args),
+        penalties=penalties_from(args, tokenizer),
     )
 
 
-def penalties_from(args: argparse.Namespace) -> Penalties:
-    """--presence-penalty, --frequency-penalty, --repetition-penalty, --repetition-window and
-    --min-tokens; a bad one named by its flag (Penalties' errors start with the field's name, which is the flag's)."""
+def penalties_from(args: argparse.Namespace, tokenizer: Any = None) -> Penalties:
+    """--presence-penalty, --frequency-penalty, --repetition-penalty, --repetition-window,
+    --min-tokens and the --dry-* flags; a bad one named by its flag (Penalties' and Dry's errors start
+    with the field's name, which is the flag's)."""
     try:
         return Penalties(presence=args.presence_penalty, frequency=args.frequency_penalty,
                          repetition=args.repetition_penalty, repetition_window=args.repetition_window,
-                         min_tokens=args.min_tokens)  # fmt: skip
+                         min_tokens=args.min_tokens, dry=dry_from(args, tokenizer))  # fmt: skip
     except ValueError as exc:
         field, _, rest = str(exc).partition(" ")
-        raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+        flag = "dry-sequence-breaker" if field == "dry_sequence_breakers" else field.replace("_", "-")
+        raise ValueError(f"--{flag} {rest}") from None
+
+
+def dry_from(args: argparse.Namespace, tokenizer: Any = None) -> Dry | None:
+    """None when off (--dry-multiplier 0 or --dry-penalty-last-n 0), as llama.cpp reads them."""
+    if getattr(args, "dry_multiplier", 0.0) == 0.0 or args.dry_penalty_last_n == 0:
+        return None
+    if args.dry_penalty_last_n < -1:
+        raise ValueError(f"dry_penalty_last_n must be -1 (all of the context), 0 (off) or more, got "
+                         f"{args.dry_penalty_last_n}")  # fmt: skip
+    given = args.dry_sequence_breaker
+    strings = DEFAULT_BREAKERS if given is None else () if given == ["none"] else tuple(map(unescape, given))
+    breakers = breaker_sequences(tokenizer, strings) if tokenizer is not None else check_breakers(strings)
+    return Dry(args.dry_multiplier, args.dry_base, args.dry_allowed_length, max(args.dry_penalty_last_n, 0),
+               breakers)  # fmt: skip
+
+
+def unescape(text: str) -> str:
+    """llama.cpp's escapes in a flag's string: \\n, \\r, \\t, \\', \\", \\\\ and \\xNN."""
+    return re.sub(r"\\(x[0-9a-fA-F]{2}|[nrt'\"\\])",
+                  lambda m: chr(int(m[1][1:], 16)) if m[1][0] == "x" else _ESCAPES.get(m[1], m[1]), text)
+
+
+_ESCAPES = {"n": "\n", "r": "\r", "t": "\t"}
 
 
 def grammar_from(args: argparse.Namespace) -> Grammar | None:

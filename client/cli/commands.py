@@ -57,15 +57,16 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:50050"
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    sampling = sampling_from(args)  # a bad option is named before any node is reached or model loaded
+    sampling_from(args)  # a bad option is named before any node is reached or model loaded
     valid_text(args.prompt, "--prompt")
     gen = generator_from(args)
-    return print_stream(gen.stream(prompt_ids(args, gen), sampling), args.json)
+    return print_stream(gen.stream(prompt_ids(args, gen), sampling_from(args, gen.tokenizer)), args.json)
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    sampling = sampling_from(args)
+    sampling_from(args)
     chat = Chat(generator_from(args), system=args.system)
+    sampling = sampling_from(args, chat.gen.tokenizer)
     if hasattr(sys.stdin, "reconfigure"):  # a line that is not UTF-8 is refused, not the rest of the input
         sys.stdin.reconfigure(errors="surrogateescape")
     print("chat: an empty line or Ctrl-D ends the conversation", file=sys.stderr)
@@ -200,7 +201,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
     else:
         kept = "continuing from" if gen.planner_restored else "none kept for this pair yet; keeping it in"
         print(f"planner state: {kept} {gen.planner_file}")
-    out = gen.generate(args.prompt, sampling_from(args))
+    out = gen.generate(args.prompt, sampling_from(args, gen.tokenizer))
     print(
         f"calibration run: {out.stats.new_tokens} tokens, {out.stats.tokens_per_second:.2f} tok/s, "
         f"{out.stats.tokens_per_step:.2f} tokens/step"

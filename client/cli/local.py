@@ -170,7 +170,7 @@ def run_local(args: argparse.Namespace) -> int:
             security=security,
             planner_dir=planner_dir(args),
         )
-        return print_stream(gen.stream(prompt_ids(args, gen), sampling), args.json)
+        return print_stream(gen.stream(prompt_ids(args, gen), sampling_from(args, gen.tokenizer)), args.json)
     finally:
         for node in nodes:
             node.terminate()
