@@ -201,3 +201,34 @@ def test_infill_on_a_model_without_fim_tokens_is_a_501(loaded):
         assert status == 501 and "infill is not supported by this model" in out["error"]["message"]
     finally:
         plain.stop()
+
+
+def test_n_predict_0_warms_the_cache_for_the_next_request(coder):
+    """llama.vscode sends its context with n_predict 0 while the user types, so that the completion it
+    asks next reads only the rest: both nodes read the prompt, and the prompt cache keeps it."""
+    from client.api import SpecExec
+    from client.openai.server import OpenAIServer
+
+    gen = SpecExec(coder.target, coder.draft, coder.tokenizer, tree=coder.tree)
+    gen.use_prompt_cache(2)
+    server = OpenAIServer("127.0.0.1:0", gen, model_name="coder").start()
+    try:
+        extra = [{"filename": "util.py", "text": "".join(f"X{i} = {i}\n" for i in range(30))}]
+        warm = {"input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "", "n_predict": 0,
+                "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1}  # fmt: skip
+        status, out = post(server, "/infill", warm)
+        assert status == 200 and out["content"] == "" and out["tokens_predicted"] == 0
+        fim = FimFormat.of(coder.tokenizer)
+        chunks = [(e["filename"], e["text"]) for e in extra]
+        warmed = fim.prompt(coder.tokenizer, "", "", chunks, limit=512 - 512 // 4)
+        asked = fim.prompt(coder.tokenizer, BEFORE, AFTER, chunks, limit=512 - 8)
+        shared = next(i for i, (a, b) in enumerate(zip(warmed, asked, strict=False)) if a != b)
+        assert shared > 100
+        status, out = post(server, "/infill", {**warm, "input_prefix": BEFORE, "input_suffix": AFTER, "n_predict": 8,
+                                               "seed": 5, "samplers": ["top_k"], "top_k": 1})  # fmt: skip
+        assert status == 200 and out["timings"]["cache_n"] == shared
+        assert out["timings"]["prompt_n"] == len(asked) - shared and out["tokens_evaluated"] == len(asked)
+        assert out["content"] == coder.generate(asked, max_new_tokens=8, stop_token_ids=fim.ends).text
+    finally:
+        server.stop()
+        gen.close()

@@ -830,7 +830,14 @@ def add_llama_routes(router: APIRouter, service: Service) -> None:
                                                      infill)  # fmt: skip
             if asked.n_predict == 0:
                 job = await run_in_threadpool(service.prepare, request)
-                return JSONAnswer(llama_server.empty(job, asked, service.model_name, tokenizer))
+                cache = service.gen.prompt_cache
+                if cache is None or not cache.size:
+                    return JSONAnswer(llama_server.empty(job, asked, service.model_name, tokenizer))
+                generation = await service.begin(request, http, llama_server.warming)
+                if generation is None:
+                    return Response(status_code=CLIENT_CLOSED)
+                with http_errors():
+                    return JSONAnswer(await llama_server.warm(generation, job, asked, service.model_name, tokenizer))
             adjust = functools.partial(llama_server.limited, asked=asked, max_context=info.max_context)
             generation = await service.begin(request, http, adjust)
         except ApiError as error:

@@ -250,10 +250,13 @@ class LlamaAnswer:
     first: float | None = None
     stopped: str | None = None  # "limit" once an early stop cut the text
     line_start: int | None = None  # where the current line began, once a line has ended
+    cached: int = 0  # prompt tokens the target held already (a kept or shared prefix)
 
-    def read(self, text: str, token_ids: list[int], logprobs: Any) -> tuple[str, list[int]]:
+    def read(self, text: str, token_ids: list[int], logprobs: Any, stats: Any = None) -> tuple[str, list[int]]:
         """The piece of text to send and its tokens: all of them, or up to an early stop."""
         now = time.monotonic()
+        if stats is not None:
+            self.cached = stats.cached_prompt_tokens
         self.first = self.first or now
         before = len(self.tokens)
         self.tokens += token_ids
@@ -317,6 +320,7 @@ class LlamaAnswer:
         first = self.first or end
         stop_type, word = self.stop_type(finish)
         prompt_n, predicted_n = len(self.job.prompt_ids), len(self.tokens)
+        read_n = prompt_n - min(self.cached, prompt_n)  # llama.cpp's timings count the tokens it read
         prompt_ms, predicted_ms = (first - self.started) * 1000, (end - first) * 1000
         body = {
             "index": 0, "content": "" if stream else self.text, "tokens": [] if stream or not self.asked.return_tokens
@@ -324,9 +328,9 @@ class LlamaAnswer:
             "tokens_evaluated": prompt_n, "generation_settings": self.settings(), "prompt": self.tokenizer.decode(self.job.prompt_ids),
             "has_new_line": "\n" in self.text, "truncated": False, "stop_type": stop_type, "stopping_word": word,
             "tokens_cached": prompt_n + predicted_n,
-            "timings": {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                        "prompt_per_token_ms": prompt_ms / max(prompt_n, 1),
-                        "prompt_per_second": prompt_n / max(prompt_ms / 1000, 1e-9),
+            "timings": {"cache_n": prompt_n - read_n, "prompt_n": read_n, "prompt_ms": prompt_ms,
+                        "prompt_per_token_ms": prompt_ms / max(read_n, 1),
+                        "prompt_per_second": read_n / max(prompt_ms / 1000, 1e-9),
                         "predicted_n": predicted_n, "predicted_ms": predicted_ms,
                         "predicted_per_token_ms": predicted_ms / max(predicted_n, 1),
                         "predicted_per_second": predicted_n / max(predicted_ms / 1000, 1e-9)},
@@ -362,8 +366,29 @@ class LlamaAnswer:
         return out
 
 
+def warming(job: Job) -> Job:
+    """n_predict 0, as a generation: a node reads a prompt in the pass that draws from it, so one
+    token is drawn, and dropped (`warm`)."""
+    return replace(job, sampling=replace(job.sampling, max_new_tokens=1, ignore_eos=True, logprobs=None))
+
+
+async def warm(generation: Any, job: Job, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
+    """n_predict 0: llama.cpp reads the prompt into its cache and says nothing; llama.vscode warms
+    the cache so with the context it will send next. Here both nodes read it, and the prompt cache
+    keeps their sessions for the requests that start the same way."""
+    reply = LlamaAnswer(job, asked, model, tokenizer, stopped="limit")
+    try:
+        while (step := await generation.next()) is not None:
+            _, chunk = step
+            if chunk.stats is not None:
+                reply.cached = chunk.stats.cached_prompt_tokens
+    finally:
+        await generation.close()
+    return reply.last(None, stream=False)
+
+
 def empty(job: Job, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
-    """n_predict 0: llama.cpp evaluates the prompt and says nothing (llama.vscode warms its cache so)."""
+    """n_predict 0 where nothing is kept for a later request (no prompt cache): nothing to warm."""
     return LlamaAnswer(job, asked, model, tokenizer, stopped="limit").last(None, stream=False)
 
 
@@ -374,7 +399,7 @@ async def events(generation: Any, reply: LlamaAnswer) -> AsyncIterator[bytes]:
     try:
         while (step := await generation.next()) is not None:  # to its end: the generation logs it finished
             _, chunk = step
-            text, kept = reply.read(chunk.text, chunk.token_ids, chunk.logprobs)
+            text, kept = reply.read(chunk.text, chunk.token_ids, chunk.logprobs, chunk.stats)
             if text or kept:
                 yield sse(reply.piece(text, kept))
             finish = chunk.finish_reason or finish
@@ -395,7 +420,7 @@ async def whole(generation: Any, reply: LlamaAnswer, http: Any) -> dict[str, Any
             if await http.is_disconnected():
                 return None
             _, chunk = step
-            reply.read(chunk.text, chunk.token_ids, chunk.logprobs)
+            reply.read(chunk.text, chunk.token_ids, chunk.logprobs, chunk.stats)
             finish = chunk.finish_reason or finish
             if reply.stopped:
                 break
