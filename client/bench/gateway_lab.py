@@ -23,6 +23,8 @@ def add_pair_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--draft-quantize", default="int8", choices=QUANTIZE_CHOICES)
     parser.add_argument("--backend", default="torch", choices=("torch", "llama.cpp"),
                         help="both nodes' (llama.cpp: the pair's GGUFs, installed with --format gguf)")  # fmt: skip
+    parser.add_argument("--draft-backend", choices=("torch", "llama.cpp"), help="the draft's, if not --backend's "
+                        "(the quickstart's pair: --backend llama.cpp --draft-backend torch)")  # fmt: skip
 
 
 def start_nodes(
@@ -31,13 +33,13 @@ def start_nodes(
     """A target and a draft node with `extra` flags (and each role's `per_role`), ready: each one's
     address. Started processes are appended to `procs` (the caller stops them)."""
     addrs = {}
-    llama = args.backend == "llama.cpp"
     for role, cores, quantize in (("target", (1,), "none"), ("draft", (0,), args.draft_quantize)):
         port = free_port()
         flags = [*extra, *(per_role or {}).get(role, [])]
-        cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), args.backend), port, args.dtype, 64,
-                           ["--max-sessions", "8", "--backend", args.backend, *flags], "none" if llama else quantize,
-                           lookahead=True)  # fmt: skip
+        backend = args.backend if role == "target" else getattr(args, "draft_backend", None) or args.backend
+        cmd = node_command(role, model_dir(getattr(args, f"{role}_model"), backend), port, args.dtype, 64,
+                           ["--max-sessions", "8", "--backend", backend, *flags],
+                           "none" if backend == "llama.cpp" else quantize, lookahead=True)  # fmt: skip
         argv, env = pinned(cmd, cores)
         procs.append(subprocess.Popen(argv, env=env))
         addrs[role] = f"127.0.0.1:{port}"
