@@ -381,6 +381,14 @@ def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, lo
                          params, prompt=ids)  # fmt: skip
     assert result["token_ids"] == expected
     assert expected != reference(model_dirs["target"], Penalties(), params, prompt=ids)  # DRY moved the text
+    from argparse import Namespace
+
+    from client.cli.args import dry_from
+
+    flags = dict(dry_multiplier=1.0, dry_base=1.75, dry_allowed_length=2, dry_penalty_last_n=-1)
+    cleared = dry_from(Namespace(**flags, dry_sequence_breaker=["a", "none", "\\n"]), tok)  # "none" drops those before it
+    assert cleared.breakers == breaker_sequences(tok, ("\n",))
+    assert dry_from(Namespace(**flags, dry_sequence_breaker=["none"]), tok).breakers == ()
     for flags, message in ((["--repetition-penalty", "0"], "--repetition-penalty must be in (0, 10]"),
                            (["--dry-multiplier", "1", "--dry-base", "0.5"], "--dry-base must be a number in [1, 100]"),
                            (["--dry-multiplier", "1", "--dry-penalty-last-n", "-2"], "--dry-penalty-last-n must be -1"),

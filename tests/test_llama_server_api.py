@@ -110,8 +110,10 @@ def test_infill_is_the_fill_in_the_middle_prompts_text(coder_server, coder):
     assert status == 200 and set(out) == {"content", "timings/prompt_n", "timings/predicted_n", "truncated", "tokens_cached"}
     ids = fim.prompt(coder.tokenizer, BEFORE, AFTER, limit=512 - 16)
     assert out["timings/prompt_n"] == len(ids) and out["timings/predicted_n"] >= 1  # (no seed: a random text)
-    warm = post(coder_server, "/infill", {**vscode, "n_predict": 0, "response_fields": ["content", "tokens_predicted", "stop_type"]})[1]  # llama.vscode's cache warm-up: nothing said
-    assert warm == {"content": "", "tokens_predicted": 0, "stop_type": "limit"}
+    warm = post(coder_server, "/infill", {**vscode, "n_predict": 0, "response_fields": ["content", "tokens_predicted", "stop_type", "timings/prompt_n"]})[1]  # llama.vscode's cache warm-up: nothing said
+    assert warm == {"content": "", "tokens_predicted": 0, "stop_type": "limit", "timings/prompt_n": 0}  # no cache: none read
+    status, text = post(coder_server, "/infill", {**vscode, "n_predict": 0, "stream": True, "response_fields": ["content", "stop", "tokens_predicted"]}, raw=True)
+    assert status == 200 and [(e["content"], e["stop"], e["tokens_predicted"]) for e in events(text)] == [("", True, 0)]
 
 
 def test_a_long_file_is_cut_to_the_context(coder_server, coder):
@@ -216,8 +218,9 @@ def test_n_predict_0_warms_the_cache_for_the_next_request(coder):
         extra = [{"filename": "util.py", "text": "".join(f"X{i} = {i}\n" for i in range(30))}]
         warm = {"input_prefix": "", "input_suffix": "", "input_extra": extra, "prompt": "", "n_predict": 0,
                 "samplers": [], "cache_prompt": True, "t_max_prompt_ms": 1}  # fmt: skip
-        status, out = post(server, "/infill", warm)
-        assert status == 200 and out["content"] == "" and out["tokens_predicted"] == 0
+        status, text = post(server, "/infill", {**warm, "stream": True}, raw=True)  # a stream: its last event only
+        assert status == 200 and [(e["content"], e["stop"], e["tokens_predicted"]) for e in events(text)] == [("", True, 0)]
+        assert events(text)[0]["timings"]["prompt_n"] > 0
         fim = FimFormat.of(coder.tokenizer)
         chunks = [(e["filename"], e["text"]) for e in extra]
         warmed = fim.prompt(coder.tokenizer, "", "", chunks, limit=512 - 512 // 4)

@@ -226,8 +226,9 @@ def dry_from(args: argparse.Namespace, tokenizer: Any = None) -> Dry | None:
     if args.dry_penalty_last_n < -1:
         raise ValueError(f"dry_penalty_last_n must be -1 (all of the context), 0 (off) or more, got "
                          f"{args.dry_penalty_last_n}")  # fmt: skip
-    given = args.dry_sequence_breaker
-    strings = DEFAULT_BREAKERS if given is None else () if given == ["none"] else tuple(map(unescape, given))
+    strings = DEFAULT_BREAKERS if args.dry_sequence_breaker is None else ()
+    for given in args.dry_sequence_breaker or ():  # as llama.cpp reads them: "none" drops those before it
+        strings = () if given == "none" else (*strings, unescape(given))
     breakers = breaker_sequences(tokenizer, strings) if tokenizer is not None else check_breakers(strings)
     return Dry(args.dry_multiplier, args.dry_base, args.dry_allowed_length, max(args.dry_penalty_last_n, 0),
                breakers)  # fmt: skip

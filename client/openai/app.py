@@ -832,12 +832,16 @@ def add_llama_routes(router: APIRouter, service: Service) -> None:
                 job = await run_in_threadpool(service.prepare, request)
                 cache = service.gen.prompt_cache
                 if cache is None or not cache.size:
-                    return JSONAnswer(llama_server.empty(job, asked, service.model_name, tokenizer))
-                generation = await service.begin(request, http, llama_server.warming)
-                if generation is None:
-                    return Response(status_code=CLIENT_CLOSED)
-                with http_errors():
-                    return JSONAnswer(await llama_server.warm(generation, job, asked, service.model_name, tokenizer))
+                    said = llama_server.empty(job, asked, service.model_name, tokenizer)
+                else:
+                    generation = await service.begin(request, http, llama_server.warming)
+                    if generation is None:
+                        return Response(status_code=CLIENT_CLOSED)
+                    with http_errors():
+                        said = await llama_server.warm(generation, job, asked, service.model_name, tokenizer)
+                if request.stream:  # the stream's one event: the last, with the counts
+                    return Response(llama_server.sse({**said, "content": ""}), media_type="text/event-stream")
+                return JSONAnswer(said)
             adjust = functools.partial(llama_server.limited, asked=asked, max_context=info.max_context)
             generation = await service.begin(request, http, adjust)
         except ApiError as error:

@@ -251,6 +251,7 @@ class LlamaAnswer:
     stopped: str | None = None  # "limit" once an early stop cut the text
     line_start: int | None = None  # where the current line began, once a line has ended
     cached: int = 0  # prompt tokens the target held already (a kept or shared prefix)
+    prompt_read: bool = True  # whether the prompt was read (n_predict 0 without a prompt cache: not)
 
     def read(self, text: str, token_ids: list[int], logprobs: Any, stats: Any = None) -> tuple[str, list[int]]:
         """The piece of text to send and its tokens: all of them, or up to an early stop."""
@@ -320,7 +321,7 @@ class LlamaAnswer:
         first = self.first or end
         stop_type, word = self.stop_type(finish)
         prompt_n, predicted_n = len(self.job.prompt_ids), len(self.tokens)
-        read_n = prompt_n - min(self.cached, prompt_n)  # llama.cpp's timings count the tokens it read
+        read_n = prompt_n - min(self.cached, prompt_n) if self.prompt_read else 0  # llama.cpp's timings count those it read
         prompt_ms, predicted_ms = (first - self.started) * 1000, (end - first) * 1000
         body = {
             "index": 0, "content": "" if stream else self.text, "tokens": [] if stream or not self.asked.return_tokens
@@ -342,13 +343,17 @@ class LlamaAnswer:
     def settings(self) -> dict[str, Any]:
         s = self.job.sampling
         penalties = s.penalties
+        dry = penalties.dry if penalties else None
         return {"n_predict": -1 if self.asked.n_predict is None else self.asked.n_predict, "seed": s.seed,
                 "temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "min_p": s.min_p,
                 "typical_p": s.typical_p, "top_n_sigma": s.top_n_sigma or -1.0, "xtc_probability": s.xtc_probability,
                 "xtc_threshold": s.xtc_threshold, "repeat_penalty": penalties.repetition if penalties else 1.0,
                 "repeat_last_n": penalties.repetition_window if penalties else 64,
                 "presence_penalty": penalties.presence if penalties else 0.0,
-                "frequency_penalty": penalties.frequency if penalties else 0.0, "stop": list(s.stop),
+                "frequency_penalty": penalties.frequency if penalties else 0.0,
+                "dry_multiplier": dry.multiplier if dry else 0.0, "dry_base": dry.base if dry else 1.75,
+                "dry_allowed_length": dry.allowed_length if dry else 2,
+                "dry_penalty_last_n": (dry.last_n or -1) if dry else -1, "stop": list(s.stop),
                 "ignore_eos": s.ignore_eos, "n_probs": s.logprobs or 0, "model": self.model}  # fmt: skip
 
     def _fields(self, body: dict[str, Any]) -> dict[str, Any]:
@@ -389,7 +394,7 @@ async def warm(generation: Any, job: Job, asked: Asked, model: str, tokenizer: A
 
 def empty(job: Job, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
     """n_predict 0 where nothing is kept for a later request (no prompt cache): nothing to warm."""
-    return LlamaAnswer(job, asked, model, tokenizer, stopped="limit").last(None, stream=False)
+    return LlamaAnswer(job, asked, model, tokenizer, stopped="limit", prompt_read=False).last(None, stream=False)
 
 
 async def events(generation: Any, reply: LlamaAnswer) -> AsyncIterator[bytes]:
