@@ -235,3 +235,13 @@ def test_n_predict_0_warms_the_cache_for_the_next_request(coder):
     finally:
         server.stop()
         gen.close()
+
+
+def test_prompt_time_counts_from_the_request(coder):
+    """The prompt's pass runs before the answer is made (its first chunk comes with the generation's
+    start): llama.cpp's `prompt_ms` counts from the request's arrival, not from the answer's making."""
+    job = Job.of(CompletionRequest(prompt="x"), coder.tokenizer, 16)
+    reply = LlamaAnswer(job, Asked(n_predict=None, received=time.monotonic() - 2.0), "m", coder.tokenizer)
+    reply.read("a", coder.tokenizer.encode("a"), None)
+    timings = reply.last("length", stream=False)["timings"]
+    assert timings["prompt_ms"] >= 2000 and timings["prompt_n"] == len(job.prompt_ids)

@@ -63,6 +63,7 @@ class Asked:
     t_max_predict_ms: float = 0.0
     return_tokens: bool = False
     response_fields: list[str] | None = None
+    received: float = field(default_factory=time.monotonic)  # the prompt's time counts from here
 
 
 def openai_request(body: dict[str, Any], tokenizer: Any, max_context: int, infill: bool) -> tuple[CompletionRequest, Asked]:
@@ -246,7 +247,6 @@ class LlamaAnswer:
     text: str = ""
     tokens: list[int] = field(default_factory=list)
     probs: list[dict[str, Any]] = field(default_factory=list)
-    started: float = field(default_factory=time.monotonic)
     first: float | None = None
     stopped: str | None = None  # "limit" once an early stop cut the text
     line_start: int | None = None  # where the current line began, once a line has ended
@@ -322,7 +322,7 @@ class LlamaAnswer:
         stop_type, word = self.stop_type(finish)
         prompt_n, predicted_n = len(self.job.prompt_ids), len(self.tokens)
         read_n = prompt_n - min(self.cached, prompt_n) if self.prompt_read else 0  # llama.cpp's timings count those it read
-        prompt_ms, predicted_ms = (first - self.started) * 1000, (end - first) * 1000
+        prompt_ms, predicted_ms = (first - self.asked.received) * 1000, (end - first) * 1000
         body = {
             "index": 0, "content": "" if stream else self.text, "tokens": [] if stream or not self.asked.return_tokens
             else self.tokens, "id_slot": 0, "stop": True, "model": self.model, "tokens_predicted": predicted_n,
