@@ -120,14 +120,15 @@ def dry_from_proto(msg: pb.Dry) -> Dry:
 
 
 # DRY's breakers ride every step (about 3,800 token sequences for Qwen's defaults, 26 KB): building
-# and validating them cost each side about 7 ms a step, so each side does it once per distinct set.
-@functools.lru_cache(maxsize=64)
+# and validating them cost each side about 7 ms a step, so each side does it once per distinct set
+# (a few: a frontend's settings), keeping the last 16.
+@functools.lru_cache(maxsize=16)
 def _dry_bytes(dry: Dry) -> bytes:
     return pb.Dry(multiplier=dry.multiplier, base=dry.base, allowed_length=dry.allowed_length, last_n=dry.last_n,
                   breakers=[pb.TokenSequence(ids=list(s)) for s in dry.breakers]).SerializeToString(deterministic=True)
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _dry_from_bytes(data: bytes) -> Dry:
     msg = pb.Dry.FromString(data)
     return Dry(msg.multiplier, msg.base, msg.allowed_length, msg.last_n, tuple(tuple(s.ids) for s in msg.breakers))
