@@ -829,16 +829,16 @@ def add_llama_routes(router: APIRouter, service: Service) -> None:
             request, asked = await run_in_threadpool(llama_server.openai_request, body, tokenizer, info.max_context,
                                                      infill)  # fmt: skip
             if asked.n_predict == 0:
-                job = await run_in_threadpool(service.prepare, request)
                 cache = service.gen.prompt_cache
                 if cache is None or not cache.size:
+                    job = await run_in_threadpool(service.prepare, request)
                     said = llama_server.empty(job, asked, service.model_name, tokenizer)
                 else:
                     generation = await service.begin(request, http, llama_server.warming)
                     if generation is None:
                         return Response(status_code=CLIENT_CLOSED)
                     with http_errors():
-                        said = await llama_server.warm(generation, job, asked, service.model_name, tokenizer)
+                        said = await llama_server.warm(generation, asked, service.model_name, tokenizer)
                 if request.stream:  # the stream's one event: the last, with the counts
                     return Response(llama_server.sse({**said, "content": ""}), media_type="text/event-stream")
                 return JSONAnswer(said)

@@ -377,11 +377,11 @@ def warming(job: Job) -> Job:
     return replace(job, sampling=replace(job.sampling, max_new_tokens=1, ignore_eos=True, logprobs=None))
 
 
-async def warm(generation: Any, job: Job, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
+async def warm(generation: Any, asked: Asked, model: str, tokenizer: Any) -> dict[str, Any]:
     """n_predict 0: llama.cpp reads the prompt into its cache and says nothing; llama.vscode warms
     the cache so with the context it will send next. Here both nodes read it, and the prompt cache
     keeps their sessions for the requests that start the same way."""
-    reply = LlamaAnswer(job, asked, model, tokenizer, stopped="limit")
+    reply = LlamaAnswer(generation.answer.job, asked, model, tokenizer, stopped="limit")
     try:
         while (step := await generation.next()) is not None:
             _, chunk = step
