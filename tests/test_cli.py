@@ -314,7 +314,7 @@ def test_local_prints_client_commands_that_reach_its_secured_nodes():
 
 def test_models_list_takes_names_and_a_format_and_refuses_what_it_cannot_use(tmp_path, monkeypatch, capsys):
     """`models list nosuch` and `--format gguf` printed the whole list; `models` alone said that
-    `names`, which is optional, was required."""
+    `names`, which is optional, was required; a name after `--format gguf` was refused."""
     from client.cli.main import main
 
     monkeypatch.setenv("SPECEXEC_HOME", str(tmp_path))
@@ -326,6 +326,13 @@ def test_models_list_takes_names_and_a_format_and_refuses_what_it_cannot_use(tmp
     assert main(["models", "list", "nosuch"]) == 2
     assert "unknown model 'nosuch'; known: qwen2.5-coder-0.5b" in capsys.readouterr().err
     assert main(["models", "list", "--force"]) == 2
+    assert main(["models", "list", "--format", "gguf", "qwen2.5-coder-0.5b"]) == 0  # the name after an option
+    assert capsys.readouterr().out == ""
+    assert main(["models", "list", "--format", "gguf", "nosuch"]) == 2
+    assert "unknown model 'nosuch'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["models", "list", "qwen2.5-coder-0.5b", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["models"])
     assert "models needs an action: install or list" in capsys.readouterr().err

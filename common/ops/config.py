@@ -253,7 +253,13 @@ def parse_args(
     """`apply`, then parse: what `specexec` itself does."""
     environ = os.environ if environ is None else environ
     sources = apply(parser, argv, environ)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    # argparse fills a list of names before an option and no more: `models install --format gguf
+    # NAME` would refuse NAME. Words after options join such a list, as they do in front of them.
+    if extra and isinstance(getattr(args, "names", None), list) and not any(w.startswith("-") for w in extra):
+        args.names += extra
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.config = config_path(argv, environ)  # however it was given (a subcommand's default hides it)
     sub = subcommands(parser).get(_command(argv) or "")
     # what the command line gave anew came from there, whatever the config or environment said
