@@ -57,6 +57,8 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the sampling asked for them
     # the first chunk's, with `prompt_logprobs`: one per prompt token after the first (`SpecExec.score`)
     prompt_logprobs: list[TokenLogprob] | None = None
+    # the first step's: prompt tokens the target held already, for a reader that stops before `stats`
+    cached_prompt_tokens: int | None = None
 
 
 @dataclass
@@ -408,6 +410,7 @@ class SpecExec:
             scored, ahead = self._score(sequence, k, then=sampling)
             yield Chunk("", [], prompt_logprobs=scored)
         scoring = time.perf_counter() - started
+        first = True
         for result in sequence.steps(sampling, self.tree, stats, self.current_planner, ahead, scoring):
             piece = text.add(result.tokens)
             stats.wall_seconds = time.perf_counter() - started
@@ -418,7 +421,8 @@ class SpecExec:
                     raise ValueError("logprobs: the target node does not report log-probabilities (a node from "
                                      "before them); update it, or ask without them")  # fmt: skip
                 logprobs = (result.logprobs or [])[: text.used]
-            yield Chunk(piece, result.tokens[: text.used], logprobs=logprobs)
+            first, cached = False, stats.cached_prompt_tokens if first else None
+            yield Chunk(piece, result.tokens[: text.used], logprobs=logprobs, cached_prompt_tokens=cached)
             if text.stopped:
                 finish = "stop"
                 break

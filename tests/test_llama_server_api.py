@@ -11,6 +11,7 @@ import urllib.request
 
 import pytest
 
+from client.api import Chunk
 from client.infill import FimFormat
 from client.openai.llama_server import Asked, LlamaAnswer
 from client.openai.protocol import CompletionRequest, Job
@@ -129,7 +130,7 @@ def _answer(coder, **asked) -> LlamaAnswer:
 
 def read(reply: LlamaAnswer, text: str) -> str:
     """Feed `text` as its own tokens; the piece to send."""
-    piece, kept = reply.read(text, reply.tokenizer.encode(text), None)
+    piece, kept = reply.read(Chunk(text, reply.tokenizer.encode(text)))
     assert reply.tokenizer.decode(reply.tokens).startswith(reply.text)  # the tokens kept cover the text
     assert kept == reply.tokens[len(reply.tokens) - len(kept) :]  # and the piece's are the last of them
     return piece
@@ -242,6 +243,33 @@ def test_prompt_time_counts_from_the_request(coder):
     start): llama.cpp's `prompt_ms` counts from the request's arrival, not from the answer's making."""
     job = Job.of(CompletionRequest(prompt="x"), coder.tokenizer, 16)
     reply = LlamaAnswer(job, Asked(n_predict=None, received=time.monotonic() - 2.0), "m", coder.tokenizer)
-    reply.read("a", coder.tokenizer.encode("a"), None)
+    reply.read(Chunk("a", coder.tokenizer.encode("a")))
     timings = reply.last("length", stream=False)["timings"]
     assert timings["prompt_ms"] >= 2000 and timings["prompt_n"] == len(job.prompt_ids)
+
+
+def test_an_answer_cut_early_reports_the_prompt_tokens_held(coder):
+    """`n_indent` and `t_max_predict_ms` stop reading before the generation's last chunk, which
+    carries the stats: the first step's chunk says what the target held, so `cache_n` is not 0."""
+    job = Job.of(CompletionRequest(prompt="a b c d e f"), coder.tokenizer, 16)
+    reply = LlamaAnswer(job, Asked(n_predict=None, n_indent=2), "m", coder.tokenizer)
+    reply.read(Chunk("x\n", coder.tokenizer.encode("x\n"), cached_prompt_tokens=3))
+    reply.read(Chunk("y", coder.tokenizer.encode("y")))
+    assert reply.stopped == "limit"
+    timings = reply.last(None, stream=False)["timings"]
+    assert timings["cache_n"] == 3 and timings["prompt_n"] == len(job.prompt_ids) - 3
+
+
+def test_the_first_chunk_says_what_the_target_held(coder):
+    from client.api import SpecExec
+
+    gen = SpecExec(coder.target, coder.draft, coder.tokenizer, tree=coder.tree)
+    gen.use_prompt_cache(2)
+    try:
+        prompt = "".join(f"x{i} = {i}\n" for i in range(20))
+        list(gen.stream(prompt, SamplingParams(max_new_tokens=2)))
+        chunks = list(gen.stream(prompt + "y = 1\n", SamplingParams(max_new_tokens=4)))
+        firsts = [c.cached_prompt_tokens for c in chunks if c.cached_prompt_tokens is not None]
+        assert len(firsts) == 1 and firsts[0] == chunks[-1].stats.cached_prompt_tokens > 0
+    finally:
+        gen.close()

@@ -253,11 +253,12 @@ class LlamaAnswer:
     cached: int = 0  # prompt tokens the target held already (a kept or shared prefix)
     prompt_read: bool = True  # whether the prompt was read (n_predict 0 without a prompt cache: not)
 
-    def read(self, text: str, token_ids: list[int], logprobs: Any, stats: Any = None) -> tuple[str, list[int]]:
+    def read(self, chunk: Any) -> tuple[str, list[int]]:
         """The piece of text to send and its tokens: all of them, or up to an early stop."""
+        text, token_ids, logprobs = chunk.text, chunk.token_ids, chunk.logprobs
         now = time.monotonic()
-        if stats is not None:
-            self.cached = stats.cached_prompt_tokens
+        held = chunk.stats.cached_prompt_tokens if chunk.stats is not None else chunk.cached_prompt_tokens
+        self.cached = self.cached if held is None else held
         self.first = self.first or now
         before = len(self.tokens)
         self.tokens += token_ids
@@ -404,7 +405,7 @@ async def events(generation: Any, reply: LlamaAnswer) -> AsyncIterator[bytes]:
     try:
         while (step := await generation.next()) is not None:  # to its end: the generation logs it finished
             _, chunk = step
-            text, kept = reply.read(chunk.text, chunk.token_ids, chunk.logprobs, chunk.stats)
+            text, kept = reply.read(chunk)
             if text or kept:
                 yield sse(reply.piece(text, kept))
             finish = chunk.finish_reason or finish
@@ -425,7 +426,7 @@ async def whole(generation: Any, reply: LlamaAnswer, http: Any) -> dict[str, Any
             if await http.is_disconnected():
                 return None
             _, chunk = step
-            reply.read(chunk.text, chunk.token_ids, chunk.logprobs, chunk.stats)
+            reply.read(chunk)
             finish = chunk.finish_reason or finish
             if reply.stopped:
                 break
