@@ -31,7 +31,8 @@
 #      the serving path: gRPC, the gateway, streaming, and passes shared across processes.
 # ONLY=REGEX runs only the steps whose names match (the setup always runs).
 # On 26 Nov (H100) steps 1-4 took 3.6 minutes and step 5 about 1 minute; on 27 Nov step 6 with two
-# contestants 2.6 minutes (0 GPU layers) and 0.4 (14); on 27 Nov (H200) step 7 took 4.4 minutes.
+# contestants 2.6 minutes (0 GPU layers) and 0.4 (14); on 27 Nov (H200) step 7 took 4.4 minutes. On 29 Nov
+# (H200) the setup took 30 s, step 6 with LOAD_CLIENTS='1 8' LOAD_TREES=16 and two contestants 33 and 25 s.
 # Results and logs go to $OUT (default ./gpu-out). Steps go on after a failure; the exit status is
 # the number of failed steps.
 set -u
