@@ -421,7 +421,8 @@ class SpecExec:
                     raise ValueError("logprobs: the target node does not report log-probabilities (a node from "
                                      "before them); update it, or ask without them")  # fmt: skip
                 logprobs = (result.logprobs or [])[: text.used]
-            first, cached = False, stats.cached_prompt_tokens if first else None
+            cached = stats.cached_prompt_tokens if first else None
+            first = False
             yield Chunk(piece, result.tokens[: text.used], logprobs=logprobs, cached_prompt_tokens=cached)
             if text.stopped:
                 finish = "stop"
