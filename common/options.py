@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import faulthandler
 import logging
+import math
 import sys
 from collections.abc import Callable
 
@@ -353,15 +354,15 @@ def node_config(args: argparse.Namespace) -> NodeConfig:
         raise ValueError(f"--max-tree must be >= 1, got {args.max_tree}")
     if not args.idle_timeout > 0:
         raise ValueError(f"--idle-timeout must be > 0 seconds, got {args.idle_timeout:g}")
-    if args.evict_after < 0 and args.evict_after != -1:
+    if not (args.evict_after >= 0 or args.evict_after == -1):  # nan too
         raise ValueError(f"--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got {args.evict_after:g}")
-    if args.batch_window_ms < 0:
-        raise ValueError(f"--batch-window-ms must be >= 0, got {args.batch_window_ms:g}")
+    if not (math.isfinite(args.batch_window_ms) and args.batch_window_ms >= 0):
+        raise ValueError(f"--batch-window-ms must be a finite number >= 0, got {args.batch_window_ms:g}")
     if args.max_batch_tokens < 1:
         raise ValueError(f"--max-batch-tokens must be >= 1, got {args.max_batch_tokens}")
     regroup_ms = getattr(args, "batch_regroup_ms", DEFAULT_REGROUP * 1000)
-    if regroup_ms < 0:
-        raise ValueError(f"--batch-regroup-ms must be >= 0, got {regroup_ms:g}")
+    if not (math.isfinite(regroup_ms) and regroup_ms >= 0):
+        raise ValueError(f"--batch-regroup-ms must be a finite number >= 0, got {regroup_ms:g}")
     prefill_chunk = getattr(args, "prefill_chunk", None)
     if prefill_chunk is not None and prefill_chunk < 1:
         raise ValueError(f"--prefill-chunk must be >= 1, got {prefill_chunk}")

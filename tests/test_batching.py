@@ -533,7 +533,8 @@ def test_eight_clients_through_real_nodes_equal_the_target_alone(nodes, model_di
 
 @pytest.mark.parametrize(
     "flag, value, needle",
-    [("--batch-window-ms", "-5", "--batch-window-ms must be >= 0, got -5"),
+    [("--batch-window-ms", "-5", "--batch-window-ms must be a finite number >= 0, got -5"),
+     ("--batch-window-ms", "nan", "--batch-window-ms must be a finite number >= 0, got nan"),
      ("--max-batch-tokens", "0", "--max-batch-tokens must be >= 1, got 0")],
 )  # fmt: skip
 @pytest.mark.parametrize("role", ["target", "draft"])
@@ -546,13 +547,15 @@ def test_bad_batching_flags_are_refused_before_loading(role, flag, value, needle
     assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
 
 
-def test_a_bad_regroup_wait_is_refused_before_loading():
+@pytest.mark.parametrize("value", ["-1", "inf"])
+def test_a_bad_regroup_wait_is_refused_before_loading(value):
     import subprocess
     import sys
 
-    run = subprocess.run([sys.executable, "-m", "draft_node", "--model", "no-such-model", "--batch-regroup-ms", "-1"],
+    run = subprocess.run([sys.executable, "-m", "draft_node", "--model", "no-such-model", "--batch-regroup-ms", value],
                          capture_output=True, text=True, timeout=120)  # fmt: skip
-    assert run.returncode == 2 and "--batch-regroup-ms must be >= 0, got -1" in run.stderr, run.stderr[-2000:]
+    needle = f"--batch-regroup-ms must be a finite number >= 0, got {value}"
+    assert run.returncode == 2 and needle in run.stderr, run.stderr[-2000:]
 
 
 def test_a_shared_kv_pool_is_refused_on_torch(loaded):

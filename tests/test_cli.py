@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -171,6 +172,8 @@ def test_chat_flag_renders_the_chat_template(model_dirs, loaded):
      ("--max-tree", "0", "--max-tree must be >= 1, got 0"),
      ("--idle-timeout", "0", "--idle-timeout must be > 0 seconds, got 0"),
      ("--evict-after", "-5", "--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got -5"),
+     ("--evict-after", "nan", "--evict-after must be >= 0 seconds, or -1 to refuse new sessions; got nan"),
+     ("--metrics-port", "99999", "--metrics-port: the port must be in [0, 65535], got 99999"),  # was a traceback
      # llama.cpp's flags on a torch node were ignored (--kv-cache-tokens alone was refused, after loading)
      ("--n-gpu-layers", "5", "--n-gpu-layers is for the llama.cpp backend; this node runs no-such-model on torch"),
      ("--kv-type", "f32", "--kv-type is for the llama.cpp backend")],
@@ -353,6 +356,15 @@ def test_generate_follows_a_json_schema_regex_or_grammar_file(model_dirs, tmp_pa
     assert bad.returncode != 0 and "--regex: grammar (regex) is invalid" in bad.stderr and "Traceback" not in bad.stderr
     both = run("generate", *common, "--regex", "a", "--json-schema", "{}", check=False)
     assert both.returncode == 2 and "not allowed with argument" in both.stderr
+
+
+def test_a_grammar_file_that_cannot_be_read_is_named_by_its_flag(tmp_path):
+    """It read "None: [Errno 2] ...": the file was read before the flag was known."""
+    from client.cli.args import grammar_from
+
+    for path in (tmp_path / "missing.gbnf", tmp_path):
+        with pytest.raises(ValueError, match=r"^--grammar-file: \[Errno"):
+            grammar_from(argparse.Namespace(json_schema=None, regex=None, grammar_file=path))
 
 
 def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, loaded):

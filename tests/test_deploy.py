@@ -270,6 +270,11 @@ def test_a_bad_value_from_the_config_or_the_environment_names_where_it_was_set(t
     assert "--max-sessions must be >= 1, got -4 (--max-sessions set by SPECEXEC_MAX_SESSIONS)" in capsys.readouterr().err
     assert main(["target", "--model", "m", "--max-sessions", "-5"]) == 2
     assert capsys.readouterr().err.strip().endswith("got -5")  # the command line: nothing to add
+    monkeypatch.delenv("SPECEXEC_MAX_SESSIONS")
+    monkeypatch.setenv("SPECEXEC_BATCH_WINDOW_MS", "nan")  # nan != nan: it was not traced to its source
+    assert main(["target", "--model", "m"]) == 2
+    assert capsys.readouterr().err.strip().endswith("got nan (--batch-window-ms set by SPECEXEC_BATCH_WINDOW_MS)")
+    monkeypatch.delenv("SPECEXEC_BATCH_WINDOW_MS")
     path.write_text("[serve]\ninsecure = false\n")  # named only in the error's advice: not blamed
     monkeypatch.setenv("SPECEXEC_OPENAI", "0.0.0.0:8000")
     assert main(["serve", "--config", str(path), "--target", "127.0.0.1:9"]) == 2

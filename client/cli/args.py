@@ -257,7 +257,8 @@ def grammar_from(args: argparse.Namespace) -> Grammar | None:
         elif regex is not None:
             flag, grammar = "--regex", Grammar("regex", regex)
         elif path is not None:
-            flag, grammar = "--grammar-file", Grammar("gbnf", path.read_text())
+            flag = "--grammar-file"
+            grammar = Grammar("gbnf", path.read_text())
         if grammar is not None:
             check_grammar(grammar)
     except (OSError, ValueError) as exc:

@@ -24,6 +24,7 @@ import argparse
 import difflib
 import functools
 import json
+import math
 import os
 import re
 import sys
@@ -256,16 +257,22 @@ def parse_args(
     args, extra = parser.parse_known_args(argv)
     # argparse fills a list of names before an option and no more: `models install --format gguf
     # NAME` would refuse NAME. Words after options join such a list, as they do in front of them.
-    if extra and isinstance(getattr(args, "names", None), list) and not any(w.startswith("-") for w in extra):
-        args.names += extra
-    elif extra:
+    if isinstance(getattr(args, "names", None), list):
+        args.names += [w for w in extra if not w.startswith("-")]
+        extra = [w for w in extra if w.startswith("-")]
+    if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     args.config = config_path(argv, environ)  # however it was given (a subcommand's default hides it)
     sub = subcommands(parser).get(_command(argv) or "")
     # what the command line gave anew came from there, whatever the config or environment said
     args.config_sources = {dest: where for dest, where in sources.items()
-                           if sub is None or getattr(args, dest, None) == sub.get_default(dest)}  # fmt: skip
+                           if sub is None or _same(getattr(args, dest, None), sub.get_default(dest))}  # fmt: skip
     return args
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equal, NaN with NaN too: a NaN from the config file is still the config file's."""
+    return a == b or (isinstance(a, float) and isinstance(b, float) and math.isnan(a) and math.isnan(b))
 
 
 def source_of(message: str, args: argparse.Namespace) -> str:

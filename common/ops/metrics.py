@@ -218,6 +218,8 @@ def parse_metrics_address(spec: str | int) -> tuple[str, int]:
     host, _, port = str(spec).rpartition(":")
     if not port.isdigit():
         raise ValueError(f"--metrics-port must be PORT or HOST:PORT, got {spec!r}")
+    if int(port) > 65535:
+        raise ValueError(f"--metrics-port: the port must be in [0, 65535], got {port}")
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
