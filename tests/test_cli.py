@@ -367,6 +367,29 @@ def test_a_grammar_file_that_cannot_be_read_is_named_by_its_flag(tmp_path):
             grammar_from(argparse.Namespace(json_schema=None, regex=None, grammar_file=path))
 
 
+@pytest.mark.parametrize("flags, needle", [
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),  # was found after loading both models
+    (["--budget", "5"], "--budget 5: profile shows what --budget auto picks"),  # was ignored
+    (["--mode", "autoregressive"], "profile needs --mode specexec and a draft"),
+])  # fmt: skip
+def test_profile_refuses_bad_flags_before_reaching_a_node(flags, needle, capsys):
+    from client.cli.main import main
+
+    assert main(["profile", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:9", *flags]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "unavailable" not in err
+
+
+def test_perplexity_names_a_file_it_cannot_read(tmp_path, capsys):
+    from client.cli.main import main
+
+    (tmp_path / "bin.txt").write_bytes(b"\xff\xfe")
+    for path, needle in ((tmp_path / "missing.txt", "No such file"), (tmp_path, "Is a directory"),
+                         (tmp_path / "bin.txt", "is not UTF-8 text")):  # fmt: skip
+        assert main(["perplexity", "--file", str(path), "--target", "127.0.0.1:9"]) == 2
+        assert f"--file {path}" in (err := capsys.readouterr().err) and needle in err, err
+
+
 def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, loaded):
     from common.decoding.penalties import Penalties
     from tests.test_penalties import reference

@@ -190,7 +190,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     """Print both forward-time curves, then let a short generation calibrate the planner and print what
     it would propose next, with the numbers behind it."""
+    if args.budget != "auto" and "budget" not in getattr(args, "config_sources", {}):  # a config's is for the others
+        raise ValueError(f"--budget {args.budget}: profile shows what --budget auto picks (--max-budget caps it)")
     args.budget = "auto"
+    if args.mode == "autoregressive":
+        raise ValueError("profile needs --mode specexec and a draft: it measures the pair")
+    sampling_from(args)  # a bad flag is named before any model loads
     gen = generator_from(args)
     if gen.planner is None:
         raise ValueError("profile needs --mode specexec and a draft that is up")
@@ -220,7 +225,12 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 def cmd_perplexity(args: argparse.Namespace) -> int:
     """The target alone scores the text (no draft is loaded or asked), as llama.cpp's perplexity runs."""
-    text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    try:
+        text = sys.stdin.read() if args.file == "-" else Path(args.file).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ValueError(f"--file {args.file}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"--file {args.file} is not UTF-8 text") from None
     if not valid_text(text, "--file").strip():
         raise ValueError(f"--file {args.file} holds no text")
     args.draft_model, args.mode = None, "autoregressive"
