@@ -241,3 +241,18 @@ def test_the_flags_defaults_are_the_configs_and_the_settings_keep_their_order():
     config = bench_config(parser.parse_args(["bench", "--settings", "sampled", "greedy", "--auto-cap", "16"]))
     assert config.settings == ("greedy", "sampled") and config.auto_budget_cap == 16
     assert bench_config(parser.parse_args(["bench", "--sampled"])).settings == ("greedy", "sampled")
+
+
+@pytest.mark.parametrize("flags, needle", [
+    (["--min-probs", "2"], "argument --min-probs: must be a probability in [0, 1], got 2"),
+    (["--min-node-prob", "nan"], "argument --min-node-prob: must be a probability in [0, 1], got nan"),
+    (["--seed", "-1"], "argument --seed: must be in [0, 2**64), got -1"),
+    (["--per-token-ms", "nan"], "argument --per-token-ms: must be in [0, 1000] ms, got nan"),
+])  # fmt: skip
+def test_bench_refuses_bad_numbers_before_loading_models(flags, needle, capsys):
+    """They reached the model loading (minutes) first, or were never checked."""
+    from client.cli.main import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", "--target-model", "/nonexistent", "--draft-model", "/nonexistent", *flags])
+    assert exit_.value.code == 2 and needle in capsys.readouterr().err

@@ -145,14 +145,14 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument("--chain", type=positive_int, nargs="+", default=[2, 4, 8])
     b.add_argument(
         "--min-probs",
-        type=float,
+        type=probability,
         nargs="+",
         default=[],
         help="also run every chain and budget expanding only nodes at least this probable",
     )
     b.add_argument(
         "--min-node-prob",
-        type=float,
+        type=probability,
         default=0.0,
         help="also run every floored budget (--min-probs) proposing only nodes at least this probable",
     )
@@ -188,14 +188,14 @@ def add_bench_parser(sub: Any) -> None:
     b.add_argument(
         "--target-cost-model", help="'bandwidth[:GBps]': project an offloaded target (default 25 GB/s)"
     )
-    b.add_argument("--per-token-ms", type=float, default=0.05, help="modelled GPU compute per tree token")
+    b.add_argument("--per-token-ms", type=non_negative_float, default=0.05, help="modelled GPU compute per tree token")
     b.add_argument(
         "--compile",
         action="store_true",
         help="also run every engine contestant with both models compiled (see --compile-buckets)",
     )
     b.add_argument("--compile-buckets", type=parse_buckets, default=DEFAULT_BUCKETS, metavar="N,N,...")
-    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--seed", type=seed, default=0)
     b.add_argument("--threads", type=positive_int, default=torch.get_num_threads(), help="torch threads in this process")
     b.add_argument("--out", default="bench-results")
     b.add_argument(
@@ -271,6 +271,26 @@ def cores(text: str) -> tuple[int, ...]:
     if not values or not set(values) <= available:
         raise argparse.ArgumentTypeError(f"cores {text!r} are not all among this machine's {sorted(available)}")
     return values
+
+
+def probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 <= value <= 1:  # nan too
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {value:g}")
+    return value
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
 
 
 def non_negative_float(text: str) -> float:
