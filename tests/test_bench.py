@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -256,3 +257,17 @@ def test_bench_refuses_bad_numbers_before_loading_models(flags, needle, capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["bench", "--target-model", "/nonexistent", "--draft-model", "/nonexistent", *flags])
     assert exit_.value.code == 2 and needle in capsys.readouterr().err
+
+
+def test_bench_names_a_prompt_file_it_cannot_read(tmp_path):
+    from client.bench.harness import load_prompts
+
+    (tmp_path / "bin.jsonl").write_bytes(b"\xff\xfe")
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a"}\n\n{"prompt": \n')
+    (tmp_path / "list.jsonl").write_text('["a"]\n')
+    for path, needle in ((tmp_path / "missing.jsonl", f"--prompts {tmp_path / 'missing.jsonl'}: No such file"),
+                         (tmp_path / "bin.jsonl", "is not UTF-8 text"),
+                         (tmp_path / "bad.jsonl", "prompt file line 3 is not JSON"),
+                         (tmp_path / "list.jsonl", "prompt file line 1 has no 'prompt' field")):  # fmt: skip
+        with pytest.raises(ValueError, match=re.escape(needle)):
+            load_prompts(str(path), None, None)

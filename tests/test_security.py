@@ -200,6 +200,8 @@ def test_a_key_that_is_not_the_certificates_is_named_not_taken_for_a_busy_port(c
 def test_certs_refuses_to_overwrite_without_force(certs, capsys):
     assert cli_main(["certs", "--out", str(certs), "--hosts", HOSTS]) == 2
     assert "--force" in capsys.readouterr().err
+    assert cli_main(["certs", "--out", str(certs / "ca.pem"), "--hosts", HOSTS, "--force"]) == 2  # was "[Errno 17]"
+    assert f"--out {certs / 'ca.pem'} is a file, not a folder" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------------

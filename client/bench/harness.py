@@ -139,12 +139,24 @@ def load_prompts(
 ) -> list[dict[str, str]]:
     """Our set (written for this project in the style of MT-Bench and OASST questions) or a user's JSONL."""
     if path:
-        lines = Path(path).read_text().splitlines()
+        try:
+            lines = Path(path).read_text(encoding="utf-8").splitlines()
+        except OSError as exc:
+            raise ValueError(f"--prompts {path}: {exc.strerror or exc}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"--prompts {path} is not UTF-8 text") from None
     else:
         lines = resources.files("client").joinpath("data/bench_prompts.jsonl").read_text().splitlines()
-    prompts = [json.loads(line) for line in lines if line.strip()]
+    prompts = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            prompts.append(json.loads(line))
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"prompt file line {i + 1} is not JSON ({exc.msg})") from None
     for i, p in enumerate(prompts):
-        if "prompt" not in p:
+        if not isinstance(p, dict) or "prompt" not in p:
             raise ValueError(f"prompt file line {i + 1} has no 'prompt' field")
         p.setdefault("category", "other")
     if categories:

@@ -190,6 +190,8 @@ def server_file_stem(host: str) -> str:
 def generate(out: Path, hosts: list[str], *, days: int = 825, force: bool = False) -> Issued:
     """Write ca.pem, ca-key.pem, server-HOST.pem / server-HOST-key.pem per host, client.pem,
     client-key.pem and token into `out`. Existing files are kept (an error) unless `force`."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file, not a folder")
     out.mkdir(parents=True, exist_ok=True)
     stems = [server_file_stem(h) for h in hosts]
     files = [*CA_FILES, *CLIENT_FILES, TOKEN_FILE, *(f"{s}{e}" for s in stems for e in (".pem", "-key.pem"))]
