@@ -390,6 +390,25 @@ def test_perplexity_names_a_file_it_cannot_read(tmp_path, capsys):
         assert f"--file {path}" in (err := capsys.readouterr().err) and needle in err, err
 
 
+def test_perplexity_refuses_a_draft_it_would_ignore(capsys, monkeypatch):
+    from client.cli.main import main
+
+    with pytest.raises(SystemExit):
+        main(["perplexity", "--file", "t.txt", "--target", "127.0.0.1:9", "--draft", "127.0.0.1:8"])
+    assert "--draft: perplexity scores the text with the target alone" in capsys.readouterr().err
+    monkeypatch.setenv("SPECEXEC_DRAFT", "127.0.0.1:8")  # set for the other commands: not refused
+    assert main(["perplexity", "--file", "/nonexistent", "--target", "127.0.0.1:9"]) == 2
+    assert "--file /nonexistent: No such file" in capsys.readouterr().err
+
+
+def test_local_checks_its_sampling_flags_without_a_prompt(capsys):
+    """Without --prompt it serves; a bad flag was taken silently and the nodes started."""
+    from client.cli.main import main
+
+    assert main(["local", "--target-model", "x", "--draft-model", "y", "--max-new-tokens", "0"]) == 2
+    assert "--max-new-tokens must be >= 1, got 0" in capsys.readouterr().err
+
+
 def test_generate_takes_penalties_and_names_a_bad_one_by_its_flag(model_dirs, loaded):
     from common.decoding.penalties import Penalties
     from tests.test_penalties import reference

@@ -415,6 +415,11 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
             parser.error(f"{', '.join(unused)} {'applies' if len(unused) == 1 else 'apply'} only to models run in "
                          f"this process (--target-model); "
                          f"a node takes its own when it starts (specexec target --help, specexec draft --help)")  # fmt: skip
+        if args.command == "perplexity":  # a config file's or variable's draft is for the other commands
+            given = [f"--{dest.replace('_', '-')}" for dest in ("draft", "draft_model")
+                     if getattr(args, dest, None) and dest not in getattr(args, "config_sources", {})]  # fmt: skip
+            if given:
+                parser.error(f"{', '.join(given)}: perplexity scores the text with the target alone; no draft is used")
         needs_draft = args.mode != "autoregressive" and args.command != "perplexity"
         if needs_draft and not (args.draft_model if args.target_model else args.draft):
             parser.error(

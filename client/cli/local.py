@@ -131,9 +131,10 @@ def watch(nodes: dict[str, subprocess.Popen]) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     check_ports({"target": args.target_port, "draft": args.draft_port})
-    sampling = None
-    if args.prompt is not None:  # named before minutes of loading
-        sampling = sampling_from(args)
+    sampling = sampling_from(args)  # a bad flag named before minutes of loading, with a prompt or not
+    if args.prompt is None:
+        sampling = None
+    else:
         valid_text(args.prompt, "--prompt")
     # Serving, a requested stop exits 0 as the servers do; a generation cut short does not. Either
     # way the nodes are stopped below.
