@@ -163,6 +163,20 @@ def non_negative_float(text: str) -> float:
     return value
 
 
+def probability(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= 1:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {text}")
+    return value
+
+
+def seed(text: str) -> int:
+    value = int(text)
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
+    return value
+
+
 def _buckets(text: str) -> tuple[int, ...]:
     try:
         return parse_buckets(text)

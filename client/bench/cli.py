@@ -24,7 +24,7 @@ from client.bench.report import plot, write_report
 from client.bench.stats import check_exactness, project, rank, summarize
 from common.model.compiled_forward import DEFAULT_BUCKETS, parse_buckets
 from common.model.quantized_linear import QUANTIZE_CHOICES
-from common.options import add_offload_args, non_negative_int, offload_plan, positive_int
+from common.options import add_offload_args, non_negative_int, offload_plan, positive_int, probability, seed
 
 DEFAULT_BANDWIDTH_GBPS = 25.0  # --target-cost-model bandwidth without a figure
 
@@ -271,26 +271,6 @@ def cores(text: str) -> tuple[int, ...]:
     if not values or not set(values) <= available:
         raise argparse.ArgumentTypeError(f"cores {text!r} are not all among this machine's {sorted(available)}")
     return values
-
-
-def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 <= value <= 1:  # nan too
-        raise argparse.ArgumentTypeError(f"must be a probability in [0, 1], got {value:g}")
-    return value
-
-
-def seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
-    if not 0 <= value < 2**64:
-        raise argparse.ArgumentTypeError(f"must be in [0, 2**64), got {value}")
-    return value
 
 
 def non_negative_float(text: str) -> float:

@@ -131,10 +131,8 @@ def watch(nodes: dict[str, subprocess.Popen]) -> int:
 
 def run_local(args: argparse.Namespace) -> int:
     check_ports({"target": args.target_port, "draft": args.draft_port})
-    sampling = sampling_from(args)  # a bad flag named before minutes of loading, with a prompt or not
-    if args.prompt is None:
-        sampling = None
-    else:
+    sampling_from(args)  # a bad flag named before minutes of loading, with a prompt or not
+    if args.prompt is not None:
         valid_text(args.prompt, "--prompt")
     # Serving, a requested stop exits 0 as the servers do; a generation cut short does not. Either
     # way the nodes are stopped below.
@@ -160,7 +158,7 @@ def run_local(args: argparse.Namespace) -> int:
             file=sys.stderr,
             flush=True,
         )
-        if sampling is None:
+        if args.prompt is None:
             return watch(dict(zip(("target", "draft"), nodes, strict=True)))
         gen = connect(
             draft_addr,
